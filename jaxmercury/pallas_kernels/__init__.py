@@ -1,0 +1,1 @@
+"""Local kernels that ``Schedule.patch`` can put in place of a program's body."""

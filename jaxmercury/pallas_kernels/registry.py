@@ -1,0 +1,72 @@
+"""The registry of local kernels and the patterns they implement.
+
+A kernel computes one block exactly as a program's body would: it takes the
+body's ``(ctx, *blocks)`` and returns the reduction's partial state. It is
+registered for a pattern (``"attention"``, ``"matmul"``, ...), the dtypes it
+accepts and the device platforms it runs on. ``Schedule.patch`` checks all
+three before accepting it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxmercury.errors import PreconditionError, UnknownNameError
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  name: str
+  patterns: frozenset  # program patterns it implements; "*" for any
+  fn: Callable | None  # None: the program's own body
+  dtypes: frozenset | None = None  # None: any
+  platforms: frozenset = frozenset({"cpu", "gpu", "tpu"})
+
+  def matches(self, program) -> bool:
+    return "*" in self.patterns or program.pattern in self.patterns
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel):
+  if kernel.name in _KERNELS:
+    raise ValueError(f"kernel {kernel.name!r} is already registered")
+  _KERNELS[kernel.name] = kernel
+  return kernel
+
+
+def candidates(program, mesh) -> list[str]:
+  """Names of the kernels that can replace ``program``'s body on ``mesh``."""
+  out = []
+  for name in _KERNELS:
+    try:
+      lookup(name, program, mesh)
+    except PreconditionError:
+      continue
+    out.append(name)
+  return out
+
+
+def lookup(name: str, program, mesh) -> Callable:
+  """The kernel function for ``program`` on ``mesh``; raises if it does not apply."""
+  if name not in _KERNELS:
+    raise UnknownNameError(f"no kernel {name!r}; registered: {sorted(_KERNELS)}")
+  k = _KERNELS[name]
+  if not k.matches(program):
+    raise PreconditionError(
+        f"patch({name!r}): kernel implements {sorted(k.patterns)}, not {program.name} (pattern {program.pattern!r})")
+  dtypes = {np.dtype(b.dtype) for b in program.reads}
+  if k.dtypes is not None and not dtypes <= k.dtypes:
+    raise PreconditionError(f"patch({name!r}): kernel accepts {sorted(map(str, k.dtypes))}, "
+                            f"program has {sorted(map(str, dtypes))}")
+  platform = mesh.devices.flat[0].platform
+  if platform not in k.platforms:
+    raise PreconditionError(f"patch({name!r}): kernel runs on {sorted(k.platforms)}, mesh devices are {platform!r}")
+  return k.fn or program.body
+
+
+register(Kernel("xla", frozenset({"*"}), None))

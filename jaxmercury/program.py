@@ -1,0 +1,141 @@
+"""A CommIR program: the loop nest of one operator, before any schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmercury.errors import ScheduleError
+from jaxmercury.reductions import Reduction
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockContext:
+  """What a body knows about the block it computes.
+
+  Attributes:
+    starts: global offset of the block along each loop axis (traced ints).
+    sizes: the block's static extent along each axis.
+    extents: each axis's true global extent (before any padding).
+  """
+
+  starts: Mapping[str, Any]
+  sizes: Mapping[str, int]
+  extents: Mapping[str, int]
+
+  def start(self, axis: str):
+    return self.starts.get(axis, 0)
+
+  def positions(self, axis: str):
+    """Global positions of the block's elements along ``axis``."""
+    return self.start(axis) + jnp.arange(self.sizes[axis])
+
+  def valid(self, axis: str):
+    """Which of the block's positions along ``axis`` lie inside the true extent."""
+    return self.positions(axis) < self.extents[axis]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+  """An operator as a loop nest over named axes (see ``jaxmercury.grid``)."""
+
+  name: str
+  loops: tuple
+  kinds: Mapping[str, str]
+  reads: tuple
+  writes: Any
+  body: Callable
+  reduction: Reduction | None
+  pattern: str | None = None
+  statement: str | None = None
+
+  def __post_init__(self):
+    axes = {}
+    for buf in self.reads + (self.writes,):
+      for d in buf.dims:
+        for a in d:
+          if axes.setdefault(a.name, a) != a:
+            raise ScheduleError(
+                f"axis {a.name!r} has extents {axes[a.name].extent} and {a.extent} in {self.name}")
+    names = [b.name for b in self.reads + (self.writes,)]
+    if len(set(names)) != len(names):
+      raise ScheduleError(f"{self.name}: buffer names must be unique, got {names}")
+    loop_names = [a.name for a in self.loops]
+    if len(set(loop_names)) != len(loop_names):
+      raise ScheduleError(f"{self.name}: loop axes must be unique, got {loop_names}")
+    for a in self.loops:
+      if a.name not in axes:
+        raise ScheduleError(f"{self.name}: loop {a.name!r} indexes no buffer")
+      if axes[a.name] != a:
+        raise ScheduleError(f"{self.name}: loop {a.name!r} extent differs from its buffers'")
+    out = set(self.writes.axes)
+    for a in self.loops:
+      kind = self.kinds[a.name]
+      if kind == "s" and a.name not in out:
+        raise ScheduleError(f"{self.name}: spatial loop {a.name!r} must index output {self.writes.name!r}")
+      if kind == "r" and a.name in out:
+        raise ScheduleError(f"{self.name}: reduction loop {a.name!r} must not index output {self.writes.name!r}")
+    if "r" in self.kinds.values() and self.reduction is None:
+      raise ScheduleError(f"{self.name}: reduction loops need a reduction (e.g. jaxmercury.Sum())")
+    object.__setattr__(self, "axes", axes)
+
+  @property
+  def buffers(self):
+    return {b.name: b for b in self.reads + (self.writes,)}
+
+  @property
+  def loop_names(self) -> tuple[str, ...]:
+    return tuple(a.name for a in self.loops)
+
+  def buffer(self, name: str):
+    from jaxmercury.errors import UnknownNameError
+    if name not in self.buffers:
+      raise UnknownNameError(f"{self.name} has no buffer {name!r}; buffers: {sorted(self.buffers)}")
+    return self.buffers[name]
+
+  def check_inputs(self, inputs):
+    """Checks the number, shapes and dtypes of inputs against the read buffers."""
+    if len(inputs) != len(self.reads):
+      raise ScheduleError(f"{self.name} takes {len(self.reads)} inputs "
+                          f"({', '.join(b.name for b in self.reads)}), got {len(inputs)}")
+    for buf, x in zip(self.reads, inputs):
+      if tuple(x.shape) != buf.shape:
+        raise ScheduleError(f"input {buf.name}: expected shape {buf.shape} for {buf}, got {tuple(x.shape)}")
+      if np.dtype(x.dtype) != buf.dtype:
+        raise ScheduleError(f"input {buf.name}: expected dtype {buf.dtype}, got {x.dtype}")
+
+  def run_body(self, ctx, blocks):
+    """Runs the body on canonical blocks and returns its state."""
+    result = self.body(ctx, *blocks)
+    if self.reduction is None:
+      return (jnp.asarray(result, jnp.float32),)
+    return self.reduction.from_body(result)
+
+  def finalize(self, state):
+    if self.reduction is None:
+      return state[0].astype(self.writes.dtype)
+    return self.reduction.finalize(state, self.writes.dtype)
+
+  def reference(self, *inputs):
+    """Runs the plain, undistributed loop nest on whole arrays."""
+    self.check_inputs(inputs)
+    blocks = [jnp.reshape(x, b.canonical_shape) for b, x in zip(self.reads, inputs)]
+    extents = {n: a.extent for n, a in self.axes.items()}
+    ctx = BlockContext(starts={}, sizes=extents, extents=extents)
+    out = self.finalize(self.run_body(ctx, blocks))
+    return jnp.reshape(out, self.writes.shape)
+
+  def random_inputs(self, key: jax.Array, scale: float = 1.0):
+    """Fresh normal random inputs with the read buffers' shapes and dtypes."""
+    keys = jax.random.split(key, len(self.reads))
+    return tuple((scale * jax.random.normal(k, b.shape, jnp.float32)).astype(b.dtype)
+                 for k, b in zip(keys, self.reads))
+
+  def __str__(self):
+    loops = " ".join(f"{a.name}:{a.extent}{self.kinds[a.name]}" for a in self.loops)
+    reads = ", ".join(str(b) for b in self.reads)
+    return f"{self.name}({reads}) -> {self.writes} over [{loops}]"

@@ -1,0 +1,7 @@
+"""Operators shipped with jaxmercury, declared with the DSL."""
+
+from jaxmercury.programs.attention import attention
+from jaxmercury.programs.matmul import matmul
+from jaxmercury.programs.weighted_sum import weighted_sum
+
+__all__ = ["attention", "matmul", "weighted_sum"]

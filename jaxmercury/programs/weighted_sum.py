@@ -1,0 +1,22 @@
+"""The Mercury paper's running example: C[i] += A[i, j] * B[j]."""
+
+import jax.numpy as jnp
+
+from jaxmercury.dsl import Axis, grid, match_buffer
+from jaxmercury.reductions import Sum
+
+
+def _weighted_sum_body(ctx, a, b):
+  del ctx
+  return jnp.einsum("ij,j->i", a, b, preferred_element_type=jnp.float32)
+
+
+def weighted_sum(i: int, j: int, dtype=jnp.float32):
+  """Inputs A[i, j], B[j]; output C[i] = sum_j A[i, j] * B[j]."""
+  ai, aj = Axis("i", i), Axis("j", j)
+  a = match_buffer("A", (ai, aj), dtype)
+  b = match_buffer("B", (aj,), dtype)
+  c = match_buffer("C", (ai,), dtype)
+  return grid((ai, aj), "sr", reads=(a, b), writes=c, body=_weighted_sum_body,
+              reduction=Sum(), name="weighted_sum", pattern="weighted_sum",
+              statement="C[i] += A[i, j] * B[j]")

@@ -1,0 +1,196 @@
+"""Known distributed strategies, each built only from schedule primitives.
+
+``library(program, mesh)`` returns the strategies that apply to a program on
+a mesh, by name. On a mesh of several levels, a strategy that spreads one
+loop spreads it over every level (one factor per level, outermost level
+first); ``usp`` mixes levels.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import PartitionSpec
+
+from jaxmercury.errors import ScheduleError
+from jaxmercury.schedules.schedule import Schedule
+
+
+def split(s: Schedule, loop: str, levels, *, parallel: bool = True) -> list[str]:
+  """Tiles ``loop`` into one factor per mesh level (plus the rest) and spreads them.
+
+  Pads the loop's axis first when the mesh does not divide it. With
+  ``parallel=False`` the factors are tiled but left serial (for ``shift``).
+
+  Returns:
+    The factor loops' names, one per level.
+  """
+  sizes = [s.levels[lv] for lv in levels]
+  total = math.prod(sizes)
+  if s.loop(loop).extent % total:
+    s.pad(s.loop(loop).axis, total)
+  names, rest = [], loop
+  for k, (lv, size) in enumerate(zip(levels, sizes)):
+    name = f"{loop}{k}"
+    s.tile(rest, size, names=(name, f"{loop}_in"))
+    rest = f"{loop}_in"
+    names.append(name)
+    if parallel:
+      s.parallelize(name, lv)
+  return names
+
+
+def _seq_spec(levels, dim):
+  entry = levels[0] if len(levels) == 1 else tuple(levels)
+  return PartitionSpec(*([None] * dim + [entry]))
+
+
+def attention_library(program, mesh) -> dict[str, Schedule]:
+  levels = list(mesh.axis_names)
+  out = {}
+
+  def ctx_parallel():
+    s = Schedule(program, mesh)
+    par = split(s, "i", levels)
+    for buf in ("k", "v"):
+      for p in par:
+        s.shard(buf, p, axis="j")
+    return s
+
+  def ring():
+    s = Schedule(program, mesh)
+    par = split(s, "i", levels)
+    for p, j in zip(par, split(s, "j", levels, parallel=False)):
+      s.shift(j, p)
+    return s
+
+  def tree():
+    s = Schedule(program, mesh)
+    split(s, "j", levels)
+    return s
+
+  def ulysses():
+    seq = _seq_spec(levels, 1)
+    s = Schedule(program, mesh, in_shardings=(seq,) * 3, out_sharding=seq)
+    total = math.prod(s.levels.values())
+    head = "hk" if program.axes["hk"].extent % total == 0 else "g"
+    if program.axes[head].extent % total:
+      raise ScheduleError(f"ulysses: neither kv heads nor query groups divide over {total} devices")
+    split(s, head, levels)
+    return s
+
+  def usp():
+    if len(levels) < 2:
+      raise ScheduleError("usp needs a mesh of two levels")
+    outer, inner = levels[0], levels[-1]
+    seq = _seq_spec([outer, inner], 1)
+    s = Schedule(program, mesh, in_shardings=(seq,) * 3, out_sharding=seq)
+    head = "hk" if program.axes["hk"].extent % s.levels[inner] == 0 else "g"
+    split(s, head, [inner])
+    (p,) = split(s, "i", [outer])
+    (j,) = split(s, "j", [outer], parallel=False)
+    s.shift(j, p)
+    return s
+
+  for name, build in (("context_parallel", ctx_parallel), ("ring", ring), ("ulysses", ulysses),
+                      ("usp", usp), ("tree", tree)):
+    _try(out, name, build)
+  return out
+
+
+def matmul_library(program, mesh) -> dict[str, Schedule]:
+  levels = list(mesh.axis_names)
+  out = {}
+
+  def allgather():
+    s = Schedule(program, mesh)
+    _pad_to_mesh(s, "m")
+    for p in split(s, "n", levels):
+      s.shard("A", p, axis="m")
+    return s
+
+  def reducescatter():
+    s = Schedule(program, mesh)
+    _pad_to_mesh(s, "m")
+    for p in split(s, "k", levels):
+      s.shard("C", p, axis="m")
+    return s
+
+  def async_tp():
+    s = Schedule(program, mesh)
+    par = split(s, "n", levels)
+    for p, m in zip(par, split(s, "m", levels, parallel=False)):
+      s.shift(m, p)
+    return s
+
+  def async_tp_reducescatter():
+    s = Schedule(program, mesh)
+    par = split(s, "k", levels)
+    for p, m in zip(par, split(s, "m", levels, parallel=False)):
+      s.shift(m, p)
+    return s
+
+  for name, build in (("allgather_matmul", allgather), ("matmul_reducescatter", reducescatter),
+                      ("async_tp", async_tp), ("async_tp_reducescatter", async_tp_reducescatter)):
+    _try(out, name, build)
+  return out
+
+
+def _pad_to_mesh(s: Schedule, axis: str):
+  total = math.prod(s.levels.values())
+  if s.padded[axis] % total:
+    s.pad(axis, total)
+
+
+def generic_library(program, mesh) -> dict[str, Schedule]:
+  """For any program: each loop spread over the whole mesh, and rings."""
+  levels = list(mesh.axis_names)
+  out = {}
+  for lp in program.loops:
+    _try(out, f"parallel_{lp.name}", lambda lp=lp: _parallel(program, mesh, lp.name, levels))
+  for sp in program.loops:
+    for other in program.loops:
+      if other is not sp:
+        _try(out, f"ring_{other.name}_over_{sp.name}",
+             lambda sp=sp, other=other: _ring(program, mesh, sp.name, other.name, levels))
+  return out
+
+
+def _parallel(program, mesh, loop, levels):
+  s = Schedule(program, mesh)
+  split(s, loop, levels)
+  return s
+
+
+def _ring(program, mesh, parallel_loop, shifted_loop, levels):
+  s = Schedule(program, mesh)
+  par = split(s, parallel_loop, levels)
+  for p, j in zip(par, split(s, shifted_loop, levels, parallel=False)):
+    s.shift(j, p)
+  return s
+
+
+def _try(out, name, build):
+  try:
+    out[name] = build()
+  except ScheduleError:
+    pass  # the strategy does not apply to this program or mesh
+
+
+_BY_PATTERN = {"attention": attention_library, "matmul": matmul_library}
+
+
+def library(program, mesh) -> dict[str, Schedule]:
+  """The known strategies that apply to ``program`` on ``mesh``, by name.
+
+  attention: ``context_parallel`` (all-gathered K/V), ``ring``
+  (RingAttention), ``ulysses`` (heads spread, all-to-all from sequence-sharded
+  inputs), ``usp`` (heads on the inner level, ring on the outer; two-level
+  meshes), ``tree`` (keys spread, log-sum-exp merge). matmul:
+  ``allgather_matmul``, ``matmul_reducescatter``, ``async_tp`` (all-gather
+  ring overlapped with the GEMM), ``async_tp_reducescatter`` (partial outputs
+  passed around the ring). Other programs get ``parallel_<loop>`` and
+  ``ring_<loop>_over_<loop>`` strategies.
+  """
+  build = _BY_PATTERN.get(program.pattern, generic_library)
+  return build(program, mesh)

@@ -1,0 +1,480 @@
+"""``Schedule``: the CommIR loop nest of a program on a mesh, and its primitives."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Mapping, Sequence
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxmercury.dsl import check_name
+from jaxmercury.errors import PreconditionError, ScheduleError, UnknownNameError
+from jaxmercury.program import Program
+from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR, Loop
+
+SHARD, REPLICATE = "shard", "replicate"
+
+
+class Schedule:
+  """A program's loop nest on a device mesh, rewritten by schedule primitives.
+
+  Computation primitives (``tile``, ``join``, ``reorder``, ``patch``, and
+  ``pad``) rewrite the nest; communication primitives (``parallelize``,
+  ``shift``, ``shard``, ``replicate``) annotate it. Every call checks its
+  preconditions, raises ``ScheduleError`` naming the problem, and is recorded
+  in ``trace`` (see ``to_json`` / ``from_json``). ``compile()`` lowers the
+  schedule to a ``jax.shard_map`` program.
+
+  Args:
+    program: the ``Program`` to schedule.
+    mesh: a ``jax.sharding.Mesh``; its axis names are the mesh levels.
+    in_shardings: optional ``PartitionSpec`` per input, over the inputs'
+      own dimensions: the layouts the caller's arrays have. Where they differ
+      from the schedule's layouts the lowering inserts all-to-all, all-gather
+      or slicing.
+    out_sharding: optional ``PartitionSpec`` the output must have.
+  """
+
+  def __init__(self, program: Program, mesh: jax.sharding.Mesh, *,
+               in_shardings: Sequence[PartitionSpec | None] | None = None,
+               out_sharding: PartitionSpec | None = None):
+    if not isinstance(program, Program):
+      raise ScheduleError(f"Schedule needs a jaxmercury Program, got {type(program).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise ScheduleError(f"Schedule needs a jax.sharding.Mesh, got {type(mesh).__name__}")
+    self.program = program
+    self.mesh = mesh
+    self.levels: dict[str, int] = dict(zip(mesh.axis_names, mesh.devices.shape))
+    self.loops: list[Loop] = [
+        Loop(a.name, a.name, a.extent, program.kinds[a.name]) for a in program.loops]
+    self.factors: dict[str, list[str]] = {a.name: [a.name] for a in program.loops}
+    self.padded: dict[str, int] = {a.name: a.extent for a in program.loops}
+    self.placements: dict[tuple[str, str], tuple] = {}
+    self.kernel: str | None = None
+    self.in_shardings = _check_in_shardings(program, self.levels, in_shardings)
+    self.out_sharding = _check_spec(program.writes, self.levels, out_sharding, "out_sharding")
+    self.trace: list[dict] = []
+
+  # ----------------------------------------------------------------- lookup
+  def loop(self, name: str) -> Loop:
+    for lp in self.loops:
+      if lp.name == name:
+        return lp
+    raise UnknownNameError(
+        f"no loop {name!r} in the {self.program.name} nest; loops: {[lp.name for lp in self.loops]}")
+
+  def _level(self, level: str) -> int:
+    if level not in self.levels:
+      raise UnknownNameError(f"mesh has no level {level!r}; levels: {list(self.levels)}")
+    return self.levels[level]
+
+  def _parallel(self, name: str, primitive: str) -> Loop:
+    lp = self.loop(name)
+    if lp.role != PARALLEL:
+      raise PreconditionError(
+          f"{primitive}: loop {name!r} is not parallel ({lp.role}); parallelize it onto a mesh level first")
+    return lp
+
+  def _record(self, primitive: str, *args, **kwargs):
+    self.trace.append({"primitive": primitive, "args": list(args),
+                       "kwargs": {k: v for k, v in kwargs.items() if v is not None}})
+
+  def _check_outer_distributed(self, lp: Loop, primitive: str):
+    for name in self.factors[lp.axis]:
+      if name == lp.name:
+        return
+      if not self.loop(name).distributed:
+        raise PreconditionError(
+            f"{primitive}({lp.name!r}): loop {name!r} tiles axis {lp.axis!r} outside {lp.name!r} and is "
+            f"{self.loop(name).role}; only the outermost factors of an axis can be spread over the mesh")
+
+  def copy(self) -> "Schedule":
+    """An independent copy, sharing the program and mesh."""
+    new = copy.copy(self)
+    new.loops = [copy.copy(lp) for lp in self.loops]
+    new.factors = {k: list(v) for k, v in self.factors.items()}
+    new.padded = dict(self.padded)
+    new.placements = dict(self.placements)
+    new.trace = copy.deepcopy(self.trace)
+    return new
+
+  # ---------------------------------------------------- computation primitives
+  def pad(self, axis: str, multiple: int) -> "Schedule":
+    """Pads a loop axis up to a multiple, so that it can be tiled evenly.
+
+    Inputs are zero-padded along the axis and the output is cropped. Padded
+    positions of a reduction axis read zeros: bodies whose zeros are not the
+    reduction's identity mask them with ``ctx.valid(axis)`` (attention does).
+
+    Preconditions: ``axis`` is a loop axis not yet tiled or distributed.
+
+    Before / after (``pad("i", 8)`` with I = 6)::
+
+      for i in 6: C[i] += ...        for i in 8: C[i] += ...   # i >= 6 cropped
+    """
+    if axis not in self.factors:
+      raise UnknownNameError(f"pad: {axis!r} is not a loop axis; loop axes: {list(self.factors)}")
+    if not isinstance(multiple, int) or multiple < 1:
+      raise PreconditionError(f"pad({axis!r}): multiple must be a positive int, got {multiple!r}")
+    if len(self.factors[axis]) != 1 or self.loop(self.factors[axis][0]).role != VECTOR:
+      raise PreconditionError(f"pad({axis!r}): pad an axis before tiling or distributing it")
+    lp = self.loop(self.factors[axis][0])
+    lp.extent = self.padded[axis] = -(-self.padded[axis] // multiple) * multiple
+    self._record("pad", axis, multiple)
+    return self
+
+  def tile(self, loop: str, factor: int, names: Sequence[str] | None = None) -> "Schedule":
+    """Splits a loop into ``factor`` tiles: an outer serial loop and an inner loop.
+
+    Preconditions: ``loop`` exists and is not distributed; ``factor`` divides
+    its extent; the new names are unused.
+
+    Before / after (``tile("j", 4)`` with J = 16)::
+
+      for j in 16:                 for j0 in 4:           # serial
+        C[i] += A[i,j] * B[j]        for j1 in 4:
+                                       C[i] += A[i, 4*j0+j1] * B[4*j0+j1]
+
+    Args:
+      loop: the loop to split.
+      factor: the outer loop's extent (the number of tiles).
+      names: the (outer, inner) names; default ``loop + "0"``, ``loop + "1"``.
+    """
+    lp = self.loop(loop)
+    if lp.distributed:
+      raise PreconditionError(f"tile({loop!r}): loop is distributed; tile before parallelize/shift")
+    if not isinstance(factor, int) or factor < 1 or lp.extent % factor:
+      raise PreconditionError(
+          f"tile({loop!r}, {factor!r}): factor must divide the loop's extent {lp.extent}"
+          + ("" if self.padded[lp.axis] != lp.extent else
+             f"; pad({lp.axis!r}, {factor}) first to tile unevenly"))
+    outer, inner = names or (loop + "0", loop + "1")
+    taken = {x.name for x in self.loops} - {loop}
+    for n in (outer, inner):
+      check_name(n, "loop")
+      if n in taken or outer == inner:
+        raise PreconditionError(f"tile({loop!r}): loop name {n!r} is already used; pass names=")
+    at = self.loops.index(lp)
+    o = Loop(outer, lp.axis, factor, lp.kind, role=SERIAL)
+    i = Loop(inner, lp.axis, lp.extent // factor, lp.kind, role=lp.role)
+    self.loops[at:at + 1] = [o, i]
+    fs = self.factors[lp.axis]
+    k = fs.index(loop)
+    fs[k:k + 1] = [outer, inner]
+    self._record("tile", loop, factor, names=list(names) if names else None)
+    return self
+
+  def join(self, outer: str, inner: str, name: str | None = None) -> "Schedule":
+    """Merges two adjacent loops over consecutive factors of one axis.
+
+    Preconditions: ``outer`` directly encloses ``inner`` in the nest and is
+    the next-major factor of the same axis; neither is distributed.
+
+    Before / after (``join("j0", "j1")``)::
+
+      for j0 in 4:                 for j in 16:
+        for j1 in 4: ...             ...
+
+    Args:
+      outer: the enclosing loop.
+      inner: the enclosed loop.
+      name: the merged loop's name; default ``outer``.
+    """
+    o, i = self.loop(outer), self.loop(inner)
+    if o.axis != i.axis:
+      raise PreconditionError(
+          f"join({outer!r}, {inner!r}): loops iterate different axes ({o.axis!r}, {i.axis!r}); "
+          "only factors of one axis can be joined")
+    fs = self.factors[o.axis]
+    if fs.index(inner) != fs.index(outer) + 1 or self.loops.index(i) != self.loops.index(o) + 1:
+      raise PreconditionError(
+          f"join({outer!r}, {inner!r}): {outer!r} must directly enclose {inner!r} and be its next-major factor")
+    if o.distributed or i.distributed:
+      raise PreconditionError(f"join({outer!r}, {inner!r}): distributed loops cannot be joined")
+    merged = name or outer
+    check_name(merged, "loop")
+    if merged in {x.name for x in self.loops} - {outer, inner}:
+      raise PreconditionError(f"join: loop name {merged!r} is already used")
+    role = VECTOR if o.role == i.role == VECTOR else (i.role if o.role == VECTOR else o.role)
+    at = self.loops.index(o)
+    self.loops[at:at + 2] = [Loop(merged, o.axis, o.extent * i.extent, o.kind, role=role)]
+    k = fs.index(outer)
+    fs[k:k + 2] = [merged]
+    self._record("join", outer, inner, name=name)
+    return self
+
+  def reorder(self, *loops: str) -> "Schedule":
+    """Permutes the named loops into the given order, in the slots they occupy.
+
+    Preconditions: the loops exist and are distinct; parallel loops stay
+    outside the others.
+
+    Before / after (``reorder("j", "i")``)::
+
+      for i in I:                  for j in J:
+        for j in J: ...              for i in I: ...
+    """
+    if len(set(loops)) != len(loops):
+      raise PreconditionError(f"reorder{loops}: a loop is named twice")
+    picked = [self.loop(n) for n in loops]
+    slots = sorted(self.loops.index(lp) for lp in picked)
+    new = list(self.loops)
+    for slot, lp in zip(slots, picked):
+      new[slot] = lp
+    _check_parallel_outermost(new)
+    self.loops = new
+    self._record("reorder", *loops)
+    return self
+
+  def patch(self, kernel: str) -> "Schedule":
+    """Replaces the innermost block computation by a registered kernel.
+
+    Preconditions: a kernel named ``kernel`` is registered for the program's
+    pattern, accepts its dtypes, and runs on the mesh's devices.
+
+    Before / after (``patch("xla_attention")``)::
+
+      for j1 in J1: o[i] <- merge(...)      for j1 in J1: xla_attention(o[i], q[i], k[j1], v[j1])
+    """
+    from jaxmercury.pallas_kernels import registry
+    registry.lookup(kernel, self.program, self.mesh)
+    self.kernel = kernel
+    self._record("patch", kernel)
+    return self
+
+  # -------------------------------------------------- communication primitives
+  def parallelize(self, loop: str, mesh_level: str) -> "Schedule":
+    """Spreads a loop's iterations over one mesh level.
+
+    Buffers indexed by the loop's axis become sharded over the level, the
+    others replicated. A reduction loop's partial results are combined across
+    the level (all-reduce, or reduce-scatter when the output is ``shard``-ed).
+
+    The loop moves outside every non-parallel loop: each rank runs the rest
+    of the nest.
+
+    Preconditions: the loop's extent equals the level's size; the level is
+    not used by another loop; every loop outside it on the same axis is
+    distributed.
+
+    Before / after (``parallelize("i", "x")`` with I = |x|)::
+
+      for j in J:                  parallel i in I @ x:
+        for i in I: ...              for j in J: ...
+    """
+    lp = self.loop(loop)
+    size = self._level(mesh_level)
+    if lp.role == PARALLEL:
+      raise PreconditionError(f"parallelize({loop!r}): loop is already parallel over {lp.level!r}")
+    if lp.shifted_by:
+      raise PreconditionError(f"parallelize({loop!r}): loop is shifted by {lp.shifted_by!r}")
+    for other in self.loops:
+      if other.role == PARALLEL and other.level == mesh_level:
+        raise PreconditionError(
+            f"parallelize({loop!r}, {mesh_level!r}): mesh level {mesh_level!r} is already used by "
+            f"loop {other.name!r}; a level can carry one parallel loop")
+    if lp.extent != size:
+      hint = f"; tile({loop!r}, {size}) first" if lp.extent % size == 0 else ""
+      raise PreconditionError(
+          f"parallelize({loop!r}, {mesh_level!r}): loop extent {lp.extent} must equal the size "
+          f"{size} of mesh level {mesh_level!r}{hint}")
+    self._check_outer_distributed(lp, "parallelize")
+    lp.role, lp.level = PARALLEL, mesh_level
+    self.loops.remove(lp)
+    n_parallel = sum(1 for x in self.loops if x.role == PARALLEL)
+    self.loops.insert(n_parallel, lp)
+    self._record("parallelize", loop, mesh_level)
+    self.validate()
+    return self
+
+  def shift(self, local_loop: str, parallel_loop: str) -> "Schedule":
+    """Staggers a local loop by a parallel loop's rank: rank r visits (t + r) % T.
+
+    Read buffers indexed by the shifted loop's axis (and not already split by
+    the parallel loop's axis) become sharded and travel around a ring
+    (``ppermute``) whose next transfer overlaps the current block's compute.
+    When the output is indexed by the shifted axis but not by the parallel
+    loop (a parallel reduction), partial outputs travel the ring instead and
+    end at their owners (a pipelined reduce-scatter).
+
+    Preconditions: ``parallel_loop`` is parallel; ``local_loop`` is not distributed, its extent equals the parallel level's
+    size, and every loop outside it on its axis is distributed.
+
+    Before / after (``shift("j", "i")``)::
+
+      parallel i in I @ x:         parallel i in I @ x:
+        for j in J:                  for j in J:   # shift(i), ring of B over x
+          C[i] += A[i,j] * B[j]        C[i] += A[i,(j+i)%J] * B[(j+i)%J]
+    """
+    lp = self.loop(local_loop)
+    par = self.loop(parallel_loop)
+    if par.role != PARALLEL:
+      raise PreconditionError(
+          f"shift({local_loop!r}, {parallel_loop!r}): {parallel_loop!r} is not a parallel loop "
+          f"({par.role}); a loop can only be shifted along a parallelized loop")
+    if lp.role == PARALLEL or lp.shifted_by:
+      raise PreconditionError(f"shift({local_loop!r}, ...): loop is already distributed")
+    if lp.axis == par.axis:
+      raise PreconditionError(f"shift({local_loop!r}, {parallel_loop!r}): both loops iterate axis {lp.axis!r}")
+    size = self.levels[par.level]
+    if lp.extent != size:
+      raise PreconditionError(
+          f"shift({local_loop!r}, {parallel_loop!r}): loop extent {lp.extent} must equal the size {size} "
+          f"of mesh level {par.level!r}" + (f"; tile({local_loop!r}, {size}) first" if lp.extent % size == 0 else ""))
+    self._check_outer_distributed(lp, "shift")
+    lp.role, lp.shifted_by = SERIAL, parallel_loop
+    self._record("shift", local_loop, parallel_loop)
+    self.validate()
+    return self
+
+  def shard(self, buffer: str, parallel_loop: str, axis: str | None = None) -> "Schedule":
+    """Stores a buffer split over a parallel loop's mesh level.
+
+    A read buffer not indexed by the loop's axis is then stored split along
+    ``axis`` and all-gathered before use; the output of a parallel reduction
+    is reduce-scattered along ``axis`` instead of all-reduced.
+
+    Preconditions: ``parallel_loop`` is parallel; ``axis`` (default: the
+    buffer's first axis that divides evenly) indexes the buffer.
+
+    Before / after (``shard("B", "i")``)::
+
+      parallel i in I @ x:         parallel i in I @ x:
+        for j in J:                  AllGather(B over x)
+          C[i] += A[i,j] * B[j]      for j in J: C[i] += A[i,j] * B[j]
+    """
+    buf = self.program.buffer(buffer)
+    par = self._parallel(parallel_loop, "shard")
+    if par.axis in buf.axes:
+      chosen = par.axis
+    elif axis is not None:
+      if axis not in buf.axes:
+        raise UnknownNameError(f"shard({buffer!r}, {parallel_loop!r}): {buffer} has no axis {axis!r}; axes: {buf.axes}")
+      chosen = axis
+    else:
+      chosen = self._default_shard_axis(buf, par)
+    if buf is self.program.writes and par.kind == "s" and chosen != par.axis:
+      raise PreconditionError(f"shard({buffer!r}, {parallel_loop!r}): the output is indexed by "
+                              f"spatial loop {parallel_loop!r} and is split along {par.axis!r}")
+    self.placements[(buffer, par.level)] = (SHARD, chosen)
+    self._record("shard", buffer, parallel_loop, axis=axis)
+    self.validate()
+    return self
+
+  def replicate(self, buffer: str, parallel_loop: str) -> "Schedule":
+    """Stores a full copy of a buffer on every rank of a parallel loop's level.
+
+    A replicated read buffer is sliced locally instead of communicated; a
+    replicated output is all-gathered (spatial loop) or all-reduced
+    (reduction loop) over the level.
+
+    Preconditions: ``parallel_loop`` is parallel.
+
+    Before / after (``replicate("B", "i")`` after a shift of j)::
+
+      parallel i @ x:              parallel i @ x:
+        for j: # ring of B           for j: # B local, read at (j+i)%J
+    """
+    self.program.buffer(buffer)
+    par = self._parallel(parallel_loop, "replicate")
+    self.placements[(buffer, par.level)] = (REPLICATE,)
+    self._record("replicate", buffer, parallel_loop)
+    self.validate()
+    return self
+
+  def _default_shard_axis(self, buf, par) -> str:
+    size = self.levels[par.level]
+    for a in buf.axes:
+      extent = self.padded.get(a, self.program.axes[a].extent)
+      if extent % size == 0 and a not in self.factors or (
+          a in self.factors and extent % size == 0 and not self._axis_fully_distributed(a)):
+        return a
+    raise PreconditionError(
+        f"shard({buf.name!r}, {par.name!r}): no axis of {buf} divides evenly by the size {size} of "
+        f"mesh level {par.level!r}; pass axis=")
+
+  def _axis_fully_distributed(self, axis: str) -> bool:
+    return all(self.loop(n).distributed for n in self.factors[axis])
+
+  # ------------------------------------------------------------ inspection
+  def validate(self):
+    """Checks the whole schedule; raises ``ScheduleError`` naming the problem."""
+    from jaxmercury.shard_map.plan import make_plan
+    return make_plan(self)
+
+  def plan(self):
+    """The communication plan the lowering will follow."""
+    return self.validate()
+
+  def compile(self, **options):
+    """Lowers the schedule to a jitted callable on global arrays.
+
+    Returns:
+      ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
+    """
+    from jaxmercury.shard_map.lower import lower
+    return lower(self, **options)
+
+  def to_json(self) -> str:
+    from jaxmercury.schedules.trace import to_json
+    return to_json(self)
+
+  @classmethod
+  def from_json(cls, program: Program, mesh, text: str) -> "Schedule":
+    from jaxmercury.schedules.trace import from_json
+    return from_json(program, mesh, text)
+
+  def __str__(self):
+    from jaxmercury.schedules.printer import render
+    return render(self)
+
+  __repr__ = __str__
+
+
+def _check_parallel_outermost(loops: list[Loop]):
+  seen_local = None
+  for lp in loops:
+    if lp.role != PARALLEL:
+      seen_local = seen_local or lp.name
+    elif seen_local:
+      raise PreconditionError(
+          f"reorder: parallel loop {lp.name!r} would sit inside loop {seen_local!r}; "
+          "parallel loops stay outside the others")
+
+
+def _check_spec(buf, levels: Mapping[str, int], spec, what: str):
+  if spec is None:
+    return None
+  if not isinstance(spec, PartitionSpec):
+    raise ScheduleError(f"{what} for {buf.name} must be a PartitionSpec, got {type(spec).__name__}")
+  if len(spec) > len(buf.dims):
+    raise ScheduleError(f"{what}: {spec} has more entries than {buf} has dimensions")
+  seen = set()
+  for dim, entry in enumerate(spec):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    size = 1
+    for n in names:
+      if n not in levels:
+        raise UnknownNameError(f"{what} for {buf.name}: mesh has no level {n!r}; levels: {list(levels)}")
+      if n in seen:
+        raise ScheduleError(f"{what} for {buf.name}: mesh level {n!r} is used twice in {spec}")
+      seen.add(n)
+      size *= levels[n]
+    lead = buf.dims[dim][0].extent
+    if lead % size:
+      raise ScheduleError(
+          f"{what} for {buf.name}: dimension {dim} ({buf.dims[dim][0].name}, extent {lead}) does not "
+          f"divide evenly over {names} ({size} devices)")
+  return spec
+
+
+def _check_in_shardings(program, levels, specs):
+  if specs is None:
+    return None
+  specs = tuple(specs)
+  if len(specs) != len(program.reads):
+    raise ScheduleError(f"in_shardings needs one entry per input of {program.name} "
+                        f"({len(program.reads)}), got {len(specs)}")
+  return tuple(_check_spec(b, levels, s, "in_shardings") for b, s in zip(program.reads, specs))

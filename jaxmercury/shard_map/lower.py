@@ -1,0 +1,88 @@
+"""Lowering a schedule to a jitted ``jax.shard_map`` program."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.shard_map.nest import Nest
+from jaxmercury.shard_map.plan import make_plan, to_spec
+from jaxmercury.shard_map.reshard import reshard
+
+
+def lower(schedule, *, jit: bool = True):
+  """Builds ``f(*inputs) -> output`` for a schedule.
+
+  Inputs and the output are global arrays with the program's own shapes. The
+  function pads and reshapes them to canonical layout (one dimension per
+  axis), runs the per-device nest under ``shard_map``, and crops the result.
+
+  Args:
+    schedule: the ``Schedule`` to lower.
+    jit: wrap the result in ``jax.jit``.
+  """
+  prog, mesh = schedule.program, schedule.mesh
+  plan = make_plan(schedule)
+  kernel = registry.lookup(schedule.kernel or "xla", prog, mesh)
+  nest = Nest(schedule, plan, kernel)
+  out = prog.writes
+  reads = prog.reads
+  state_axes = nest.state_axes
+
+  def per_device(*local):
+    arrays = {b.name: reshard(x, plan.storage[b.name], plan.resident[b.name])
+              for b, x in zip(reads, local)}
+    state = nest.run(arrays)
+    for red in plan.reductions:
+      if red.scatter_axis is None:
+        state = prog.reduction.all_reduce(state, red.level)
+      else:
+        dims = [axes.index(red.scatter_axis) for axes in state_axes]
+        state = prog.reduction.reduce_scatter(state, red.level, dims)
+    y = prog.finalize(state)
+    return reshard(y, plan.result, plan.storage[out.name])
+
+  mapped = jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=tuple(plan.spec(b.name) for b in reads),
+      out_specs=plan.spec(out.name), check_vma=False)
+  explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+  def constrain(x, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+
+  def run(*inputs):
+    prog.check_inputs(inputs)
+    canon = []
+    for b, x in zip(reads, inputs):
+      x = jnp.reshape(x, b.canonical_shape)
+      pads = [(0, schedule.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
+      if any(p for _, p in pads):
+        x = jnp.pad(x, pads)
+      canon.append(constrain(x, plan.spec(b.name)))
+    y = mapped(*canon)
+    crop = tuple(slice(0, e) for e in out.canonical_shape)
+    y = jnp.reshape(y[crop], out.shape)
+    return y
+
+  run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
+  return jax.jit(run) if jit else run
+
+
+def padded_shapes(schedule):
+  """Canonical padded shapes of each buffer (for memory estimates)."""
+  return {b.name: tuple(schedule.padded.get(a, e) for a, e in zip(b.axes, b.canonical_shape))
+          for b in schedule.program.reads + (schedule.program.writes,)}
+
+
+def local_bytes(schedule, buffer: str, layout) -> int:
+  """Bytes of one device's block of ``buffer`` in ``layout``."""
+  b = schedule.program.buffer(buffer)
+  shape = padded_shapes(schedule)[buffer]
+  n = math.prod(s // math.prod(schedule.levels[lv] for lv in lvls) for s, lvls in zip(shape, layout))
+  return n * b.dtype.itemsize
