@@ -107,7 +107,8 @@ def match_buffer(name: str, dims: Sequence[Axis | Sequence[Axis]], dtype) -> Buf
 
 def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: Buffer,
          body: Callable, reduction: Reduction | None = None, name: str = "program",
-         pattern: str | None = None, statement: str | None = None) -> Program:
+         pattern: str | None = None, statement: str | None = None,
+         params: dict | None = None) -> Program:
   """Declares a compute grid: the loop nest of an operator.
 
   Args:
@@ -126,6 +127,7 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     name: a name shown in printouts.
     pattern: the kernel pattern this nest implements (for ``patch``).
     statement: a one-line description of the body for printouts.
+    params: static parameters that identify the program (shapes, flags).
 
   Returns:
     The ``Program``.
@@ -135,4 +137,4 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     raise ScheduleError(f"kinds {kinds!r} must give one of 's'/'r' for each of {len(loops)} loops")
   return Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
                  reads=tuple(reads), writes=writes, body=body, reduction=reduction,
-                 pattern=pattern, statement=statement)
+                 pattern=pattern, statement=statement, params=dict(params or {}))

@@ -52,6 +52,7 @@ class Program:
   reduction: Reduction | None
   pattern: str | None = None
   statement: str | None = None
+  params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     axes = {}

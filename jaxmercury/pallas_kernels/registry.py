@@ -1,7 +1,8 @@
 """The registry of local kernels and the patterns they implement.
 
-A kernel computes one block exactly as a program's body would: it takes the
-body's ``(ctx, *blocks)`` and returns the reduction's partial state. It is
+A kernel computes one block exactly as a program's body would: ``make(program)``
+returns a function of the body's ``(ctx, *blocks)`` that returns what the body
+returns. It is
 registered for a pattern (``"attention"``, ``"matmul"``, ...), the dtypes it
 accepts and the device platforms it runs on. ``Schedule.patch`` checks all
 three before accepting it.
@@ -21,7 +22,7 @@ from jaxmercury.errors import PreconditionError, UnknownNameError
 class Kernel:
   name: str
   patterns: frozenset  # program patterns it implements; "*" for any
-  fn: Callable | None  # None: the program's own body
+  make: Callable | None  # make(program) -> block function; None: the program's own body
   dtypes: frozenset | None = None  # None: any
   platforms: frozenset = frozenset({"cpu", "gpu", "tpu"})
 
@@ -66,7 +67,7 @@ def lookup(name: str, program, mesh) -> Callable:
   platform = mesh.devices.flat[0].platform
   if platform not in k.platforms:
     raise PreconditionError(f"patch({name!r}): kernel runs on {sorted(k.platforms)}, mesh devices are {platform!r}")
-  return k.fn or program.body
+  return k.make(program) if k.make else program.body
 
 
 register(Kernel("xla", frozenset({"*"}), None))

@@ -4,6 +4,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmercury.dsl import Axis, grid, match_buffer
 from jaxmercury.reductions import LogSumExp
@@ -66,4 +67,6 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
   return grid((b, hk, g, i, j), "ssssr", reads=(q, k, v), writes=o,
               body=functools.partial(attention_block, causal=causal),
               reduction=LogSumExp(value_axes=("d",)), name=kind, pattern="attention",
+              params=dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                          head_dim=head_dim, causal=causal, dtype=str(np.dtype(dtype))),
               statement=f"o[b, i, hk*g] <- softmax{'_causal' if causal else ''}(q[b, i, hk*g] . k[b, j, hk]) v[b, j, hk]")

@@ -1,6 +1,7 @@
 """GEMM: C[m, n] += A[m, k] * B[k, n]."""
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmercury.dsl import Axis, grid, match_buffer
 from jaxmercury.reductions import Sum
@@ -22,4 +23,5 @@ def matmul(m: int, n: int, k: int, dtype=jnp.float32):
   c = match_buffer("C", (am, an), dtype)
   return grid((am, an, ak), "ssr", reads=(a, b), writes=c, body=_matmul_body,
               reduction=Sum(), name="matmul", pattern="matmul",
-              statement="C[m, n] += A[m, k] * B[k, n]")
+              statement="C[m, n] += A[m, k] * B[k, n]",
+              params=dict(m=m, n=n, k=k, dtype=str(np.dtype(dtype))))

@@ -1,6 +1,7 @@
 """The Mercury paper's running example: C[i] += A[i, j] * B[j]."""
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmercury.dsl import Axis, grid, match_buffer
 from jaxmercury.reductions import Sum
@@ -19,4 +20,4 @@ def weighted_sum(i: int, j: int, dtype=jnp.float32):
   c = match_buffer("C", (ai,), dtype)
   return grid((ai, aj), "sr", reads=(a, b), writes=c, body=_weighted_sum_body,
               reduction=Sum(), name="weighted_sum", pattern="weighted_sum",
-              statement="C[i] += A[i, j] * B[j]")
+              statement="C[i] += A[i, j] * B[j]", params=dict(i=i, j=j, dtype=str(np.dtype(dtype))))

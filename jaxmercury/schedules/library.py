@@ -76,7 +76,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     head = "hk" if program.axes["hk"].extent % total == 0 else "g"
     if program.axes[head].extent % total:
       raise ScheduleError(f"ulysses: neither kv heads nor query groups divide over {total} devices")
-    split(s, head, levels)
+    split(s, head, levels[::-1])  # innermost level first: each level is one all-to-all
     return s
 
   def usp():

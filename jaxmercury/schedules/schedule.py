@@ -90,6 +90,18 @@ class Schedule:
             f"{primitive}({lp.name!r}): loop {name!r} tiles axis {lp.axis!r} outside {lp.name!r} and is "
             f"{self.loop(name).role}; only the outermost factors of an axis can be spread over the mesh")
 
+  def _commit(self, saved: "Schedule", primitive: str, *args, **kwargs):
+    """Records a communication primitive once the whole schedule still validates.
+
+    On failure the schedule is restored: a rejected call changes nothing.
+    """
+    try:
+      self.validate()
+    except ScheduleError:
+      self.__dict__.update(saved.__dict__)
+      raise
+    self._record(primitive, *args, **kwargs)
+
   def copy(self) -> "Schedule":
     """An independent copy, sharing the program and mesh."""
     new = copy.copy(self)
@@ -281,12 +293,12 @@ class Schedule:
           f"parallelize({loop!r}, {mesh_level!r}): loop extent {lp.extent} must equal the size "
           f"{size} of mesh level {mesh_level!r}{hint}")
     self._check_outer_distributed(lp, "parallelize")
+    saved = self.copy()
     lp.role, lp.level = PARALLEL, mesh_level
     self.loops.remove(lp)
     n_parallel = sum(1 for x in self.loops if x.role == PARALLEL)
     self.loops.insert(n_parallel, lp)
-    self._record("parallelize", loop, mesh_level)
-    self.validate()
+    self._commit(saved, "parallelize", loop, mesh_level)
     return self
 
   def shift(self, local_loop: str, parallel_loop: str) -> "Schedule":
@@ -324,9 +336,9 @@ class Schedule:
           f"shift({local_loop!r}, {parallel_loop!r}): loop extent {lp.extent} must equal the size {size} "
           f"of mesh level {par.level!r}" + (f"; tile({local_loop!r}, {size}) first" if lp.extent % size == 0 else ""))
     self._check_outer_distributed(lp, "shift")
+    saved = self.copy()
     lp.role, lp.shifted_by = SERIAL, parallel_loop
-    self._record("shift", local_loop, parallel_loop)
-    self.validate()
+    self._commit(saved, "shift", local_loop, parallel_loop)
     return self
 
   def shard(self, buffer: str, parallel_loop: str, axis: str | None = None) -> "Schedule":
@@ -347,20 +359,19 @@ class Schedule:
     """
     buf = self.program.buffer(buffer)
     par = self._parallel(parallel_loop, "shard")
+    if axis is not None and axis not in buf.axes:
+      raise UnknownNameError(f"shard({buffer!r}, {parallel_loop!r}): {buffer} has no axis {axis!r}; axes: {buf.axes}")
     if par.axis in buf.axes:
+      if axis not in (None, par.axis):
+        raise PreconditionError(
+            f"shard({buffer!r}, {parallel_loop!r}, axis={axis!r}): {buffer} is indexed by the loop's "
+            f"axis {par.axis!r} and is split along it")
       chosen = par.axis
-    elif axis is not None:
-      if axis not in buf.axes:
-        raise UnknownNameError(f"shard({buffer!r}, {parallel_loop!r}): {buffer} has no axis {axis!r}; axes: {buf.axes}")
-      chosen = axis
     else:
-      chosen = self._default_shard_axis(buf, par)
-    if buf is self.program.writes and par.kind == "s" and chosen != par.axis:
-      raise PreconditionError(f"shard({buffer!r}, {parallel_loop!r}): the output is indexed by "
-                              f"spatial loop {parallel_loop!r} and is split along {par.axis!r}")
+      chosen = axis or self._default_shard_axis(buf, par)
+    saved = self.copy()
     self.placements[(buffer, par.level)] = (SHARD, chosen)
-    self._record("shard", buffer, parallel_loop, axis=axis)
-    self.validate()
+    self._commit(saved, "shard", buffer, parallel_loop, axis=axis)
     return self
 
   def replicate(self, buffer: str, parallel_loop: str) -> "Schedule":
@@ -379,24 +390,19 @@ class Schedule:
     """
     self.program.buffer(buffer)
     par = self._parallel(parallel_loop, "replicate")
+    saved = self.copy()
     self.placements[(buffer, par.level)] = (REPLICATE,)
-    self._record("replicate", buffer, parallel_loop)
-    self.validate()
+    self._commit(saved, "replicate", buffer, parallel_loop)
     return self
 
   def _default_shard_axis(self, buf, par) -> str:
     size = self.levels[par.level]
     for a in buf.axes:
-      extent = self.padded.get(a, self.program.axes[a].extent)
-      if extent % size == 0 and a not in self.factors or (
-          a in self.factors and extent % size == 0 and not self._axis_fully_distributed(a)):
+      if self.padded.get(a, self.program.axes[a].extent) % size == 0:
         return a
     raise PreconditionError(
         f"shard({buf.name!r}, {par.name!r}): no axis of {buf} divides evenly by the size {size} of "
-        f"mesh level {par.level!r}; pass axis=")
-
-  def _axis_fully_distributed(self, axis: str) -> bool:
-    return all(self.loop(n).distributed for n in self.factors[axis])
+        f"mesh level {par.level!r}; pass axis= or pad")
 
   # ------------------------------------------------------------ inspection
   def validate(self):

@@ -59,8 +59,26 @@ class Plan:
   reductions: tuple  # CrossReduction, outermost first
   local_factors: dict  # buffer -> {axis: [loop names not distributed in its resident layout]}
 
+  buffers: dict = dataclasses.field(default_factory=dict)  # name -> Buffer
+
   def spec(self, buffer: str) -> PartitionSpec:
+    """The storage layout over the buffer's canonical dims (one per axis)."""
     return to_spec(self.storage[buffer])
+
+  def user_spec(self, buffer: str) -> PartitionSpec | None:
+    """The storage layout over the buffer's own dims, or None if it has none.
+
+    A dimension that flattens several axes is split only when its minor axes
+    are not: then the major axis's levels split the whole dimension.
+    """
+    buf, layout = self.buffers[buffer], iter(self.storage[buffer])
+    entries = []
+    for group in buf.dims:
+      parts = [next(layout) for _ in group]
+      if any(parts[1:]):
+        return None
+      entries.append(parts[0])
+    return to_spec(tuple(entries))
 
 
 def to_spec(layout: Layout) -> PartitionSpec:
@@ -158,10 +176,16 @@ def make_plan(schedule) -> Plan:
   for b in prog.reads + (out,):
     for a, n in local_factor_names(schedule, b, resident[b.name], loops).items():
       local_factors.setdefault(b.name, {})[a] = n
+      split = [f for f in schedule.factors[a] if f not in n]
+      if schedule.factors[a][:len(split)] != split:
+        raise ScheduleError(
+            f"buffer {b.name!r}: along axis {a!r}, loop {split[-1]!r} splits it over the mesh while the "
+            f"outer loop {schedule.factors[a][len(split) - 1]!r} does not; a buffer can only be split "
+            f"over the outermost loops of an axis")
     for what, layout in (("storage", storage[b.name]), ("resident", resident[b.name])):
       _check_layout(schedule, b, layout, what)
   _check_layout(schedule, out, result, "result")
-  return Plan(storage, resident, result, rings, tuple(reductions), local_factors)
+  return Plan(storage, resident, result, rings, tuple(reductions), local_factors, prog.buffers)
 
 
 def _level_of(lp, loops):

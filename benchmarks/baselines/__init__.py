@@ -1,0 +1,1 @@
+"""Plain-JAX baselines that jaxmercury schedules are measured against."""

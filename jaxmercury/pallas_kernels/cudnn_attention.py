@@ -1,0 +1,64 @@
+"""Attention blocks through cuDNN flash attention (GPU, bf16/fp16).
+
+Causal blocks at traced offsets (ring steps) take one of three paths chosen
+at run time: fully visible (no mask), on the diagonal (cuDNN's causal mask),
+or fully masked (skipped: ``out = 0``, ``lse = -inf``). Blocks that overlap
+the diagonal in any other way, and key blocks that may hold padding, use the
+program's own XLA body.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmercury.pallas_kernels.registry import Kernel, register
+
+
+def _cudnn(q, k, v, causal):
+  from jaxmercury import _compat
+  b, i, hk, g, d = q.shape
+  mask = _compat.MaskType.CAUSAL if causal else _compat.MaskType.NO_MASK
+  out, lse = _compat.cudnn_attention(
+      q.reshape(b, i, hk * g, d), k, v, scale=1.0 / math.sqrt(d), mask_type=mask,
+      qkv_layout="BTNH", return_residual=True)
+  lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(b, i, hk, g)
+  return out.reshape(b, i, hk, g, d).astype(jnp.float32), lse
+
+
+def cudnn_attention_block(ctx, q, k, v, *, causal: bool, fallback):
+  """One attention block (same contract as ``attention_block``) through cuDNN."""
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  if ctx.extents["j"] % tk:  # the last key block may be padding
+    return fallback(ctx, q, k, v)
+  if not causal:
+    return _cudnn(q, k, v, False)
+  qs, ks = ctx.start("i"), ctx.start("j")
+
+  def masked(q, k, v):
+    b, i, hk, g, d = q.shape
+    return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
+
+  branches = [lambda q, k, v: _cudnn(q, k, v, False), masked,
+              lambda q, k, v: fallback(ctx, q, k, v)]
+  if tq == tk:
+    branches.append(lambda q, k, v: _cudnn(q, k, v, True))
+  visible = ks + tk - 1 <= qs
+  hidden = ks > qs + tq - 1
+  diagonal = (qs == ks) & (tq == tk)
+  case = jnp.where(visible, 0, jnp.where(hidden, 1, jnp.where(diagonal, 3, 2)))
+  return jax.lax.switch(case, branches, q, k, v)
+
+
+def _make(program):
+  causal = program.params["causal"]
+  return functools.partial(cudnn_attention_block, causal=causal, fallback=program.body)
+
+
+register(Kernel("cudnn_attention", frozenset({"attention"}), _make,
+                dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
+                platforms=frozenset({"gpu"})))

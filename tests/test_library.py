@@ -1,0 +1,59 @@
+"""Every library strategy equals the reference on every test mesh."""
+
+import jax.numpy as jnp
+import pytest
+
+import jaxmercury as jm
+from conftest import assert_matches
+
+ATTENTION = {
+    "mha": dict(batch=2, heads=8, kv_heads=8, q_len=64, kv_len=64, head_dim=16),
+    "gqa": dict(batch=1, heads=8, kv_heads=2, q_len=32, kv_len=48, head_dim=8),
+    "mqa": dict(batch=1, heads=8, kv_heads=1, q_len=40, kv_len=32, head_dim=8),
+}
+EXPECTED_ATTENTION = {"context_parallel", "ring", "tree"}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", sorted(ATTENTION))
+def test_attention_library(mesh, config, causal):
+  prog = jm.programs.attention(**ATTENTION[config], causal=causal)
+  lib = jm.library(prog, mesh)
+  assert EXPECTED_ATTENTION <= set(lib)
+  if config == "mha":
+    assert "ulysses" in lib
+  if len(mesh.axis_names) == 2 and config != "gqa":
+    assert "usp" in lib
+  for name, schedule in lib.items():
+    assert_matches(schedule)
+
+
+@pytest.mark.parametrize("shape", [(64, 32, 48), (36, 20, 44), (8, 8, 8)], ids=["multiple", "ragged", "one-each"])
+def test_matmul_library(mesh, shape):
+  prog = jm.programs.matmul(*shape)
+  lib = jm.library(prog, mesh)
+  assert set(lib) == {"allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter"}
+  for schedule in lib.values():
+    assert_matches(schedule)
+
+
+@pytest.mark.parametrize("name", ["ring", "ulysses", "context_parallel", "tree"])
+def test_attention_library_bf16(name):
+  from conftest import make_mesh
+  prog = jm.programs.attention(1, 8, 8, 64, 64, 32, causal=True, dtype=jnp.bfloat16)
+  assert_matches(jm.library(prog, make_mesh("8"))[name])
+
+
+@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter"])
+def test_matmul_library_bf16(name):
+  from conftest import make_mesh
+  prog = jm.programs.matmul(64, 48, 96, dtype=jnp.bfloat16)
+  assert_matches(jm.library(prog, make_mesh("2x4"))[name])
+
+
+def test_weighted_sum_library(mesh):
+  prog = jm.programs.weighted_sum(24, 40)
+  lib = jm.library(prog, mesh)
+  assert {"parallel_i", "parallel_j", "ring_j_over_i"} <= set(lib)
+  for schedule in lib.values():
+    assert_matches(schedule)
