@@ -61,7 +61,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
 from jaxmercury.pallas_kernels import registry  # noqa: E402
-from jaxmercury.shard_map.plan import to_spec  # noqa: E402
 
 from benchmarks.baselines import xla as base  # noqa: E402
 
@@ -79,37 +78,6 @@ def make_mesh():
   """A one-level mesh ``"x"`` over all devices, with Auto axis types."""
   n = len(jax.devices())
   return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def user_spec(prog, buffer_name, layout):
-  """A canonical storage layout as a PartitionSpec over the buffer's own dims.
-
-  ``Schedule.plan().storage`` gives one entry per canonical dimension (one
-  per axis; attention's q and o split their head dim into ``hk`` and ``g``).
-  Each user dimension takes the entry of its major axis; its minor axes must
-  be unsharded, or no user-level spec describes the layout.
-
-  Args:
-    prog: the ``jaxmercury.Program``.
-    buffer_name: one of its buffers.
-    layout: that buffer's canonical layout.
-
-  Returns:
-    A ``PartitionSpec`` with one entry per user dimension.
-
-  Raises:
-    ValueError: a minor canonical axis is sharded.
-  """
-  buf = prog.buffer(buffer_name)
-  entries, pos = [], 0
-  for group in buf.dims:
-    minor = layout[pos + 1:pos + len(group)]
-    if any(minor):
-      raise ValueError(f"{buffer_name}: minor axes of dim {[a.name for a in group]} are sharded "
-                       f"in {layout}; no PartitionSpec over the user dims matches")
-    entries.append(layout[pos])
-    pos += len(group)
-  return to_spec(tuple(entries))
 
 
 def place(mesh, x, spec):
@@ -154,9 +122,8 @@ def jm_entry(mesh, prog, strategy, kernel, inputs, flops):
     s = jm.library(prog, mesh)[strategy]
     if kernel != "xla":
       s.patch(kernel)
-    storage = s.plan().storage
-    args = tuple(place(mesh, x, user_spec(prog, b.name, storage[b.name]))
-                 for b, x in zip(prog.reads, inputs))
+    plan = s.plan()
+    args = tuple(place(mesh, x, plan.user_spec(b.name)) for b, x in zip(prog.reads, inputs))
     return s.compile(), args
 
   return Entry(f"jm:{strategy}[{kernel}]", "jaxmercury", build, check=True, flops=flops)
@@ -580,7 +547,7 @@ def main(argv=None):
       "n_devices": len(jax.devices()),
       "jax_version": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "command": " ".join(sys.argv),
+      "command": "python -m benchmarks.core_check " + " ".join(sys.argv[1:]),
       "cases": cases,
   }
   with open(args.out, "w", encoding="utf-8") as f:

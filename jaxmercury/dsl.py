@@ -108,7 +108,7 @@ def match_buffer(name: str, dims: Sequence[Axis | Sequence[Axis]], dtype) -> Buf
 def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: Buffer,
          body: Callable, reduction: Reduction | None = None, name: str = "program",
          pattern: str | None = None, statement: str | None = None,
-         params: dict | None = None) -> Program:
+         params: dict | None = None, flops: float | None = None) -> Program:
   """Declares a compute grid: the loop nest of an operator.
 
   Args:
@@ -128,6 +128,8 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     pattern: the kernel pattern this nest implements (for ``patch``).
     statement: a one-line description of the body for printouts.
     params: static parameters that identify the program (shapes, flags).
+    flops: floating-point operations of the whole program, for the cost
+      model; default two per point of the loop nest.
 
   Returns:
     The ``Program``.
@@ -137,4 +139,5 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     raise ScheduleError(f"kinds {kinds!r} must give one of 's'/'r' for each of {len(loops)} loops")
   return Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
                  reads=tuple(reads), writes=writes, body=body, reduction=reduction,
-                 pattern=pattern, statement=statement, params=dict(params or {}))
+                 pattern=pattern, statement=statement, params=dict(params or {}),
+                 flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)))

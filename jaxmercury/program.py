@@ -53,6 +53,7 @@ class Program:
   pattern: str | None = None
   statement: str | None = None
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  flops: float = 0.0
 
   def __post_init__(self):
     axes = {}

@@ -69,4 +69,5 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
               reduction=LogSumExp(value_axes=("d",)), name=kind, pattern="attention",
               params=dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
                           head_dim=head_dim, causal=causal, dtype=str(np.dtype(dtype))),
+              flops=4.0 * batch * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0),
               statement=f"o[b, i, hk*g] <- softmax{'_causal' if causal else ''}(q[b, i, hk*g] . k[b, j, hk]) v[b, j, hk]")

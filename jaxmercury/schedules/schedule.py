@@ -65,6 +65,9 @@ class Schedule:
     raise UnknownNameError(
         f"no loop {name!r} in the {self.program.name} nest; loops: {[lp.name for lp in self.loops]}")
 
+  def loop_or_none(self, name) -> Loop | None:
+    return next((lp for lp in self.loops if lp.name == name), None)
+
   def _level(self, level: str) -> int:
     if level not in self.levels:
       raise UnknownNameError(f"mesh has no level {level!r}; levels: {list(self.levels)}")

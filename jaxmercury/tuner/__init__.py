@@ -1,5 +1,9 @@
-"""The autotuner: design space, measurement and the choice of a schedule."""
+"""The autotuner: design space, cost model, measurement and the tuning database."""
 
+from jaxmercury.tuner.cost import Machine, predict
+from jaxmercury.tuner.database import Database
+from jaxmercury.tuner.memory import memory_per_device
 from jaxmercury.tuner.space import enumerate_schedules
+from jaxmercury.tuner.tune import TuneResult, autotune
 
-__all__ = ["enumerate_schedules"]
+__all__ = ["Database", "Machine", "TuneResult", "enumerate_schedules", "memory_per_device", "predict", "autotune"]

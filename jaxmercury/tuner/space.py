@@ -12,7 +12,7 @@ primitives' own checks.
 from __future__ import annotations
 
 import itertools
-import math
+
 from typing import Iterator
 
 from jaxmercury.errors import ScheduleError
@@ -107,4 +107,4 @@ def space_size(program, mesh) -> int:
   return len(enumerate_schedules(program, mesh))
 
 
-__all__ = ["enumerate_schedules", "space_size", "math"]
+
