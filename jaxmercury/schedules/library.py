@@ -51,6 +51,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
 
   def ctx_parallel():
     s = Schedule(program, mesh)
+    _pad_to_mesh(s, "j")
     par = split(s, "i", levels)
     for buf in ("k", "v"):
       for p in par:
