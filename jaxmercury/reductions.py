@@ -60,8 +60,9 @@ class LogSumExp(Reduction):
   """The online-softmax merge of attention partials.
 
   The state is ``(out, lse)``: ``out`` normalized over the keys seen so far and
-  ``lse`` their log-sum-exp, with the value axes (``value_axes``) dropped. A
-  row that has seen no unmasked key has ``lse = -inf`` and ``out = 0``.
+  ``lse`` their log-sum-exp, with the value axes (``value_axes``, which must
+  be the output's trailing axes) dropped. A row that has seen no unmasked key
+  has ``lse = -inf`` and ``out = 0``.
   """
 
   name = "logsumexp"

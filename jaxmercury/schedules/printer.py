@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR
+from jaxmercury.schedules.loops import PARALLEL, VECTOR
 from jaxmercury.shard_map import reshard
 
 

@@ -6,7 +6,7 @@ import json
 
 from jax.sharding import PartitionSpec
 
-from jaxmercury.errors import ScheduleError, TraceError
+from jaxmercury.errors import TraceError
 
 FORMAT = 1
 PRIMITIVES = ("pad", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.shard_map.nest import Nest
-from jaxmercury.shard_map.plan import make_plan, to_spec
+from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.shard_map.reshard import reshard
 
 
@@ -72,17 +70,3 @@ def lower(schedule, *, jit: bool = True):
 
   run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
   return jax.jit(run) if jit else run
-
-
-def padded_shapes(schedule):
-  """Canonical padded shapes of each buffer (for memory estimates)."""
-  return {b.name: tuple(schedule.padded.get(a, e) for a, e in zip(b.axes, b.canonical_shape))
-          for b in schedule.program.reads + (schedule.program.writes,)}
-
-
-def local_bytes(schedule, buffer: str, layout) -> int:
-  """Bytes of one device's block of ``buffer`` in ``layout``."""
-  b = schedule.program.buffer(buffer)
-  shape = padded_shapes(schedule)[buffer]
-  n = math.prod(s // math.prod(schedule.levels[lv] for lv in lvls) for s, lvls in zip(shape, layout))
-  return n * b.dtype.itemsize

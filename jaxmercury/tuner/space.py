@@ -62,8 +62,9 @@ def _gather_or_scatter(s: Schedule, par: dict):
   changed = False
   for lv, name in par.items():
     lp = s.loop(name)
+    shifted = {x.axis for x in s.loops if x.shifted_by == name}
     for b in prog.reads + (prog.writes,):
-      if lp.axis in b.axes or any(s.loop(n).shifted_by == name for n in s.factors.get(lp.axis, [])):
+      if lp.axis in b.axes or shifted & set(b.axes):
         continue
       if b is prog.writes and lp.kind == "s":
         continue
