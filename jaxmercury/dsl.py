@@ -108,7 +108,8 @@ def match_buffer(name: str, dims: Sequence[Axis | Sequence[Axis]], dtype) -> Buf
 def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: Buffer,
          body: Callable, reduction: Reduction | None = None, name: str = "program",
          pattern: str | None = None, statement: str | None = None,
-         params: dict | None = None, flops: float | None = None) -> Program:
+         params: dict | None = None, flops: float | None = None,
+         workspace: Callable | None = None) -> Program:
   """Declares a compute grid: the loop nest of an operator.
 
   Args:
@@ -130,6 +131,8 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     params: static parameters that identify the program (shapes, flags).
     flops: floating-point operations of the whole program, for the cost
       model; default two per point of the loop nest.
+    workspace: ``workspace(sizes) -> bytes``, the temporary memory one body
+      call needs for blocks of the given per-axis sizes (memory estimate).
 
   Returns:
     The ``Program``.
@@ -140,4 +143,5 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
   return Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
                  reads=tuple(reads), writes=writes, body=body, reduction=reduction,
                  pattern=pattern, statement=statement, params=dict(params or {}),
-                 flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)))
+                 flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)),
+                 workspace=workspace)

@@ -54,6 +54,22 @@ class Program:
   statement: str | None = None
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   flops: float = 0.0
+  workspace: Callable | None = None
+
+  def fingerprint(self) -> str:
+    """A structural hash: loops, kinds, buffers, dtypes, reduction, body and parameters."""
+    import hashlib
+    import json
+    body = getattr(self.body, "func", self.body)
+    data = {
+        "name": self.name, "pattern": self.pattern, "params": {k: str(v) for k, v in self.params.items()},
+        "loops": [(a.name, a.extent, self.kinds[a.name]) for a in self.loops],
+        "buffers": [(b.name, [[(a.name, a.extent) for a in d] for d in b.dims], str(b.dtype))
+                    for b in self.reads + (self.writes,)],
+        "reduction": self.reduction.name if self.reduction else None,
+        "body": f"{getattr(body, '__module__', '')}.{getattr(body, '__qualname__', repr(body))}",
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
   def __post_init__(self):
     axes = {}

@@ -1,86 +1,132 @@
-"""``python -m jaxmercury.tune``: tune an operator on this machine's mesh.
+"""``python -m jaxmercury.tune``: tune an operator on this machine's devices.
 
-Without GPUs the mesh is simulated on the CPU (8 devices by default)::
+Without GPUs it simulates an 8-device CPU mesh (the pipeline and correctness
+are real; the timings are CPU timings)::
 
-  python -m jaxmercury.tune attention --seq 256 --heads 8 --kv-heads 2
-  python -m jaxmercury.tune matmul --m 512 --n 512 --k 1024 --mesh 2x4
+  python -m jaxmercury.tune attention --seq_len 256 --heads 8 --kv_heads 2 --causal
+  python -m jaxmercury.tune matmul --m 512 --n 512 --k 1024 --mesh node=2,gpu=4 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
+import json
+import math
 import os
+import re
 import sys
 
+from absl import flags
 
-def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m jaxmercury.tune", description=__doc__.splitlines()[0])
-  p.add_argument("program", choices=["attention", "matmul", "weighted_sum"])
-  p.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2x4 (default: all devices, one level)")
-  p.add_argument("--levels", default=None, help="comma-separated level names (default x, or node,gpu)")
-  p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when no GPU is present")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--seq", type=int, default=256, help="query and key length")
-  p.add_argument("--head-dim", type=int, default=32)
-  p.add_argument("--causal", action="store_true")
-  p.add_argument("--m", type=int, default=512)
-  p.add_argument("--n", type=int, default=256)
-  p.add_argument("--k", type=int, default=512)
-  p.add_argument("--space", type=int, default=24, help="design-space schedules added to the library's")
-  p.add_argument("--top-k", type=int, default=8, help="candidates compiled and timed, best predicted first")
-  p.add_argument("--iters", type=int, default=10)
-  p.add_argument("--memory-budget-mib", type=float, default=None)
-  p.add_argument("--db", default="jaxmercury_tuning.db", help="SQLite tuning database")
-  return p.parse_args(argv)
+FLAGS = flags.FlagValues()
+flags.DEFINE_integer("batch", 1, "attention: batch", flag_values=FLAGS)
+flags.DEFINE_integer("heads", 8, "attention: query heads", flag_values=FLAGS)
+flags.DEFINE_integer("kv_heads", 8, "attention: key/value heads (GQA when fewer, MQA at 1)", flag_values=FLAGS)
+flags.DEFINE_integer("seq_len", 256, "attention: query and key length", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 32, "attention: head dimension", flag_values=FLAGS)
+flags.DEFINE_boolean("causal", False, "attention: causal mask", flag_values=FLAGS)
+flags.DEFINE_integer("m", 512, "matmul: rows of A and C", flag_values=FLAGS)
+flags.DEFINE_integer("n", 256, "matmul: columns of B and C", flag_values=FLAGS)
+flags.DEFINE_integer("k", 512, "matmul: the reduction length", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "element type", flag_values=FLAGS)
+flags.DEFINE_string("mesh", None, "mesh levels, e.g. gpu=2 or node=2,gpu=4 (default: all devices on one level)",
+                    flag_values=FLAGS)
+flags.DEFINE_string("memory_budget", None, "per-device memory budget, e.g. 40GiB or 512MiB", flag_values=FLAGS)
+flags.DEFINE_integer("top", 8, "candidates compiled and timed, best predicted first", flag_values=FLAGS)
+flags.DEFINE_integer("space", 24, "design-space schedules added to the library's", flag_values=FLAGS)
+flags.DEFINE_integer("iters", 10, "timed runs per candidate", flag_values=FLAGS)
+flags.DEFINE_float("time_limit", 300.0, "seconds a candidate may take to compile and run once", flag_values=FLAGS)
+flags.DEFINE_string("db", None, "tuning database (default ~/.cache/jaxmercury/tuning.db)", flag_values=FLAGS)
+flags.DEFINE_boolean("retune", False, "tune even if the database holds a winner", flag_values=FLAGS)
+flags.DEFINE_string("json", None, "write the result as JSON here", flag_values=FLAGS)
+flags.DEFINE_string("plot", None, "write the latency-memory scatter (PNG) here", flag_values=FLAGS)
+flags.DEFINE_integer("cpu_devices", 8, "simulated CPU devices when no GPU is present", flag_values=FLAGS)
 
-
-def _program(args, jm):
-  if args.program == "attention":
-    return jm.programs.attention(args.batch, args.heads, args.kv_heads, args.seq, args.seq,
-                                 args.head_dim, causal=args.causal, dtype=args.dtype)
-  if args.program == "matmul":
-    return jm.programs.matmul(args.m, args.n, args.k, dtype=args.dtype)
-  return jm.programs.weighted_sum(args.m, args.k, dtype=args.dtype)
+_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
-def _mesh(args, jax):
-  from jax.sharding import AxisType
-  from jaxmercury.errors import ScheduleError
-  shape = (tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (len(jax.devices()),))
-  names = tuple(args.levels.split(",")) if args.levels else (("x",) if len(shape) == 1 else ("node", "gpu"))
-  if len(names) != len(shape):
-    raise ScheduleError(f"--levels names {len(names)} levels for a mesh of {len(shape)}")
-  import math
-  if math.prod(shape) > len(jax.devices()):
-    raise ScheduleError(f"mesh {shape} needs {math.prod(shape)} devices, this machine has {len(jax.devices())}")
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+def parse_bytes(text: str) -> int:
+  """``"40GiB"`` -> bytes."""
+  m = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]i?B|B)?\s*", text)
+  if not m:
+    raise ValueError(f"--memory_budget {text!r}: expected a number and a unit such as 512MiB or 40GiB")
+  return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
-def main(argv=None):
-  args = _parse(sys.argv[1:] if argv is None else argv)
-  flag = f"--xla_force_host_platform_device_count={args.cpu_devices}"
+def parse_mesh(text: str | None, n_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """``"node=2,gpu=4"`` -> (("node", "gpu"), (2, 4))."""
+  if not text:
+    return ("gpu",), (n_devices,)
+  names, sizes = [], []
+  for part in text.split(","):
+    name, _, size = part.partition("=")
+    if not name or not size.isdigit():
+      raise ValueError(f"--mesh {text!r}: expected level=size pairs such as node=2,gpu=4")
+    names.append(name.strip())
+    sizes.append(int(size))
+  if math.prod(sizes) > n_devices:
+    raise ValueError(f"--mesh {text!r} needs {math.prod(sizes)} devices; this machine has {n_devices}")
+  return tuple(names), tuple(sizes)
+
+
+def _program(kind, jm):
+  if kind == "attention":
+    return jm.programs.attention(FLAGS.batch, FLAGS.heads, FLAGS.kv_heads, FLAGS.seq_len, FLAGS.seq_len,
+                                 FLAGS.head_dim, causal=FLAGS.causal, dtype=FLAGS.dtype)
+  return jm.programs.matmul(FLAGS.m, FLAGS.n, FLAGS.k, dtype=FLAGS.dtype)
+
+
+def result_json(result, mesh) -> dict:
+  def short(c):
+    return {"name": c.name, "schedule": json.loads(c.schedule.to_json()), "time_ms": c.time_ms,
+            "memory_bytes": c.memory_bytes}
+  cands = []
+  for c in result.candidates:
+    d = c.to_dict()
+    d["schedule"] = json.loads(d["schedule"])
+    cands.append(d)
+  return {"winner": short(result.best) if result.best else None, "candidates": cands,
+          "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
+          "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
+
+
+def main(argv) -> int:
+  rest = FLAGS(argv)
+  if len(rest) != 2 or rest[1] not in ("attention", "matmul"):
+    print("usage: python -m jaxmercury.tune attention|matmul [flags]", file=sys.stderr)
+    return 2
+  flag = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   import jax
+  from jax.sharding import AxisType
   import jaxmercury as jm
-  mesh = _mesh(args, jax)
-  prog = _program(args, jm)
-  print(f"tuning {prog}\non {len(mesh.devices.flat)} {mesh.devices.flat[0].device_kind} devices, "
-        f"mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}", flush=True)
-  db = jm.Database(args.db)
-  budget = None if args.memory_budget_mib is None else int(args.memory_budget_mib * 2**20)
-  result = jm.autotune(prog, mesh, space=args.space, top_k=args.top_k, memory_budget=budget,
-                       iters=args.iters, database=db, log=lambda s: print(s, flush=True))
+
+  platform = jax.devices()[0].platform
+  names, sizes = parse_mesh(FLAGS.mesh, len(jax.devices()))
+  mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
+  prog = _program(rest[1], jm)
+  where = ("simulated CPU mesh: correctness is real, timings are CPU timings" if platform == "cpu"
+           else f"{jax.devices()[0].device_kind}")
+  print(f"tuning {prog}\non {math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
+  db = jm.Database(FLAGS.db)
+  budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
+  result = jm.autotune(prog, mesh, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
+                       iters=FLAGS.iters, time_limit_s=FLAGS.time_limit, database=db, retune=FLAGS.retune,
+                       log=lambda s: print(s, flush=True))
   print("\n" + result.table())
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(result_json(result, mesh), f, indent=1)
+  if FLAGS.plot and result.candidates:
+    from jaxmercury.tuner.plot import latency_memory_plot
+    latency_memory_plot(result, FLAGS.plot, title=f"{prog.name} on {dict(mesh.shape)} ({platform})")
   if result.best is None:
     print("\nno candidate passed its numerical check")
     return 1
-  print(f"\nwinner: {result.best.name} ({result.best.result.median_ms:.3f} ms), stored in {args.db}\n")
-  print(result.best.schedule)
+  source = "from the database" if result.from_database else "stored in the database"
+  print(f"\nwinner: {result.best.name} ({result.best.time_ms:.3f} ms{' on CPU' if platform == 'cpu' else ''}), "
+        f"{source} {db.path}\n\n{result.best.schedule}")
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(sys.argv))

@@ -61,4 +61,5 @@ def _make(program):
 
 register(Kernel("cudnn_attention", frozenset({"attention"}), _make,
                 dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
-                platforms=frozenset({"gpu"})))
+                platforms=frozenset({"gpu"}),
+                workspace=lambda program, sizes: 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]))

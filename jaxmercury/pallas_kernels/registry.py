@@ -25,6 +25,12 @@ class Kernel:
   make: Callable | None  # make(program) -> block function; None: the program's own body
   dtypes: frozenset | None = None  # None: any
   platforms: frozenset = frozenset({"cpu", "gpu", "tpu"})
+  workspace: Callable | None = None  # workspace(program, sizes) -> bytes; None: the program's
+
+  def workspace_bytes(self, program, sizes) -> int:
+    if self.workspace is not None:
+      return int(self.workspace(program, sizes))
+    return int(program.workspace(sizes)) if program.workspace else 0
 
   def matches(self, program) -> bool:
     return "*" in self.patterns or program.pattern in self.patterns
@@ -52,11 +58,18 @@ def candidates(program, mesh) -> list[str]:
   return out
 
 
-def lookup(name: str, program, mesh) -> Callable:
-  """The kernel function for ``program`` on ``mesh``; raises if it does not apply."""
+def kernel(name: str) -> Kernel:
   if name not in _KERNELS:
     raise UnknownNameError(f"no kernel {name!r}; registered: {sorted(_KERNELS)}")
-  k = _KERNELS[name]
+  return _KERNELS[name]
+
+
+def lookup(name: str, program, mesh) -> Callable:
+  """The kernel function for ``program`` on ``mesh``; raises if it does not apply.
+
+  On an ``AbstractMesh`` (planning only) the device platform is not checked.
+  """
+  k = kernel(name)
   if not k.matches(program):
     raise PreconditionError(
         f"patch({name!r}): kernel implements {sorted(k.patterns)}, not {program.name} (pattern {program.pattern!r})")
@@ -64,8 +77,8 @@ def lookup(name: str, program, mesh) -> Callable:
   if k.dtypes is not None and not dtypes <= k.dtypes:
     raise PreconditionError(f"patch({name!r}): kernel accepts {sorted(map(str, k.dtypes))}, "
                             f"program has {sorted(map(str, dtypes))}")
-  platform = mesh.devices.flat[0].platform
-  if platform not in k.platforms:
+  platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else None
+  if platform is not None and platform not in k.platforms:
     raise PreconditionError(f"patch({name!r}): kernel runs on {sorted(k.platforms)}, mesh devices are {platform!r}")
   return k.make(program) if k.make else program.body
 

@@ -41,6 +41,11 @@ def attention_block(ctx, q, k, v, *, causal: bool):
   return o / denom[..., None], lse
 
 
+def _scores_bytes(sizes):
+  """Scores and probabilities of one block, in float32."""
+  return 2 * 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"] * sizes["j"]
+
+
 def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
               causal: bool = False, dtype=jnp.float32):
   """The attention program.
@@ -70,4 +75,5 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
               params=dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
                           head_dim=head_dim, causal=causal, dtype=str(np.dtype(dtype))),
               flops=4.0 * batch * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0),
+              workspace=_scores_bytes,
               statement=f"o[b, i, hk*g] <- softmax{'_causal' if causal else ''}(q[b, i, hk*g] . k[b, j, hk]) v[b, j, hk]")

@@ -28,7 +28,9 @@ class Schedule:
 
   Args:
     program: the ``Program`` to schedule.
-    mesh: a ``jax.sharding.Mesh``; its axis names are the mesh levels.
+    mesh: a ``jax.sharding.Mesh``; its axis names are the mesh levels. An
+      ``AbstractMesh`` (no devices) serves planning and cost prediction on
+      meshes this machine does not have; it cannot be compiled.
     in_shardings: optional ``PartitionSpec`` per input, over the inputs'
       own dimensions: the layouts the caller's arrays have. Where they differ
       from the schedule's layouts the lowering inserts all-to-all, all-gather
@@ -41,11 +43,12 @@ class Schedule:
                out_sharding: PartitionSpec | None = None):
     if not isinstance(program, Program):
       raise ScheduleError(f"Schedule needs a jaxmercury Program, got {type(program).__name__}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise ScheduleError(f"Schedule needs a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+      raise ScheduleError(f"Schedule needs a jax.sharding.Mesh (or an AbstractMesh to plan with), "
+                          f"got {type(mesh).__name__}")
     self.program = program
     self.mesh = mesh
-    self.levels: dict[str, int] = dict(zip(mesh.axis_names, mesh.devices.shape))
+    self.levels: dict[str, int] = dict(mesh.shape)
     self.loops: list[Loop] = [
         Loop(a.name, a.name, a.extent, program.kinds[a.name]) for a in program.loops]
     self.factors: dict[str, list[str]] = {a.name: [a.name] for a in program.loops}
@@ -423,6 +426,9 @@ class Schedule:
       ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
     """
     from jaxmercury.shard_map.lower import lower
+    if not isinstance(self.mesh, jax.sharding.Mesh):
+      raise ScheduleError(f"cannot compile on {self.mesh}: an AbstractMesh has no devices; "
+                          "use it for plans and cost predictions")
     return lower(self, **options)
 
   def to_json(self) -> str:

@@ -78,7 +78,7 @@ def from_json(program, mesh, text: str):
   if data.get("params", {}) != dict(program.params) or data.get("program") != program.name:
     raise TraceError(f"trace is for {data.get('program')!r} {data.get('params')}, "
                      f"not {program.name!r} {dict(program.params)}")
-  levels = dict(zip(mesh.axis_names, mesh.devices.shape))
+  levels = dict(mesh.shape)
   if data.get("mesh") != levels:
     raise TraceError(f"trace is for mesh {data.get('mesh')}, not {levels}")
   ins = data.get("in_shardings")

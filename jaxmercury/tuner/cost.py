@@ -1,9 +1,11 @@
 """An analytic cost model: a schedule's time from machine figures.
 
-Per device: compute time is the flops its blocks do over the matrix rate;
+Per device: compute time is the flops its blocks do over the rate of the
+local kernel (measured by ``calibrate``);
 each collective moves bytes over the link bandwidth of its mesh level plus a
 fixed latency; ring transfers overlap the compute of the step they precede,
-so a ring costs the larger of the two. Gathers, all-to-alls and reductions
+so a ring costs the larger of the two plus the part of the smaller that the
+machine does not hide (``overlap``). Gathers, all-to-alls and reductions
 before and after the nest do not overlap.
 """
 
@@ -23,24 +25,47 @@ class Machine:
 
   Attributes:
     name: a label.
-    flops_per_s: one device's matrix rate.
+    flops_per_s: one device's default compute rate.
     link_bytes_per_s: per mesh level, bytes one device sends per second;
       ``"*"`` is the default for levels not named.
     latency_s: fixed cost of one collective or ring step.
+    kernel_flops_per_s: per local kernel name, its measured rate on the
+      program's blocks (overrides ``flops_per_s``).
+    gather_factor: time of an all-gather or all-to-all relative to moving
+      the same bytes point to point.
+    call_overhead_s: fixed cost of one body call (one block of a serial loop).
+    overlap: the share of a ring transfer that hides under the compute
+      beside it (1: all of it).
+    memory_bytes_per_s: device memory bandwidth, for combining partial
+      results between blocks.
   """
 
   name: str
   flops_per_s: float
   link_bytes_per_s: dict
   latency_s: float = 20e-6
+  kernel_flops_per_s: dict = dataclasses.field(default_factory=dict)
+  gather_factor: float = 1.0
+  call_overhead_s: float = 10e-6
+  overlap: float = 1.0
+  memory_bytes_per_s: float = 2e12
 
   def bandwidth(self, level: str) -> float:
     return self.link_bytes_per_s.get(level, self.link_bytes_per_s["*"])
 
+  def rate(self, kernel: str) -> float:
+    return self.kernel_flops_per_s.get(kernel, self.flops_per_s)
 
-# Figures from ../shared/REFERENCE.md (2 x H200, NVLink, jax 0.11.2) and a rough CPU.
-H200_NVLINK = Machine("2xH200 NVLink", 600e12, {"*": 150e9}, 20e-6)
-CPU_SIMULATED = Machine("simulated CPU mesh", 20e9, {"*": 5e9}, 50e-6)
+  def with_links(self, **levels: float) -> "Machine":
+    """The same machine with other per-level bandwidths (to plan larger meshes)."""
+    return dataclasses.replace(self, link_bytes_per_s={**self.link_bytes_per_s, **levels})
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, data: dict) -> "Machine":
+    return cls(**data)
 
 
 def _collective_bytes(op: str, local_bytes: int, n: int) -> float:
@@ -56,13 +81,16 @@ def predict(schedule, machine: Machine) -> float:
   prog, plan = schedule.program, make_plan(schedule)
   levels = schedule.levels
   parallel = math.prod(levels[lp.level] for lp in schedule.loops if lp.role == "parallel")
-  compute = prog.flops / parallel / machine.flops_per_s
+  calls = math.prod(lp.extent for lp in schedule.loops if lp.role == "serial")
+  compute = prog.flops / parallel / machine.rate(schedule.kernel or "xla") + calls * machine.call_overhead_s
+  if calls > 1:  # each block's partial state is combined with, or placed into, the accumulated one
+    compute += calls * 3 * _state_block_bytes(schedule) / machine.memory_bytes_per_s
   exposed = 0.0
   for b in prog.reads:
     layout = [list(e) for e in plan.storage[b.name]]
     for st in reshard.steps(plan.storage[b.name], plan.resident[b.name]):
       nbytes = local_elements(schedule, b, layout) * b.dtype.itemsize
-      exposed += _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
+      exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
       exposed += machine.latency_s if st.op != reshard.SLICE else 0.0
       _apply(layout, st)
   out = prog.writes
@@ -70,11 +98,12 @@ def predict(schedule, machine: Machine) -> float:
       1 if prog.reduction is None else len(prog.reduction.state_axes(out.axes)))
   for red in plan.reductions:
     n = levels[red.level]
-    exposed += 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level) + machine.latency_s
+    exposed += machine.gather_factor * 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level)
+    exposed += machine.latency_s
   layout = [list(e) for e in plan.result]
   for st in reshard.steps(plan.result, plan.storage[out.name]):
     nbytes = local_elements(schedule, out, layout) * out.dtype.itemsize
-    exposed += _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
+    exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
     _apply(layout, st)
   ring = 0.0
   for r in plan.rings.values():
@@ -83,7 +112,14 @@ def predict(schedule, machine: Machine) -> float:
     if r.travel:
       nbytes += state_bytes
     ring += (r.size - 1) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
-  return exposed + max(compute, ring)
+  return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
+
+
+def _state_block_bytes(schedule) -> int:
+  from jaxmercury.tuner.memory import block_sizes
+  prog, sizes = schedule.program, block_sizes(schedule)
+  axes = (prog.writes.axes,) if prog.reduction is None else prog.reduction.state_axes(prog.writes.axes)
+  return sum(4 * math.prod(sizes[a] for a in leaf) for leaf in axes)
 
 
 def _apply(layout, st):

@@ -2,18 +2,22 @@
 
 Counts what each device holds at once: every input's stored block and, when
 the nest needs another layout, its gathered copy; a second block per ring
-buffer (the one in flight); the output's float32 partial state; and the
-output's stored block.
+buffer (the one in flight); the output's float32 partial state and its stored
+block; and the workspace of one body call (the patched kernel's, else the
+program's).
 """
 
 from __future__ import annotations
 
 import math
 
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.schedules.loops import VECTOR
 from jaxmercury.shard_map.plan import make_plan
 
 
 def local_elements(schedule, buf, layout) -> int:
+  """Elements of one device's block of ``buf`` in ``layout``."""
   n = 1
   for a, extent, levels in zip(buf.axes, buf.canonical_shape, layout):
     extent = schedule.padded.get(a, extent)
@@ -21,8 +25,17 @@ def local_elements(schedule, buf, layout) -> int:
   return n
 
 
+def block_sizes(schedule) -> dict[str, int]:
+  """Per axis, the extent one body call sees."""
+  prog = schedule.program
+  sizes = {a: ax.extent for a, ax in prog.axes.items()}
+  for a, names in schedule.factors.items():
+    sizes[a] = math.prod(schedule.loop(n).extent for n in names if schedule.loop(n).role == VECTOR)
+  return sizes
+
+
 def memory_per_device(schedule) -> int:
-  """Estimated peak bytes one device holds for the schedule's buffers."""
+  """Estimated peak bytes one device holds while running the schedule."""
   plan = make_plan(schedule)
   prog = schedule.program
   ring_buffers = {b for r in plan.rings.values() for b in r.buffers}
@@ -38,4 +51,5 @@ def memory_per_device(schedule) -> int:
   out = prog.writes
   total += 4 * local_elements(schedule, out, plan.resident[out.name])
   total += local_elements(schedule, out, plan.storage[out.name]) * out.dtype.itemsize
-  return total
+  kernel = registry.kernel(schedule.kernel or "xla")
+  return total + kernel.workspace_bytes(prog, block_sizes(schedule))

@@ -1,0 +1,189 @@
+"""A short microbenchmark that measures the cost model's figures on this machine.
+
+Each applicable local kernel runs on one device on blocks of the program's
+own shape at two sizes, repeated inside one jitted loop so that dispatch does
+not count: the two times give its rate and its fixed cost per call. A ring
+``ppermute`` over each mesh level at two sizes gives the level's bandwidth
+and latency, an all-gather against the same ring the collectives' factor, and
+a ring beside independent matrix products how much of a transfer hides; an
+elementwise pass gives the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.program import BlockContext
+from jaxmercury.tuner.cost import Machine
+
+REPEATS = 8
+
+
+def _time(fn, *args, iters: int = 3) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _per_repeat(make, *args) -> float:
+  """Seconds of one repeat of ``make(repeats)``'s loop body, without dispatch."""
+  return max((_time(make(REPEATS), *args) - _time(make(1), *args)) / (REPEATS - 1), 1e-9)
+
+
+def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1) -> dict[str, int]:
+  """Per-axis block sizes that fit the budget, then ``shrink`` times fewer loop points."""
+  sizes = {a: ax.extent for a, ax in program.axes.items()}
+  loops = [a.name for a in program.loops]
+
+  def nbytes():
+    data = sum(math.prod(sizes[a] for a in b.axes) * b.dtype.itemsize for b in program.reads + (program.writes,))
+    return kernel.workspace_bytes(program, sizes) + data
+
+  def halve():
+    axis = max(loops, key=lambda a: sizes[a])
+    if sizes[axis] == 1:
+      return False
+    sizes[axis] = max(1, sizes[axis] // 2)
+    return True
+
+  while nbytes() > budget_bytes and halve():
+    pass
+  while shrink > 1 and halve():
+    shrink //= 2
+  return sizes
+
+
+def _kernel_call_seconds(program, fn, sizes, device) -> float:
+  ctx = BlockContext(starts={}, sizes=sizes, extents={a: ax.extent for a, ax in program.axes.items()})
+  keys = jax.random.split(jax.random.key(0), len(program.reads))
+  blocks = tuple(jax.device_put(jax.random.normal(k, [sizes[a] for a in b.axes], jnp.float32).astype(b.dtype),
+                                device) for k, b in zip(keys, program.reads))
+
+  def make(repeats):
+    def step(_, xs):
+      out = jax.tree.leaves(fn(ctx, *xs))[0]
+      nudge = (out.reshape(-1)[0] * 0).astype(xs[0].dtype)  # a data dependency between repeats
+      return (xs[0] + nudge,) + xs[1:]
+    return jax.jit(lambda *xs: jax.lax.fori_loop(0, repeats, step, xs))
+
+  return _per_repeat(make, *blocks)
+
+
+def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int) -> tuple[float, float]:
+  """(flops per second, fixed seconds per call) of a kernel on one device."""
+  kernel = registry.kernel(kernel_name)
+  fn = registry.lookup(kernel_name, program, mesh)
+  device = mesh.devices.flat[0]
+  points = {}
+  for shrink in (1, 8):
+    sizes = _block_sizes(program, kernel, budget_bytes, shrink)
+    flops = program.flops * math.prod(sizes[a.name] / a.extent for a in program.loops)
+    points[flops] = _kernel_call_seconds(program, fn, sizes, device)
+  (f_small, t_small), (f_big, t_big) = sorted(points.items())
+  if f_big <= f_small or t_big <= t_small:
+    return f_big / t_big, 0.0
+  rate = (f_big - f_small) / (t_big - t_small)
+  return rate, max(t_small - f_small / rate, 0.0)
+
+
+def link_figures(mesh, level: str, nbytes: int) -> tuple[float, float, float]:
+  """(ring bandwidth bytes/s, latency s, all-gather factor) over one mesh level."""
+  n = mesh.shape[level]
+  perm = [(j, (j - 1) % n) for j in range(n)]
+  spec = PartitionSpec(level)
+
+  def ring(x):
+    return jax.lax.ppermute(x, level, perm)
+
+  def gather(x):
+    full = jax.lax.all_gather(x, level, axis=0, tiled=True)
+    return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(level) * x.shape[0], x.shape[0], 0) + 1
+
+  def per_step(op, per_device):
+    def make(repeats):
+      body = lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: op(y), x)
+      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    x = jax.device_put(jnp.ones((n * max(per_device // 4, 1),), jnp.float32), NamedSharding(mesh, spec))
+    return _per_repeat(make, x)
+
+  big, small = per_step(ring, nbytes), per_step(ring, 4096)
+  bandwidth = nbytes / max(big - small, 1e-12)
+  factor = (per_step(gather, nbytes) - small) / max((n - 1) * (big - small), 1e-12)
+  return bandwidth, small, float(np.clip(factor, 0.25, 4.0))
+
+
+def overlap_figure(mesh, level: str, nbytes: int, gpu: bool) -> float:
+  """How much of a ring transfer hides under independent compute: 1 all, 0 none."""
+  n = mesh.shape[level]
+  perm = [(j, (j - 1) % n) for j in range(n)]
+  spec = PartitionSpec(level)
+  size = 4096 if gpu else 512
+  dtype = jnp.bfloat16 if gpu else jnp.float32
+
+  def make(compute, transfer):
+    def step(_, carry):
+      a, x = carry
+      if compute:
+        a = jnp.dot(a, a, preferred_element_type=jnp.float32).astype(a.dtype) * 0.5
+      if transfer:
+        x = jax.lax.ppermute(x, level, perm)
+      return a, x
+    def body(a, x):
+      return jax.lax.fori_loop(0, REPEATS, step, (a, x))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
+
+  a = jax.device_put(jax.random.normal(jax.random.key(1), (n * size, size), jnp.float32).astype(dtype) / 64,
+                     NamedSharding(mesh, spec))
+  x = jax.device_put(jnp.ones((n * max(nbytes // 4, 1),), jnp.float32), NamedSharding(mesh, spec))
+  t_c, t_t, t_both = (_time(make(c, t), a, x) for c, t in ((True, False), (False, True), (True, True)))
+  return float(np.clip((t_c + t_t - t_both) / max(min(t_c, t_t), 1e-12), 0.0, 1.0))
+
+
+def memory_figure(device, nbytes: int) -> float:
+  """Device memory bandwidth in bytes/s (one read and one write per element)."""
+  x = jax.device_put(jnp.ones((max(nbytes // 4, 1),), jnp.float32), device)
+
+  def make(repeats):
+    return jax.jit(lambda y: jax.lax.fori_loop(0, repeats, lambda _, z: z * 1.0001 + 1.0, y))
+
+  return 2 * x.size * 4 / _per_repeat(make, x)
+
+
+def calibrate(program, mesh, *, kernels=None) -> Machine:
+  """Measures this machine's figures for ``program`` on ``mesh``."""
+  gpu = mesh.devices.flat[0].platform != "cpu"
+  budget = (8 << 30) if gpu else (64 << 20)
+  link_bytes = (64 << 20) if gpu else (4 << 20)
+  rates, overheads = {}, []
+  for name in kernels or registry.candidates(program, mesh):
+    rates[name], overhead = kernel_figures(program, name, mesh, budget)
+    overheads.append(overhead)
+  links, latencies, factors, overlaps = {}, [], [], []
+  for level in mesh.axis_names:
+    if mesh.shape[level] > 1:
+      bw, lat, factor = link_figures(mesh, level, link_bytes)
+      links[level] = bw
+      latencies.append(lat)
+      factors.append(factor)
+      overlaps.append(overlap_figure(mesh, level, link_bytes, gpu))
+  links["*"] = min(links.values()) if links else 1e12
+  return Machine(
+      name=f"{mesh.devices.flat[0].device_kind} x{mesh.devices.size} (calibrated)",
+      flops_per_s=max(rates.values()) if rates else 1e12, link_bytes_per_s=links,
+      latency_s=statistics.median(latencies) if latencies else 0.0,
+      kernel_flops_per_s=rates, gather_factor=statistics.median(factors) if factors else 1.0,
+      call_overhead_s=statistics.median(overheads) if overheads else 0.0,
+      overlap=statistics.median(overlaps) if overlaps else 1.0,
+      memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)))

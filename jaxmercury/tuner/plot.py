@@ -1,0 +1,169 @@
+"""The design-space scatter of a tuning run: latency against memory (Mercury, Fig. 13).
+
+Each candidate of a ``TuneResult`` is one point: x is its estimated memory per
+device, y its measured latency (candidates checked and timed) or, in a lighter
+marker, the cost model's prediction (candidates pruned before compiling, and
+failed ones). The Pareto front of the timed candidates (the lowest latency for
+at most that much memory) is drawn as a step line; the winner is highlighted
+and the library's strategies are labeled by name.
+
+matplotlib is an optional dependency: only ``latency_memory_plot`` needs it,
+and it draws with the non-interactive Agg backend without touching pyplot's
+global state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from jaxmercury.tuner import measure
+
+MIB = 2**20
+
+
+def pareto_front(points: Sequence[Sequence[float]]) -> list:
+  """The points no other point beats on both coordinates, lower being better.
+
+  A point ``(x, y, ...)`` is on the front when every other point with
+  ``x' <= x`` has ``y' > y``: it has the lowest y for at most its x. Of equal
+  points only the first is kept. Items after the first two (labels, objects)
+  are carried along. Points with a non-finite or missing coordinate are
+  ignored.
+
+  Args:
+    points: a sequence of ``(x, y, ...)`` tuples.
+
+  Returns:
+    The front's points, by increasing x (and so decreasing y).
+  """
+  finite = [p for p in points if _finite(p[0]) and _finite(p[1])]
+  front, best_y = [], math.inf
+  for p in sorted(finite, key=lambda p: (p[0], p[1])):
+    if p[1] < best_y:
+      front.append(p)
+      best_y = p[1]
+  return front
+
+
+def _finite(v) -> bool:
+  return v is not None and math.isfinite(v)
+
+
+def _library_names(result) -> set[str]:
+  """Names of the library strategies for the tuned program and mesh."""
+  from jaxmercury.schedules.library import library
+  s = result.candidates[0].schedule
+  return set(library(s.program, s.mesh))
+
+
+def _base_name(name: str) -> str:
+  """A candidate's strategy name without its kernel suffix (``"ring [k]"`` -> ``"ring"``)."""
+  return name.split(" [")[0]
+
+
+def _points(candidates, status: str, timed: bool) -> list[tuple[float, float, object]]:
+  """(MiB, ms, candidate) for the candidates of one status, at measured or predicted ms."""
+  out = []
+  for c in candidates:
+    if c.status != status:
+      continue
+    y = c.time_ms if timed else c.predicted_ms
+    if _finite(y):
+      out.append((c.memory_bytes / MIB, y, c))
+  return out
+
+
+def _default_title(result) -> str:
+  s = result.candidates[0].schedule
+  shape = "x".join(str(n) for n in s.levels.values())
+  origin = " (from the database)" if result.from_database else ""
+  return f"{s.program.name}: {len(result.candidates)} candidates on a {shape} mesh{origin}"
+
+
+def _scatter(ax, result):
+  """The candidates as points: timed ones solid, pruned and failed ones lighter."""
+  ok = _points(result.candidates, measure.OK, timed=True)
+  pruned = _points(result.candidates, measure.PRUNED, timed=False)
+  failed = _points(result.candidates, measure.FAILED, timed=False)
+  if pruned:
+    ax.scatter([p[0] for p in pruned], [p[1] for p in pruned], s=22, facecolors="none",
+               edgecolors="tab:blue", alpha=0.4, label="pruned (predicted ms)")
+  if failed:
+    ax.scatter([p[0] for p in failed], [p[1] for p in failed], s=22, marker="x", color="tab:red",
+               alpha=0.5, label="failed (predicted ms)")
+  if ok:
+    ax.scatter([p[0] for p in ok], [p[1] for p in ok], s=30, color="tab:blue", label="measured")
+  return ok, pruned + failed
+
+
+def _front_line(ax, ok, right_edge: float):
+  """The Pareto front of the timed points as a step line out to ``right_edge``."""
+  front = pareto_front(ok)
+  if not front:
+    return
+  xs = [p[0] for p in front] + [max(right_edge, front[-1][0])]
+  ys = [p[1] for p in front] + [front[-1][1]]
+  ax.step(xs, ys, where="post", color="tab:green", linewidth=1.5, label="Pareto front")
+
+
+def _labels(ax, points, library_names: set[str]):
+  """Names next to the library strategies' points."""
+  for x, y, c in points:
+    if _base_name(c.name) in library_names:
+      ax.annotate(c.name, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
+
+
+def _winner(ax, best):
+  """The winner as a large star, labeled."""
+  if best is None or not _finite(best.time_ms):
+    return
+  x = best.memory_bytes / MIB
+  ax.scatter([x], [best.time_ms], s=180, marker="*", color="tab:orange", edgecolors="black",
+             zorder=5, label="winner")
+  ax.annotate(f"winner: {best.name}\n{best.time_ms:.3f} ms", (x, best.time_ms), xytext=(8, -18),
+              textcoords="offset points", fontsize=8, fontweight="bold")
+
+
+def latency_memory_plot(result, path, title: str | None = None):
+  """Draws a tuning run's latency-memory scatter and writes it to ``path``.
+
+  Args:
+    result: a ``TuneResult`` (from ``autotune``, or read from the database).
+    path: the image file to write; its suffix picks the format (``.png``,
+      ``.svg``, ``.pdf``).
+    title: the plot's title; default the program, candidate count and mesh.
+
+  Returns:
+    ``path``.
+
+  Raises:
+    RuntimeError: matplotlib is not installed.
+    ValueError: the result has no candidates.
+  """
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ImportError:
+    raise RuntimeError("latency_memory_plot needs matplotlib: pip install matplotlib") from None
+  if not result.candidates:
+    raise ValueError("latency_memory_plot: the tuning result has no candidates")
+  fig = Figure(figsize=(7.5, 5.0))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  ok, others = _scatter(ax, result)
+  everything = ok + others
+  _front_line(ax, ok, right_edge=max(p[0] for p in everything) if everything else 0.0)
+  _labels(ax, everything, _library_names(result))
+  _winner(ax, result.best)
+  ys = [p[1] for p in everything if p[1] > 0]
+  if ys and max(ys) / min(ys) > 20:
+    ax.set_yscale("log")
+  ax.set_xlabel("memory per device (MiB, estimated)")
+  ax.set_ylabel("latency (ms)")
+  ax.set_title(title if title is not None else _default_title(result), fontsize=10)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8, loc="best")
+  fig.tight_layout()
+  fig.savefig(path, dpi=150)
+  return path

@@ -1,0 +1,49 @@
+"""The trusted output candidates are checked against, within a device's memory.
+
+Small programs run their plain reference. A program whose body would need
+more temporary memory than ``budget_bytes`` on one device runs as a local
+schedule on one device: its loops tiled into serial blocks (the reduction
+loops first) until one block fits; long block loops run as ``fori_loop``.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from jaxmercury.errors import ScheduleError
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.tuner.memory import block_sizes
+
+
+def _workspace(schedule) -> int:
+  prog = schedule.program
+  return int(prog.workspace(block_sizes(schedule))) if prog.workspace else 0
+
+
+def local_schedule(program, device, budget_bytes: int) -> Schedule:
+  """A one-device schedule whose blocks fit ``budget_bytes`` of workspace."""
+  mesh = jax.sharding.Mesh(np.array([device]), ("local",), axis_types=(AxisType.Auto,))
+  s = Schedule(program, mesh)
+  order = [a.name for a in program.loops if program.kinds[a.name] == "r"]
+  order += [a.name for a in program.loops if program.kinds[a.name] == "s"]
+  for axis in order:
+    if _workspace(s) <= budget_bytes:
+      break
+    extent = s.loop(axis).extent
+    need = -(-_workspace(s) // budget_bytes)
+    factor = next((f for f in range(need, extent + 1) if extent % f == 0), extent)
+    s.tile(axis, factor, names=(f"{axis}_blocks", f"{axis}_block"))
+  if _workspace(s) > budget_bytes:
+    raise ScheduleError(f"{program.name}: no tiling brings one block under {budget_bytes} bytes")
+  return s
+
+
+def reference_output(program, inputs, device, budget_bytes: int = 8 << 30):
+  """``program.reference(*inputs)``, tiled on ``device`` when it would not fit."""
+  full = {a: ax.extent for a, ax in program.axes.items()}
+  if not program.workspace or program.workspace(full) <= budget_bytes:
+    return program.reference(*inputs)
+  fn = local_schedule(program, device, budget_bytes).compile()
+  return fn(*[jax.device_put(x, device) for x in inputs])
