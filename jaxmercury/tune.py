@@ -39,6 +39,10 @@ flags.DEFINE_string("db", None, "tuning database (default ~/.cache/jaxmercury/tu
 flags.DEFINE_boolean("retune", False, "tune even if the database holds a winner", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "write the result as JSON here", flag_values=FLAGS)
 flags.DEFINE_string("plot", None, "write the latency-memory scatter (PNG) here", flag_values=FLAGS)
+flags.DEFINE_string("predict_mesh", None, "also predict times on this (larger) mesh, e.g. node=4,gpu=4",
+                    flag_values=FLAGS)
+flags.DEFINE_string("link_gbps", None, "links of --predict_mesh in Gb/s per level, e.g. node=100 "
+                    "(levels not named keep this machine's measured links)", flag_values=FLAGS)
 flags.DEFINE_integer("cpu_devices", 8, "simulated CPU devices when no GPU is present", flag_values=FLAGS)
 
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -66,6 +70,34 @@ def parse_mesh(text: str | None, n_devices: int) -> tuple[tuple[str, ...], tuple
   if math.prod(sizes) > n_devices:
     raise ValueError(f"--mesh {text!r} needs {math.prod(sizes)} devices; this machine has {n_devices}")
   return tuple(names), tuple(sizes)
+
+
+def parse_links(text: str | None) -> dict[str, float]:
+  """``"node=100,gpu=900"`` (Gb/s) -> bytes per second per level."""
+  out = {}
+  for part in (text or "").split(","):
+    if part.strip():
+      name, _, gbps = part.partition("=")
+      try:
+        out[name.strip()] = float(gbps) * 1e9 / 8
+      except ValueError:
+        raise ValueError(f"--link_gbps {text!r}: expected level=Gb/s pairs such as node=100") from None
+  return out
+
+
+def predictions(prog, machine, jm) -> list:
+  """Predicted candidates on --predict_mesh, printed as a table."""
+  from jax.sharding import AbstractMesh, AxisType
+  names, sizes = parse_mesh(FLAGS.predict_mesh, 1 << 30)
+  mesh = AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
+  machine = machine.with_links(**parse_links(FLAGS.link_gbps))
+  cands = jm.tuner.predict_candidates(prog, mesh, machine, space=FLAGS.space)
+  print(f"\npredicted on mesh {dict(mesh.shape)} (links, bytes/s: {machine.link_bytes_per_s}):")
+  print("| candidate | predicted ms | memory MiB |\n|---|---|---|")
+  for c in cands[:15]:
+    print(f"| {c.name} | {c.predicted_ms:.3f} | {c.memory_bytes / 2**20:.2f} |")
+  return [{"name": c.name, "schedule": json.loads(c.schedule.to_json()), "predicted_ms": c.predicted_ms,
+           "memory_bytes": c.memory_bytes} for c in cands]
 
 
 def _program(kind, jm):
@@ -113,9 +145,14 @@ def main(argv) -> int:
                        iters=FLAGS.iters, time_limit_s=FLAGS.time_limit, database=db, retune=FLAGS.retune,
                        log=lambda s: print(s, flush=True))
   print("\n" + result.table())
+  report = result_json(result, mesh)
+  if FLAGS.predict_mesh:
+    machine = result.machine or db.machine(prog, mesh) or jm.tuner.calibrate.calibrate(prog, mesh)
+    report["predictions"] = {"mesh": FLAGS.predict_mesh, "link_gbps": FLAGS.link_gbps,
+                             "candidates": predictions(prog, machine, jm)}
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
-      json.dump(result_json(result, mesh), f, indent=1)
+      json.dump(report, f, indent=1)
   if FLAGS.plot and result.candidates:
     from jaxmercury.tuner.plot import latency_memory_plot
     latency_memory_plot(result, FLAGS.plot, title=f"{prog.name} on {dict(mesh.shape)} ({platform})")
@@ -128,5 +165,15 @@ def main(argv) -> int:
   return 0
 
 
+def run(argv) -> int:
+  """``main`` with bad arguments reported as one line, not a traceback."""
+  from jaxmercury.errors import ScheduleError
+  try:
+    return main(argv)
+  except (ValueError, ScheduleError, flags.Error) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  sys.exit(run(sys.argv))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import numpy as np
 
 from jaxmercury.errors import PreconditionError, UnknownNameError
@@ -77,7 +78,7 @@ def lookup(name: str, program, mesh) -> Callable:
   if k.dtypes is not None and not dtypes <= k.dtypes:
     raise PreconditionError(f"patch({name!r}): kernel accepts {sorted(map(str, k.dtypes))}, "
                             f"program has {sorted(map(str, dtypes))}")
-  platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else None
+  platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
   if platform is not None and platform not in k.platforms:
     raise PreconditionError(f"patch({name!r}): kernel runs on {sorted(k.platforms)}, mesh devices are {platform!r}")
   return k.make(program) if k.make else program.body

@@ -41,7 +41,7 @@ def _versions() -> dict:
 
 
 def _device_kind(mesh) -> str:
-  return mesh.devices.flat[0].device_kind if hasattr(mesh, "devices") else "abstract"
+  return mesh.devices.flat[0].device_kind if isinstance(mesh, jax.sharding.Mesh) else "abstract"
 
 
 def record_key(program, mesh, layouts=None) -> str:
@@ -112,7 +112,7 @@ class Database:
     cands = []
     for r in json.loads(rows):
       if r["schedule"] == trace and r["name"] == name:
-        winner.predicted_ms = r["predicted_ms"]
+        winner.predicted_ms, winner.result.rel_err, winner.result.compiled_bytes = r["predicted_ms"], r["rel_err"], r.get("compiled_bytes")
         cands.append(winner)
         continue
       result = measure.Measurement(r["status"], r["time_ms"], rel_err=r["rel_err"], reason=r["reason"],

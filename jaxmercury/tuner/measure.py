@@ -61,7 +61,7 @@ def compiled_memory(compiled) -> int | None:
 
 def place_inputs(schedule, inputs):
   """Inputs laid out as the schedule stores them, so that timing excludes the move."""
-  if not hasattr(schedule.mesh, "devices"):
+  if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return inputs
   from jax.sharding import NamedSharding, PartitionSpec
   plan = schedule.plan()

@@ -92,13 +92,14 @@ def describe(schedule) -> str:
   return " ".join(parts) or "local"
 
 
-def default_candidates(program, mesh, *, space: int = 24, seed: int = 0) -> list[tuple[str, object]]:
+def default_candidates(program, mesh, *, space: int = 24, seed: int = 0,
+                       kernels=None) -> list[tuple[str, object]]:
   """The library strategies, then a sample of the design space, each with every applicable kernel."""
   base = list(library(program, mesh).items())
   seen = {s.to_json() for _, s in base}
   rest = [s for s in enumerate_schedules(program, mesh, tile_factors=(2, 4)) if s.to_json() not in seen]
   base += [(describe(s), s) for s in random.Random(seed).sample(rest, min(space, len(rest)))]
-  kernels = registry.candidates(program, mesh)
+  kernels = kernels if kernels is not None else registry.candidates(program, mesh)
   out = []
   for name, s in base:
     for k in kernels:
@@ -196,3 +197,20 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   if best is not None and database is not None:
     database.store(program, mesh, best, cands, layouts)
   return TuneResult(best, cands, machine=machine)
+
+
+def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24, in_shardings=None,
+                       out_sharding=None) -> list[Candidate]:
+  """Predicted time and memory of each candidate on ``mesh``, which may be an AbstractMesh.
+
+  Nothing is compiled: this plans for meshes larger than the machine, with
+  ``machine`` giving (for example, through ``Machine.with_links``) the links
+  those meshes would have. Kernels are those ``machine`` has rates for; the
+  caller's layouts, when given, are fixed as in ``autotune``.
+  """
+  kernels = sorted(machine.kernel_flops_per_s) or ["xla"]
+  pairs = default_candidates(program, mesh, space=space, kernels=kernels)
+  if in_shardings is not None or out_sharding is not None:
+    pairs = [(n, with_layouts(s, in_shardings, out_sharding)) for n, s in pairs]
+  cands = [Candidate(name, s, cost.predict(s, machine) * 1e3, memory_per_device(s)) for name, s in pairs]
+  return sorted(cands, key=lambda c: c.predicted_ms)
