@@ -62,13 +62,16 @@ class LogSumExp(Reduction):
   The state is ``(out, lse)``: ``out`` normalized over the keys seen so far and
   ``lse`` their log-sum-exp, with the value axes (``value_axes``, which must
   be the output's trailing axes) dropped. A row that has seen no unmasked key
-  has ``lse = -inf`` and ``out = 0``.
+  has ``lse = -inf`` and ``out = 0``. With ``emit_lse`` the output's last
+  axis is one longer than the value axis and carries the log-sum-exp (the
+  residual a backward pass needs).
   """
 
   name = "logsumexp"
 
-  def __init__(self, value_axes: Sequence[str]):
+  def __init__(self, value_axes: Sequence[str], emit_lse: bool = False):
     self.value_axes = tuple(value_axes)
+    self.emit_lse = emit_lse
 
   def state_axes(self, out_axes):
     return tuple(out_axes), tuple(a for a in out_axes if a not in self.value_axes)
@@ -97,7 +100,7 @@ class LogSumExp(Reduction):
 
   def all_reduce(self, state, level):
     out, lse = state
-    top = jax.lax.pmax(lse, level)
+    top = jax.lax.pmax(jax.lax.stop_gradient(lse), level)  # a shift: results do not depend on it
     safe = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - safe)
     num = jax.lax.psum(out * self._expand(w), level)
@@ -107,7 +110,7 @@ class LogSumExp(Reduction):
   def reduce_scatter(self, state, level, dims):
     out, lse = state
     out_dim, lse_dim = dims
-    top = jax.lax.pmax(lse, level)
+    top = jax.lax.pmax(jax.lax.stop_gradient(lse), level)  # a shift: results do not depend on it
     safe = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - safe)
     num = jax.lax.psum_scatter(out * self._expand(w), level, scatter_dimension=out_dim, tiled=True)
@@ -117,6 +120,8 @@ class LogSumExp(Reduction):
     return num / self._expand(jnp.where(total == 0, 1, total)), safe + jnp.log(total)
 
   def finalize(self, state, dtype):
+    if self.emit_lse:  # the output holds the value axis and, after it, the log-sum-exp
+      return jnp.concatenate([state[0], state[1][..., None]], axis=-1).astype(dtype)
     return state[0].astype(dtype)
 
 

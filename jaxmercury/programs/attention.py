@@ -3,6 +3,7 @@
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,8 +24,30 @@ def attention_block(ctx, q, k, v, *, causal: bool):
 
   Returns:
     ``(out [b, i, hk, g, d], lse [b, i, hk, g])`` in float32; rows that see no
-    key get ``out = 0`` and ``lse = -inf``.
+    key get ``out = 0`` and ``lse = -inf``. A causal block whose keys all
+    follow its queries is skipped, not computed.
   """
+  if causal:
+    return skip_if_hidden(ctx, functools.partial(_attend, causal=True), _empty_state, q, k, v)
+  return _attend(ctx, q, k, v, causal=False)
+
+
+def hidden(ctx):
+  """Whether every key of the block comes after every query (all masked when causal)."""
+  return jnp.max(ctx.positions("i")) < jnp.min(ctx.positions("j"))
+
+
+def skip_if_hidden(ctx, compute, empty, *blocks):
+  """``compute(ctx, *blocks)``, or ``empty(*blocks)`` without computing when the block is hidden."""
+  return jax.lax.cond(hidden(ctx), lambda *x: empty(*x), lambda *x: compute(ctx, *x), *blocks)
+
+
+def _empty_state(q, k, v):
+  b, i, hk, g, d = q.shape
+  return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
+
+
+def _attend(ctx, q, k, v, *, causal):
   scale = 1.0 / math.sqrt(q.shape[-1])
   s = jnp.einsum("bihgd,bjhd->bhgij", q, k, preferred_element_type=jnp.float32) * scale
   mask = ctx.valid("j")[None, :]

@@ -419,17 +419,24 @@ class Schedule:
     """The communication plan the lowering will follow."""
     return self.validate()
 
-  def compile(self, **options):
+  def compile(self, *, differentiable: bool = True):
     """Lowers the schedule to a jitted callable on global arrays.
+
+    Args:
+      differentiable: attach the backward pass generated from this schedule
+        (``jax.grad`` works either way; this makes the gradient a scheduled
+        program of its own where the program has backward programs).
 
     Returns:
       ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
     """
+    from jaxmercury.shard_map.differentiate import differentiable as with_backward
     from jaxmercury.shard_map.lower import lower
     if not isinstance(self.mesh, jax.sharding.Mesh):
       raise ScheduleError(f"cannot compile on {self.mesh}: an AbstractMesh has no devices; "
                           "use it for plans and cost predictions")
-    return lower(self, **options)
+    forward = lower(self)
+    return with_backward(self, forward) if differentiable else forward
 
   def to_json(self) -> str:
     from jaxmercury.schedules.trace import to_json

@@ -1,0 +1,71 @@
+"""A forward schedule's backward schedules: the same trace on the backward programs.
+
+Replaying the forward's primitives on the programs of the backward pass gives
+each communication its dual without writing it: a key block that travels a
+ring forward has its gradient travel the ring back to its owner (a shifted
+loop whose output is not indexed by the parallel loop), an all-gathered input
+has its gradient reduce-scattered (``shard`` on the gradient of a parallel
+reduction), an all-to-all is answered by an all-to-all (the layouts swap
+roles). Buffer names map forward to backward: placements of an input apply to
+that input and to its gradient; placements of the output apply to the
+incoming cotangent and its companions (``lse``, ``delta``).
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec
+
+from jaxmercury.errors import ScheduleError
+from jaxmercury.programs import attention_backward as ab
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.schedules.trace import replay
+
+BUFFER_STEPS = ("shard", "replicate")
+
+
+def _full(spec, rank):
+  entries = list(spec or PartitionSpec()) + [None] * rank
+  return entries[:rank]
+
+
+def _renamed(steps, names: dict, keep_patch: bool) -> list[dict]:
+  out = []
+  for step in steps:
+    if step["primitive"] == "patch" and not keep_patch:
+      continue
+    if step["primitive"] not in BUFFER_STEPS:
+      out.append(step)
+      continue
+    for name in names.get(step["args"][0], ()):
+      out.append({**step, "args": [name] + list(step["args"][1:])})
+  return out
+
+
+def _storage_specs(schedule):
+  plan = schedule.plan()
+  prog = schedule.program
+  return {b.name: _full(plan.user_spec(b.name), len(b.dims)) for b in prog.reads + (prog.writes,)}
+
+
+def attention_duals(schedule) -> tuple[Schedule, Schedule, Schedule]:
+  """(forward with lse, dq, dk-dv) schedules of an attention schedule."""
+  prog = schedule.program
+  if prog.pattern != "attention" or prog.params.get("emit_lse"):
+    raise ScheduleError(f"{prog.name}: no backward programs for pattern {prog.pattern!r}")
+  specs = _storage_specs(schedule)
+  q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
+  rows = PartitionSpec(*o[:3])
+  backward_ins = [PartitionSpec(*x) for x in (q, k, v, o)] + [rows, rows]
+  mesh, steps = schedule.mesh, schedule.trace
+
+  forward = replay(Schedule(ab.attention_with_lse(prog), mesh, in_shardings=[PartitionSpec(*x) for x in (q, k, v)],
+                            out_sharding=PartitionSpec(*o)),
+                   _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, keep_patch=True))
+  companions = ["do", "lse", "delta"]
+  dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
+              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]}, keep_patch=False))
+  dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
+                        out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
+               _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions},
+                        keep_patch=False))
+  return forward, dq, dkv

@@ -1,0 +1,46 @@
+"""Training: a ``jax.custom_vjp`` whose backward is the schedule's dual.
+
+For attention the backward runs the dual schedules (``schedules.dual``):
+the forward keeps only ``o`` and the log-sum-exp, and the backward programs
+recompute probabilities block by block. Programs without backward programs
+are differentiated through their lowered ``shard_map`` program, whose
+collectives JAX transposes into their duals (all-gather and reduce-scatter,
+a ring and the reverse ring, all-to-all and all-to-all).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmercury.schedules.dual import attention_duals
+
+
+def differentiable(schedule, forward):
+  """``forward`` (the compiled schedule) with the dual backward attached where one exists."""
+  prog = schedule.program
+  if prog.pattern != "attention" or prog.params.get("emit_lse"):
+    return forward
+  with_lse, dq_s, dkv_s = attention_duals(schedule)
+  f_lse, f_dq, f_dkv = with_lse.compile(differentiable=False), dq_s.compile(), dkv_s.compile()
+  d = prog.params["head_dim"]
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return forward(q, k, v)
+
+  def fwd(q, k, v):
+    y = f_lse(q, k, v)
+    o = y[..., :d].astype(q.dtype)
+    return o, (q, k, v, o, y[..., d])
+
+  def bwd(residuals, do):
+    q, k, v, o, lse = residuals
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    do = do.astype(q.dtype)
+    dq = f_dq(q, k, v, do, lse, delta)
+    dkv = f_dkv(q, k, v, do, lse, delta)
+    return dq.astype(q.dtype), dkv[..., 0, :].astype(k.dtype), dkv[..., 1, :].astype(v.dtype)
+
+  attention.defvjp(fwd, bwd)
+  return jax.jit(attention)
