@@ -1,4 +1,18 @@
-"""Error types raised when a program, schedule or mesh is invalid."""
+"""Error types raised when a program, schedule or mesh is invalid.
+
+Every error is a ``ScheduleError``; the subclasses say which part is wrong,
+so callers can catch one family::
+
+  ScheduleError
+    ProgramError        the operator's declaration (axes, buffers, dtypes, body)
+    MeshError           the mesh, or a schedule built for another mesh
+      UnknownLevelError a mesh level name that does not exist (also UnknownNameError)
+    LayoutError         in_shardings / out_sharding against the mesh and buffer dims
+    InputError          the arrays passed to a compiled schedule
+    UnknownNameError    a loop, axis, buffer, kernel or level name that does not exist
+    PreconditionError   a primitive applied where its preconditions do not hold
+    TraceError          a serialized trace that is malformed or disagrees with its schedule
+"""
 
 
 class ScheduleError(ValueError):
@@ -22,3 +36,23 @@ class PreconditionError(ScheduleError):
 
 class TraceError(ScheduleError):
   """A serialized schedule trace is malformed or names an unknown primitive."""
+
+
+class ProgramError(ScheduleError):
+  """A program declaration is invalid: axes, buffers, dtypes, kinds, body or reduction."""
+
+
+class MeshError(ScheduleError):
+  """The mesh is unusable, or does not match the one a schedule was built for."""
+
+
+class UnknownLevelError(UnknownNameError, MeshError):
+  """A mesh level name does not exist on the mesh."""
+
+
+class LayoutError(ScheduleError):
+  """An input or output sharding does not fit the mesh or the buffer's dimensions."""
+
+
+class InputError(ScheduleError):
+  """Arrays passed to a compiled schedule have the wrong number, shape, dtype or devices."""

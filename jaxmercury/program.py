@@ -18,21 +18,34 @@ class BlockContext:
   """What a body knows about the block it computes.
 
   Attributes:
-    starts: global offset of the block along each loop axis (traced ints).
+    starts: global offset of the block along each loop axis in storage order
+      (traced ints).
     sizes: the block's static extent along each axis.
     extents: each axis's true global extent (before any padding).
+    zigzag: for axes stored in zigzag order, their number of chunks.
   """
 
   starts: Mapping[str, Any]
   sizes: Mapping[str, int]
   extents: Mapping[str, int]
+  zigzag: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def start(self, axis: str):
-    return self.starts.get(axis, 0)
+    """The true global position of the block's first element along ``axis``."""
+    return self.positions(axis)[0] if axis in self.zigzag else self.starts.get(axis, 0)
+
+  def contiguous(self, axis: str) -> bool:
+    """Whether the block's true positions along ``axis`` are consecutive."""
+    chunks = self.zigzag.get(axis)
+    return chunks is None or (self.extents[axis] // chunks) % self.sizes[axis] == 0
 
   def positions(self, axis: str):
-    """Global positions of the block's elements along ``axis``."""
-    return self.start(axis) + jnp.arange(self.sizes[axis])
+    """True global positions of the block's elements along ``axis``."""
+    stored = self.starts.get(axis, 0) + jnp.arange(self.sizes[axis])
+    if axis in self.zigzag:
+      from jaxmercury.schedules.orders import true_positions
+      return true_positions(stored, self.extents[axis], self.zigzag[axis])
+    return stored
 
   def valid(self, axis: str):
     """Which of the block's positions along ``axis`` lie inside the true extent."""

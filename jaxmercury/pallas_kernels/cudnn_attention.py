@@ -2,9 +2,10 @@
 
 Causal blocks at traced offsets (ring steps) take one of three paths chosen
 at run time: fully visible (no mask), on the diagonal (cuDNN's causal mask),
-or fully masked (skipped: ``out = 0``, ``lse = -inf``). Blocks that overlap
-the diagonal in any other way, and key blocks that may hold padding, use the
-program's own XLA body.
+or fully masked (skipped: ``out = 0``, ``lse = -inf``). Query and key blocks
+of one size start at multiples of it, so a partial overlap is the diagonal;
+blocks of different sizes that overlap partially, key blocks that may hold
+padding, and blocks spanning zigzag chunks use the program's own XLA body.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _cudnn(q, k, v, causal):
 def cudnn_attention_block(ctx, q, k, v, *, causal: bool, fallback):
   """One attention block (same contract as ``attention_block``) through cuDNN."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  if ctx.extents["j"] % tk:  # the last key block may be padding
-    return fallback(ctx, q, k, v)
+  if ctx.extents["j"] % tk or not (ctx.contiguous("i") and ctx.contiguous("j")):
+    return fallback(ctx, q, k, v)  # padded keys, or a block spanning zigzag chunks
   if not causal:
     return _cudnn(q, k, v, False)
   qs, ks = ctx.start("i"), ctx.start("j")
@@ -43,15 +44,15 @@ def cudnn_attention_block(ctx, q, k, v, *, causal: bool, fallback):
     b, i, hk, g, d = q.shape
     return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
 
-  branches = [lambda q, k, v: _cudnn(q, k, v, False), masked,
-              lambda q, k, v: fallback(ctx, q, k, v)]
-  if tq == tk:
-    branches.append(lambda q, k, v: _cudnn(q, k, v, True))
   visible = ks + tk - 1 <= qs
   hidden = ks > qs + tq - 1
-  diagonal = (qs == ks) & (tq == tk)
-  case = jnp.where(visible, 0, jnp.where(hidden, 1, jnp.where(diagonal, 3, 2)))
-  return jax.lax.switch(case, branches, q, k, v)
+  if tq == tk:  # blocks start at multiples of their size: a partial overlap is the diagonal
+    case = jnp.where(visible, 0, jnp.where(hidden, 1, 2))
+    return jax.lax.switch(case, [lambda q, k, v: _cudnn(q, k, v, False), masked,
+                                 lambda q, k, v: _cudnn(q, k, v, True)], q, k, v)
+  case = jnp.where(visible, 0, jnp.where(hidden, 1, 2))
+  return jax.lax.switch(case, [lambda q, k, v: _cudnn(q, k, v, False), masked,
+                               lambda q, k, v: fallback(ctx, q, k, v)], q, k, v)
 
 
 def _make(program):

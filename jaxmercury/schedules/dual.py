@@ -47,8 +47,32 @@ def _storage_specs(schedule):
   return {b.name: _full(plan.user_spec(b.name), len(b.dims)) for b in prog.reads + (prog.writes,)}
 
 
-def attention_duals(schedule) -> tuple[Schedule, Schedule, Schedule]:
-  """(forward with lse, dq, dk-dv) schedules of an attention schedule."""
+def fit_blocks(schedule: Schedule, budget_bytes: int) -> Schedule:
+  """Tiles a schedule's innermost blocks into serial blocks until one body call's workspace fits."""
+  from jaxmercury.tuner.memory import block_sizes
+  prog = schedule.program
+  reductions = [a.name for a in prog.loops if prog.kinds[a.name] == "r"]
+  spatial = [a.name for a in prog.loops if prog.kinds[a.name] == "s"]
+  for axis in reductions + spatial:
+    need = -(-prog.workspace(block_sizes(schedule)) // budget_bytes)
+    if need <= 1:
+      break
+    inner = schedule.loop(schedule.factors[axis][-1])
+    if inner.role != "vector":
+      continue
+    factor = next((f for f in range(need, inner.extent + 1) if inner.extent % f == 0), inner.extent)
+    if factor > 1:
+      schedule.tile(inner.name, factor, names=(f"{inner.name}_bwd", f"{inner.name}_bwd_block"))
+  return schedule
+
+
+def attention_duals(schedule, workspace_bytes: int = 4 << 30) -> tuple[Schedule, Schedule, Schedule]:
+  """(forward with lse, dq, dk-dv) schedules of an attention schedule.
+
+  The backward programs keep the forward's distribution and are tiled further
+  into serial blocks where one block's recomputed scores would exceed
+  ``workspace_bytes``.
+  """
   prog = schedule.program
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
     raise ScheduleError(f"{prog.name}: no backward programs for pattern {prog.pattern!r}")
@@ -64,8 +88,9 @@ def attention_duals(schedule) -> tuple[Schedule, Schedule, Schedule]:
   companions = ["do", "lse", "delta"]
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
               _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]}, keep_patch=False))
+  dq = fit_blocks(dq, workspace_bytes)
   dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
                         out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
                _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions},
                         keep_patch=False))
-  return forward, dq, dkv
+  return forward, dq, fit_blocks(dkv, workspace_bytes)

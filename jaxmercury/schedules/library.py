@@ -65,6 +65,18 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
       s.shift(j, p)
     return s
 
+  def ring_zigzag():
+    if not program.params.get("causal") or program.axes["i"].extent != program.axes["j"].extent:
+      raise ScheduleError("ring_zigzag balances causal self-attention")
+    s = Schedule(program, mesh)
+    chunks = 2 * math.prod(s.levels.values())
+    s.zigzag("i", chunks).zigzag("j", chunks)
+    par = split(s, "i", levels)
+    for p, j in zip(par, split(s, "j", levels, parallel=False)):
+      s.shift(j, p)
+    s.tile("i_in", 2, names=("i_half", "i_chunk")).tile("j_in", 2, names=("j_half", "j_chunk"))
+    return s  # each block is one chunk: contiguous, so whole-block kernels apply
+
   def tree():
     s = Schedule(program, mesh)
     split(s, "j", levels)
@@ -93,8 +105,8 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     s.shift(j, p)
     return s
 
-  for name, build in (("context_parallel", ctx_parallel), ("ring", ring), ("ulysses", ulysses),
-                      ("usp", usp), ("tree", tree)):
+  for name, build in (("context_parallel", ctx_parallel), ("ring", ring), ("ring_zigzag", ring_zigzag),
+                      ("ulysses", ulysses), ("usp", usp), ("tree", tree)):
     _try(out, name, build)
   return out
 
@@ -185,7 +197,8 @@ def library(program, mesh) -> dict[str, Schedule]:
   """The known strategies that apply to ``program`` on ``mesh``, by name.
 
   attention: ``context_parallel`` (all-gathered K/V), ``ring``
-  (RingAttention), ``ulysses`` (heads spread, all-to-all from sequence-sharded
+  (RingAttention), ``ring_zigzag`` (the ring with queries and keys in zigzag
+  order, so causal work is balanced), ``ulysses`` (heads spread, all-to-all from sequence-sharded
   inputs), ``usp`` (heads on the inner level, ring on the outer; two-level
   meshes), ``tree`` (keys spread, log-sum-exp merge). matmul:
   ``allgather_matmul``, ``matmul_reducescatter``, ``async_tp`` (all-gather

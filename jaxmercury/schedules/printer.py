@@ -55,6 +55,8 @@ def render(schedule) -> str:
   if any(schedule.padded[a] != prog.axes[a].extent for a in schedule.padded):
     out.append("padded: " + ", ".join(f"{a} {prog.axes[a].extent}->{e}" for a, e in schedule.padded.items()
                                       if e != prog.axes[a].extent))
+  if schedule.zigzags:
+    out.append("zigzag order: " + ", ".join(f"{a} in {c} chunks" for a, c in schedule.zigzags.items()))
   out.append("buffers:")
   for b in prog.reads + (prog.writes,):
     role = "out" if b is prog.writes else "in "

@@ -20,7 +20,7 @@ class Schedule:
   """A program's loop nest on a device mesh, rewritten by schedule primitives.
 
   Computation primitives (``tile``, ``join``, ``reorder``, ``patch``, and
-  ``pad``) rewrite the nest; communication primitives (``parallelize``,
+  ``pad`` and ``zigzag``) rewrite the nest; communication primitives (``parallelize``,
   ``shift``, ``shard``, ``replicate``) annotate it. Every call checks its
   preconditions, raises ``ScheduleError`` naming the problem, and is recorded
   in ``trace`` (see ``to_json`` / ``from_json``). ``compile()`` lowers the
@@ -53,6 +53,7 @@ class Schedule:
         Loop(a.name, a.name, a.extent, program.kinds[a.name]) for a in program.loops]
     self.factors: dict[str, list[str]] = {a.name: [a.name] for a in program.loops}
     self.padded: dict[str, int] = {a.name: a.extent for a in program.loops}
+    self.zigzags: dict[str, int] = {}
     self.placements: dict[tuple[str, str], tuple] = {}
     self.kernel: str | None = None
     self.in_shardings = _check_in_shardings(program, self.levels, in_shardings)
@@ -113,6 +114,7 @@ class Schedule:
     new.loops = [copy.copy(lp) for lp in self.loops]
     new.factors = {k: list(v) for k, v in self.factors.items()}
     new.padded = dict(self.padded)
+    new.zigzags = dict(self.zigzags)
     new.placements = dict(self.placements)
     new.trace = copy.deepcopy(self.trace)
     return new
@@ -140,6 +142,35 @@ class Schedule:
     lp = self.loop(self.factors[axis][0])
     lp.extent = self.padded[axis] = -(-self.padded[axis] // multiple) * multiple
     self._record("pad", axis, multiple)
+    return self
+
+  def zigzag(self, axis: str, chunks: int) -> "Schedule":
+    """Stores a loop axis in zigzag order: true chunks 0, c-1, 1, c-2, ...
+
+    Spread over ``chunks / 2`` ranks, rank ``r`` then holds chunks ``r`` and
+    ``c-1-r``: every rank gets the same share of a causal mask's work. The
+    lowering puts inputs in storage order and the output back in true order;
+    bodies see true positions through ``ctx.positions``.
+
+    Preconditions: ``axis`` is a loop axis not yet tiled, padded or
+    zigzagged; ``chunks`` is even and divides its extent.
+
+    Before / after (``zigzag("i", 4)`` with I = 8, then tile and parallelize)::
+
+      parallel i0 in 2 @ x:            parallel i0 in 2 @ x:
+        i = 4*i0 + i1                    rank 0: i in {0,1, 6,7}; rank 1: {2,3, 4,5}
+    """
+    if axis not in self.factors:
+      raise UnknownNameError(f"zigzag: {axis!r} is not a loop axis; loop axes: {list(self.factors)}")
+    lp = self.loop(self.factors[axis][0])
+    if len(self.factors[axis]) != 1 or lp.role != VECTOR or axis in self.zigzags or \
+        self.padded[axis] != self.program.axes[axis].extent:
+      raise PreconditionError(f"zigzag({axis!r}): zigzag an axis before tiling, padding or distributing it")
+    if not isinstance(chunks, int) or chunks < 2 or chunks % 2 or lp.extent % chunks:
+      raise PreconditionError(
+          f"zigzag({axis!r}, {chunks!r}): chunks must be even and divide the axis extent {lp.extent}")
+    self.zigzags[axis] = chunks
+    self._record("zigzag", axis, chunks)
     return self
 
   def tile(self, loop: str, factor: int, names: Sequence[str] | None = None) -> "Schedule":

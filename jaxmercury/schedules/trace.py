@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 from jaxmercury.errors import TraceError
 
 FORMAT = 1
-PRIMITIVES = ("pad", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate")
+PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate")
 
 
 def _spec_to_data(spec):

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from jaxmercury.pallas_kernels import registry
+from jaxmercury.schedules import orders
 from jaxmercury.shard_map.nest import Nest
 from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.shard_map.reshard import reshard
+
+
+def _to_storage_order(x, axes, zigzags):
+  for dim, a in enumerate(axes):
+    if a in zigzags:
+      x = jnp.take(x, orders.permutation(x.shape[dim], zigzags[a]), axis=dim)
+  return x
+
+
+def _to_true_order(y, axes, zigzags):
+  for dim, a in enumerate(axes):
+    if a in zigzags:
+      y = jnp.take(y, np.argsort(orders.permutation(y.shape[dim], zigzags[a])), axis=dim)
+  return y
 
 
 def lower(schedule, *, jit: bool = True):
@@ -17,7 +33,8 @@ def lower(schedule, *, jit: bool = True):
 
   Inputs and the output are global arrays with the program's own shapes. The
   function pads and reshapes them to canonical layout (one dimension per
-  axis), runs the per-device nest under ``shard_map``, and crops the result.
+  axis), puts zigzag axes in storage order, runs the per-device nest under
+  ``shard_map``, and restores the order and crops the result.
 
   Args:
     schedule: the ``Schedule`` to lower.
@@ -62,8 +79,8 @@ def lower(schedule, *, jit: bool = True):
       pads = [(0, schedule.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
       if any(p for _, p in pads):
         x = jnp.pad(x, pads)
-      canon.append(constrain(x, plan.spec(b.name)))
-    y = mapped(*canon)
+      canon.append(constrain(_to_storage_order(x, b.axes, schedule.zigzags), plan.spec(b.name)))
+    y = _to_true_order(mapped(*canon), out.axes, schedule.zigzags)
     crop = tuple(slice(0, e) for e in out.canonical_shape)
     y = jnp.reshape(y[crop], out.shape)
     return y

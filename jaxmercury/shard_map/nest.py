@@ -138,7 +138,7 @@ class Nest:
       else:
         sizes[a] = self.prog.axes[a].extent
     ctx = BlockContext(starts=starts, sizes=sizes,
-                       extents={a: ax.extent for a, ax in self.prog.axes.items()})
+                       extents={a: ax.extent for a, ax in self.prog.axes.items()}, zigzag=self.s.zigzags)
     result = self.kernel(ctx, *[env[b.name][0] for b in self.prog.reads])
     if self.prog.reduction is None:
       return (result.astype("float32"),)

@@ -3,8 +3,8 @@
 Counts what each device holds at once: every input's stored block and, when
 the nest needs another layout, its gathered copy; a second block per ring
 buffer (the one in flight); the output's float32 partial state and its stored
-block; and the workspace of one body call (the patched kernel's, else the
-program's).
+block; whole arrays put in or out of zigzag order; and the workspace of one
+body call (the patched kernel's, else the program's).
 """
 
 from __future__ import annotations
@@ -51,5 +51,8 @@ def memory_per_device(schedule) -> int:
   out = prog.writes
   total += 4 * local_elements(schedule, out, plan.resident[out.name])
   total += local_elements(schedule, out, plan.storage[out.name]) * out.dtype.itemsize
+  for b in prog.reads + (out,):  # reordering a zigzag axis happens on whole arrays
+    if schedule.zigzags.keys() & set(b.axes):
+      total += math.prod(b.canonical_shape) * b.dtype.itemsize
   kernel = registry.kernel(schedule.kernel or "xla")
   return total + kernel.workspace_bytes(prog, block_sizes(schedule))

@@ -15,6 +15,7 @@ global state.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Sequence
 
 from jaxmercury.tuner import measure
@@ -78,7 +79,7 @@ def _default_title(result) -> str:
   s = result.candidates[0].schedule
   shape = "x".join(str(n) for n in s.levels.values())
   origin = " (from the database)" if result.from_database else ""
-  return f"{s.program.name}: {len(result.candidates)} candidates on a {shape} mesh{origin}"
+  return f"{s.program.name}: {len(result.candidates)} candidates on mesh {shape}{origin}"
 
 
 def _scatter(ax, result):
@@ -115,14 +116,32 @@ def _labels(ax, points, library_names: set[str]):
 
 
 def _winner(ax, best):
-  """The winner as a large star, labeled."""
+  """The winner as a large star marked "winner" (its full name goes in the title)."""
   if best is None or not _finite(best.time_ms):
     return
   x = best.memory_bytes / MIB
   ax.scatter([x], [best.time_ms], s=180, marker="*", color="tab:orange", edgecolors="black",
              zorder=5, label="winner")
-  ax.annotate(f"winner: {best.name}\n{best.time_ms:.3f} ms", (x, best.time_ms), xytext=(8, -18),
-              textcoords="offset points", fontsize=8, fontweight="bold")
+  ax.annotate("winner", (x, best.time_ms), xytext=(6, -14), textcoords="offset points", fontsize=8,
+              fontweight="bold")
+
+
+def _winner_line(best) -> str:
+  """The title's second line: the winner's name and time, shortened to fit."""
+  if best is None or not _finite(best.time_ms):
+    return "no candidate passed"
+  return textwrap.shorten(f"winner: {best.name} ({best.time_ms:.3f} ms)", width=110, placeholder=" ...")
+
+
+def _log_scale_if_wide(ax, ys):
+  """A logarithmic latency axis, with plain 1-2-5 tick labels, when latencies span over 20x."""
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+  ys = [y for y in ys if y > 0]
+  if ys and max(ys) / min(ys) > 20:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def latency_memory_plot(result, path, title: str | None = None):
@@ -153,15 +172,16 @@ def latency_memory_plot(result, path, title: str | None = None):
   ax = fig.add_subplot()
   ok, others = _scatter(ax, result)
   everything = ok + others
-  _front_line(ax, ok, right_edge=max(p[0] for p in everything) if everything else 0.0)
+  xs = [p[0] for p in everything] or [0.0]
+  _front_line(ax, ok, right_edge=max(xs))
   _labels(ax, everything, _library_names(result))
   _winner(ax, result.best)
-  ys = [p[1] for p in everything if p[1] > 0]
-  if ys and max(ys) / min(ys) > 20:
-    ax.set_yscale("log")
+  _log_scale_if_wide(ax, [p[1] for p in everything])
+  ax.margins(0.06, 0.12)  # room for the labels at the edges
   ax.set_xlabel("memory per device (MiB, estimated)")
   ax.set_ylabel("latency (ms)")
-  ax.set_title(title if title is not None else _default_title(result), fontsize=10)
+  heading = title if title is not None else _default_title(result)
+  ax.set_title(f"{heading}\n{_winner_line(result.best)}", fontsize=9)
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8, loc="best")
   fig.tight_layout()

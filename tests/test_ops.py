@@ -1,0 +1,36 @@
+"""jaxmercury.ops: operators that use the tuned schedule for their shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmercury as jm
+from conftest import fresh_key, make_mesh, rel_err
+
+
+def test_ops_use_default_then_stored_winner(tmp_path):
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "ops.db"))
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  q, k, v = prog.random_inputs(fresh_key())
+  want = prog.reference(q, k, v)
+  assert db.lookup(prog, mesh) is None
+  out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db)
+  assert rel_err(out, want) < 1e-5
+  assert jm.ops.schedule_for(prog, mesh, database=db).to_json() == jm.library(prog, mesh)["ring"].to_json()
+  out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db, tune=True, top_k=2, space=2, iters=2)
+  assert rel_err(out, want) < 1e-5
+  stored = db.lookup(prog, mesh)
+  assert stored is not None
+  assert jm.ops.schedule_for(prog, mesh, database=db).to_json() == stored.to_json()
+
+
+def test_ops_matmul_is_differentiable(tmp_path):
+  mesh = make_mesh("2x4")
+  db = jm.Database(str(tmp_path / "ops.db"))
+  a = jax.random.normal(fresh_key(), (64, 48))
+  b = jax.random.normal(fresh_key(), (48, 32))
+  np.testing.assert_allclose(jm.ops.matmul(a, b, mesh=mesh, database=db), a @ b, rtol=2e-5, atol=2e-5)
+  ga, gb = jax.grad(lambda x, y: jnp.sum(jm.ops.matmul(x, y, mesh=mesh, database=db) ** 2), argnums=(0, 1))(a, b)
+  wa, wb = jax.grad(lambda x, y: jnp.sum((x @ y) ** 2), argnums=(0, 1))(a, b)
+  assert rel_err(ga, wa) < 1e-5 and rel_err(gb, wb) < 1e-5

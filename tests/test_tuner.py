@@ -1,0 +1,324 @@
+"""The autotuner on the simulated CPU mesh: search, database, fault handling, memory, cost model, plot.
+
+Programs are small and every tuning run times a few candidates with two
+iterations, so the whole file runs in about a minute on two cores.
+"""
+
+import math
+import sys
+
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+import jaxmercury as jm
+from conftest import assert_matches, fresh_key, make_mesh
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.tuner import calibrate, cost, measure, memory, plot
+from jaxmercury.tuner import tune as tune_module
+from jaxmercury.tuner.tune import Candidate, TuneResult
+
+# A fixed, rough CPU machine: tests that are not about calibration need not pay for it.
+CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
+
+PROGRAMS = {
+    "attention": lambda: jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True),
+    "matmul": lambda: jm.programs.matmul(64, 128, 256),
+}
+
+
+def _quiet(_):
+  pass
+
+
+def _tune(prog, mesh, **kwargs):
+  kwargs = {"space": 4, "top_k": 2, "iters": 2, "machine": CPU, "key": fresh_key(), "log": _quiet, **kwargs}
+  return jm.autotune(prog, mesh, **kwargs)
+
+
+def _by_status(result, status):
+  return [c for c in result.candidates if c.status == status]
+
+
+# ------------------------------------------------------------------ the search
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("prog_name", sorted(PROGRAMS))
+def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
+  prog, mesh = PROGRAMS[prog_name](), make_mesh(mesh_name)
+  top_k = 2
+  result = _tune(prog, mesh, top_k=top_k)
+  assert not result.from_database and result.machine == CPU
+  assert set(jm.library(prog, mesh)) <= {c.name for c in result.candidates}
+
+  ok, failed, pruned = (_by_status(result, s) for s in (measure.OK, measure.FAILED, measure.PRUNED))
+  assert len(ok) + len(failed) + len(pruned) == len(result.candidates)
+  assert not failed, "\n".join(f"{c.name}: {c.result.reason}" for c in failed)
+  # Every library strategy is timed, and the cost model's top_k of the others.
+  library_names = set(jm.library(prog, mesh))
+  assert {c.name for c in ok} >= library_names
+  others = [c for c in ok if c.name not in library_names]
+  assert len(others) == top_k
+  tol = measure.tolerance(prog.writes.dtype)
+  for c in ok:
+    assert c.result.rel_err is not None and c.result.rel_err < tol, c.name
+    assert len(c.result.times_ms) == 2 and all(t > 0 for t in c.result.times_ms)
+    assert math.isfinite(c.time_ms) and c.time_ms > 0
+  assert result.best is min(ok, key=lambda c: c.time_ms)
+
+  # Every pruned candidate has a reason, and the cost model ranks it below every timed non-library one.
+  assert pruned
+  for c in pruned:
+    assert c.name not in library_names and f"top {top_k}" in c.result.reason, c.name
+  assert max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in pruned)
+
+  # Re-run the winner and another passing candidate on fresh inputs, against the reference.
+  for c in [result.best] + [c for c in ok if c is not result.best][:1]:
+    assert_matches(c.schedule, inputs=prog.random_inputs(fresh_key()))
+  assert result.table().count("\n") == len(result.candidates) + 1
+
+
+# ------------------------------------------------------------------ the database
+def test_database_returns_the_stored_winner_without_compiling(tmp_path, monkeypatch):
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("2x4")
+  db = jm.Database(tmp_path / "t.db")
+  first = _tune(prog, mesh, machine=None, database=db)  # calibrates, then stores figures and winner
+  assert first.best is not None and not first.from_database
+  assert len(db) == 1
+  _assert_calibrated(first.machine, mesh)
+  assert db.machine(prog, mesh) == first.machine
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("a database hit must not calibrate, compile or measure")
+
+  monkeypatch.setattr(measure, "measure", forbidden)
+  monkeypatch.setattr(jm.Schedule, "compile", forbidden)
+  monkeypatch.setattr(calibrate, "calibrate", forbidden)
+  monkeypatch.setattr(tune_module, "calibrate", forbidden, raising=False)
+  again = jm.Database(tmp_path / "t.db")  # a new connection: the record is on disk
+  second = jm.autotune(prog, mesh, database=again, log=_quiet)
+
+  assert second.from_database
+  assert second.best.schedule.to_json() == first.best.schedule.to_json()
+  assert (second.best.name, second.best.time_ms, second.best.memory_bytes) == (
+      first.best.name, first.best.time_ms, first.best.memory_bytes)
+  assert any(c is second.best for c in second.candidates)
+  assert second.table() == first.table()
+  assert [c.to_dict() for c in second.candidates] == [c.to_dict() for c in first.candidates]
+  assert again.lookup(prog, mesh).to_json() == first.best.schedule.to_json()
+
+  # Another program (other parameters) or another mesh is a miss.
+  assert again.lookup_record(jm.programs.matmul(64, 128, 128), mesh) is None
+  assert again.lookup_record(jm.programs.matmul(64, 128, 256, dtype=jnp.bfloat16), mesh) is None
+  assert again.lookup_record(prog, make_mesh("4x2")) is None
+  assert again.lookup_record(prog, make_mesh("8")) is None
+  rows = PartitionSpec(("node", "gpu"), None)
+  assert again.lookup_record(prog, mesh, layouts=((rows, PartitionSpec()), rows)) is None
+  assert again.machine(prog, make_mesh("8")) is None
+
+
+# ------------------------------------------------------------------ fault injection
+def _raises(ctx, a, b):
+  raise ValueError("injected kernel fault")
+
+
+def _nan(ctx, a, b):
+  return jnp.full((a.shape[0], b.shape[1]), jnp.nan, jnp.float32)
+
+
+def _off_by_one_percent(ctx, a, b):
+  return 1.01 * jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+BAD_KERNELS = {"test_raises": _raises, "test_nan": _nan, "test_wrong": _off_by_one_percent}
+
+
+@pytest.fixture
+def bad_kernels(monkeypatch):
+  for name, body in BAD_KERNELS.items():
+    monkeypatch.setitem(registry._KERNELS, name,
+                        registry.Kernel(name, frozenset({"matmul"}), lambda program, body=body: body))
+  return sorted(BAD_KERNELS)
+
+
+def test_faulty_kernels_fail_with_a_reason_and_never_win(bad_kernels):
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
+  lib = jm.library(prog, mesh)
+  pairs = list(lib.items())
+  for base in ("allgather_matmul", "async_tp"):  # one without a ring, one with
+    pairs += [(f"{base} [{k}]", lib[base].copy().patch(k)) for k in bad_kernels]
+  result = _tune(prog, mesh, candidates=pairs, top_k=len(pairs))
+  by_name = {c.name: c for c in result.candidates}
+  assert len(by_name) == len(pairs)
+
+  for base in ("allgather_matmul", "async_tp"):
+    raised, nan, wrong = (by_name[f"{base} [{k}]"] for k in ("test_raises", "test_nan", "test_wrong"))
+    assert raised.status == measure.FAILED and "injected kernel fault" in raised.result.reason
+    assert nan.status == measure.FAILED and "NaN" in nan.result.reason
+    assert wrong.status == measure.FAILED and wrong.result.reason.startswith("wrong result")
+    assert wrong.result.rel_err == pytest.approx(0.01, rel=0.05)
+    for c in (raised, nan, wrong):
+      assert c.time_ms is None and not c.result.times_ms
+  for name in lib:
+    assert by_name[name].status == measure.OK, by_name[name].result.reason
+  assert result.best.name in lib and result.best.schedule.kernel is None
+
+
+def test_time_limit_fails_a_slow_candidate():
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
+  pair = ("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"])
+  tight = _tune(prog, mesh, candidates=[pair], top_k=1, time_limit_s=1e-6)
+  (c,) = tight.candidates
+  assert c.status == measure.FAILED and c.result.reason.startswith("time-out"), c.result.reason
+  assert tight.best is None
+  generous = _tune(prog, mesh, candidates=[pair], top_k=1, time_limit_s=300.0)
+  assert generous.best is not None and generous.best.status == measure.OK
+
+
+# ------------------------------------------------------------------ memory
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("prog_name", sorted(PROGRAMS))
+def test_memory_estimate_is_within_4x_of_compiled(prog_name, mesh_name):
+  prog, mesh = PROGRAMS[prog_name](), make_mesh(mesh_name)
+  xs = prog.random_inputs(fresh_key())
+  lib = jm.library(prog, mesh)
+  assert len(lib) >= 3
+  for name, s in lib.items():
+    compiled = measure.compiled_memory(s.compile().lower(*xs).compile())
+    if compiled is None:
+      pytest.skip("this backend's compiled.memory_analysis() reports nothing")
+    estimate = memory.memory_per_device(s)
+    assert compiled / 4 <= estimate <= 4 * compiled, f"{name}: estimated {estimate} B, compiled {compiled} B"
+
+
+def test_memory_budget_below_the_library_finds_a_leaner_schedule():
+  # Long keys, few queries: every library strategy keeps whole rows of scores or rings K and V;
+  # design-space schedules that ring the queries instead need less.
+  prog, mesh = jm.programs.attention(1, 1, 1, 64, 4096, 4), make_mesh("2x4")
+  xs = prog.random_inputs(fresh_key())
+  lib = jm.library(prog, mesh)
+  lib_estimate = {n: memory.memory_per_device(s) for n, s in lib.items()}
+  lib_compiled = {n: measure.compiled_memory(s.compile().lower(*xs).compile()) for n, s in lib.items()}
+  if None in lib_compiled.values():
+    pytest.skip("this backend's compiled.memory_analysis() reports nothing")
+  budget = min(lib_estimate.values()) - 1
+
+  result = _tune(prog, mesh, memory_budget=budget, space=24, top_k=2)
+  for c in result.candidates:
+    if c.name in lib:
+      assert c.status == measure.PRUNED and "over the budget" in c.result.reason
+  best = result.best
+  assert best is not None and best.name not in lib
+  assert best.memory_bytes <= budget
+  assert best.result.compiled_bytes < min(lib_compiled.values()), (best.name, best.result.compiled_bytes,
+                                                                   lib_compiled)
+
+
+# ------------------------------------------------------------------ cost model
+def test_cost_model_plans_a_larger_abstract_mesh():
+  mesh = AbstractMesh((4, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+  fast = cost.Machine("fast links", 600e12, {"*": 400e9}, 20e-6)
+  slow = fast.with_links(node=12.5e9)
+  assert (slow.bandwidth("node"), slow.bandwidth("gpu"), fast.bandwidth("node")) == (12.5e9, 400e9, 400e9)
+  cases = [(jm.programs.attention(1, 16, 16, 8192, 8192, 64, causal=True, dtype=jnp.bfloat16), {"ring", "usp"}),
+           (jm.programs.matmul(8192, 8192, 8192, dtype=jnp.bfloat16), {"async_tp", "async_tp_reducescatter"})]
+  for prog, rings in cases:
+    lib = jm.library(prog, mesh)
+    assert rings <= set(lib)
+    for name, s in lib.items():
+      with pytest.raises(jm.ScheduleError):
+        s.compile()
+      t_fast, t_slow = cost.predict(s, fast), cost.predict(s, slow)
+      assert 0 < t_fast < math.inf and memory.memory_per_device(s) > 0
+      assert t_slow >= t_fast, name
+      if name in rings:
+        assert t_slow > 1.2 * t_fast, f"{name}: {t_fast:.3e} s with fast links, {t_slow:.3e} s with slow"
+
+
+def test_abstract_mesh_plans_like_the_real_one():
+  real = make_mesh("2x4")
+  abstract = AbstractMesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+  prog = PROGRAMS["attention"]()
+  real_lib, abstract_lib = jm.library(prog, real), jm.library(prog, abstract)
+  assert set(real_lib) == set(abstract_lib)
+  for name, s in real_lib.items():
+    a = abstract_lib[name]
+    assert cost.predict(a, CPU) == cost.predict(s, CPU)
+    assert memory.memory_per_device(a) == memory.memory_per_device(s)
+
+
+def test_predict_candidates_on_an_abstract_mesh():
+  mesh = AbstractMesh((4, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+  prog = jm.programs.attention(1, 16, 16, 8192, 8192, 64, causal=True, dtype=jnp.bfloat16)
+  machine = cost.Machine("two kernels", 600e12, {"*": 400e9}, 20e-6,
+                         kernel_flops_per_s={"xla": 300e12, "cudnn_attention": 600e12})
+  cands = tune_module.predict_candidates(prog, mesh, machine.with_links(node=12.5e9), space=6)
+  times = [c.predicted_ms for c in cands]
+  assert times == sorted(times) and all(0 < t < math.inf for t in times)
+  names = {c.name for c in cands}
+  for name in jm.library(prog, mesh):
+    assert {name, f"{name} [cudnn_attention]"} <= names
+  by_name = {c.name: c for c in cands}
+  # The faster kernel shortens the compute-bound tree (its K/V blocks are local).
+  assert by_name["tree [cudnn_attention]"].predicted_ms < by_name["tree"].predicted_ms
+  assert by_name["ring [cudnn_attention]"].schedule.kernel == "cudnn_attention"
+
+
+def _assert_calibrated(m, mesh):
+  """Figures a calibration on ``mesh`` must have: positive and finite, one bandwidth per level."""
+  positive = [m.flops_per_s, m.latency_s, m.gather_factor, m.memory_bytes_per_s,
+              *m.link_bytes_per_s.values(), *m.kernel_flops_per_s.values()]
+  assert all(math.isfinite(f) and f > 0 for f in positive), m
+  assert math.isfinite(m.call_overhead_s) and m.call_overhead_s >= 0, m  # an intercept: may round to 0
+  assert 0 <= m.overlap <= 1, m
+  assert set(m.link_bytes_per_s) == {*mesh.axis_names, "*"} and set(m.kernel_flops_per_s) == {"xla"}
+  assert cost.Machine.from_dict(m.to_dict()) == m
+
+
+def test_calibrate_measures_positive_finite_figures():
+  prog, mesh = PROGRAMS["attention"](), make_mesh("8")
+  m = calibrate.calibrate(prog, mesh)
+  _assert_calibrated(m, mesh)
+  for s in jm.library(prog, mesh).values():
+    assert 0 < cost.predict(s, m) < math.inf
+
+
+# ------------------------------------------------------------------ plot
+def test_pareto_front():
+  points = [(1, 5, "a"), (2, 3, "b"), (2, 4, "c"), (3, 3, "d"), (4, 1, "e"), (0.5, 9, "f"), (5, 2, "g"),
+            (1, 5, "a again"), (6, math.nan, "no time"), (0.1, None, "pruned")]
+  expected = [(0.5, 9, "f"), (1, 5, "a"), (2, 3, "b"), (4, 1, "e")]
+  assert plot.pareto_front(points) == expected
+  assert plot.pareto_front(list(reversed(points[:8]))) == [(0.5, 9, "f"), (1, 5, "a again"), (2, 3, "b"),
+                                                           (4, 1, "e")]
+  assert plot.pareto_front([(3, 2)]) == [(3, 2)]
+  assert plot.pareto_front([]) == []
+
+
+def _hand_made_result():
+  """A TuneResult with every status, from library schedules and made-up times (nothing compiled)."""
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
+  cands = []
+  for n, (name, s) in enumerate(jm.library(prog, mesh).items()):
+    status = [measure.OK, measure.OK, measure.FAILED, measure.PRUNED][n % 4]
+    result = (measure.Measurement(status, 1.0 + n, [1.0 + n], 1e-7) if status == measure.OK
+              else measure.Measurement(status, reason="made up"))
+    cands.append(Candidate(name, s, 0.5 + n, memory.memory_per_device(s), result))
+  return TuneResult(cands[0], cands, machine=CPU)
+
+
+def test_latency_memory_plot_writes_a_png(tmp_path):
+  pytest.importorskip("matplotlib")
+  path = plot.latency_memory_plot(_hand_made_result(), tmp_path / "design_space.png", title="matmul")
+  data = (tmp_path / "design_space.png").read_bytes()
+  assert path == tmp_path / "design_space.png"
+  assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+  width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+  assert (width, height) == (1125, 750)  # 7.5 x 5 inches at 150 dpi
+
+
+def test_latency_memory_plot_without_matplotlib(tmp_path, monkeypatch):
+  for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+    monkeypatch.setitem(sys.modules, name, None)  # makes `import matplotlib...` raise ImportError
+  with pytest.raises(RuntimeError, match="pip install matplotlib"):
+    plot.latency_memory_plot(_hand_made_result(), tmp_path / "x.png")
+  assert not (tmp_path / "x.png").exists()
