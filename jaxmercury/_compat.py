@@ -2,8 +2,29 @@
 
 ``jax.nn.dot_product_attention(..., return_residual=True)`` casts cuDNN's
 log-sum-exp to the output dtype (bf16), too coarse to merge partial
-attention results; the raw cuDNN call keeps it in float32.
+attention results; the raw cuDNN call keeps it in float32. Its backward can
+only reuse its own forward's residuals; ring attention's backward needs it
+with the merged output and log-sum-exp.
 """
+
+import jax
 
 from jax._src.cudnn.fused_attention_stablehlo import MaskType  # noqa: F401
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: F401
+from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_bwd_p_wrapper  # noqa: E402
+from jax._src.cudnn.fused_attention_stablehlo import _normalize_layout  # noqa: E402
+
+
+def cudnn_attention_backward(q, k, v, o, do, lse, *, scale: float, causal: bool):
+  """cuDNN's flash backward with a given output and log-sum-exp (BTNH; lse [B, N, T] float32).
+
+  Passing the final ``o`` and ``lse`` of a merged (ring) attention gives each
+  key block's share of the gradients, which the public API cannot: its
+  backward only reuses the residuals of its own forward call.
+  """
+  unused = jax.numpy.zeros(0, dtype=q.dtype)
+  mask = MaskType.CAUSAL if causal else MaskType.NO_MASK
+  return _dot_product_attention_bwd_p_wrapper.bind(
+      q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, o, do,
+      scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+      layout=_normalize_layout("BTNH").value, sliding_window_length=None)

@@ -64,3 +64,52 @@ register(Kernel("cudnn_attention", frozenset({"attention"}), _make,
                 dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
                 platforms=frozenset({"gpu"}),
                 workspace=lambda program, sizes: 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]))
+
+
+def _cudnn_backward(q, k, v, o, do, lse):
+  return _cudnn_backward_masked(q, k, v, o, do, lse, False)
+
+
+def _cudnn_backward_masked(q, k, v, o, do, lse, causal):
+  """(dq, dk, dv) of one block pair from the merged output and lse, float32, through cuDNN."""
+  from jaxmercury import _compat
+  b, i, hk, g, d = q.shape
+  flat = lambda x: x.reshape(b, i, hk * g, d)
+  stats = jnp.transpose(lse.reshape(b, i, hk * g), (0, 2, 1)).astype(jnp.float32)
+  dq, dk, dv = _compat.cudnn_attention_backward(flat(q), k, v, flat(o), flat(do), stats,
+                                                scale=1.0 / math.sqrt(d), causal=causal)
+  return dq.reshape(q.shape).astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+def cudnn_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, fallback):
+  """One block pair's dq (``part="dq"``) or stacked [dk, dv] (``"dkv"``) through cuDNN.
+
+  Dispatches as ``cudnn_attention_block`` does; hidden causal pairs give zeros.
+  """
+  pick = (lambda dq, dk, dv: dq) if part == "dq" else (lambda dq, dk, dv: jnp.stack([dk, dv], axis=3))
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  padded = ctx.extents["j"] % tk or ctx.extents["i"] % tq
+  if padded or not (ctx.contiguous("i") and ctx.contiguous("j")) or (causal and tq != tk):
+    return fallback(ctx, q, k, v, o, do, lse)
+  if not causal:
+    return pick(*_cudnn_backward_masked(q, k, v, o, do, lse, False))
+  qs, ks = ctx.start("i"), ctx.start("j")
+  shape = jax.eval_shape(lambda *x: pick(*_cudnn_backward_masked(*x, False)), q, k, v, o, do, lse)
+  case = jnp.where(ks + tk - 1 <= qs, 0, jnp.where(ks > qs + tq - 1, 1, 2))
+  return jax.lax.switch(case, [lambda *x: pick(*_cudnn_backward_masked(*x, False)),
+                               lambda *x: jnp.zeros(shape.shape, shape.dtype),
+                               lambda *x: pick(*_cudnn_backward_masked(*x, True))], q, k, v, o, do, lse)
+
+
+def _make_backward(part):
+  def make(program):
+    return functools.partial(cudnn_backward_block, causal=program.params["causal"], part=part,
+                             fallback=program.body)
+  return make
+
+
+for _part in ("dq", "dkv"):
+  register(Kernel(f"cudnn_attention_{_part}", frozenset({f"attention_{_part}"}), _make_backward(_part),
+                  dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
+                  platforms=frozenset({"gpu"}), dtype_of="q",
+                  workspace=lambda program, sizes: 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]))

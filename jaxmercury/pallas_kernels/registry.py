@@ -27,6 +27,7 @@ class Kernel:
   dtypes: frozenset | None = None  # None: any
   platforms: frozenset = frozenset({"cpu", "gpu", "tpu"})
   workspace: Callable | None = None  # workspace(program, sizes) -> bytes; None: the program's
+  dtype_of: str | None = None  # the read buffer whose dtype must be accepted; None: every read
 
   def workspace_bytes(self, program, sizes) -> int:
     if self.workspace is not None:
@@ -74,7 +75,7 @@ def lookup(name: str, program, mesh) -> Callable:
   if not k.matches(program):
     raise PreconditionError(
         f"patch({name!r}): kernel implements {sorted(k.patterns)}, not {program.name} (pattern {program.pattern!r})")
-  dtypes = {np.dtype(b.dtype) for b in program.reads}
+  dtypes = {np.dtype(b.dtype) for b in program.reads if k.dtype_of in (None, b.name)}
   if k.dtypes is not None and not dtypes <= k.dtypes:
     raise PreconditionError(f"patch({name!r}): kernel accepts {sorted(map(str, k.dtypes))}, "
                             f"program has {sorted(map(str, dtypes))}")

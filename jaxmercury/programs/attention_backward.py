@@ -1,7 +1,7 @@
 """The programs of attention's backward pass, and the forward that keeps its residual.
 
-With the forward's final log-sum-exp ``lse`` and ``delta = rowsum(do * o)``,
-every (query block, key block) pair's gradients are independent of the
+With the forward's output ``o`` and final log-sum-exp ``lse`` (so that
+``delta = rowsum(do * o)``), every (query block, key block) pair's gradients are independent of the
 others (FlashAttention-2's backward):
 
   p = exp(q k^T * scale - lse),  dv = p^T do,  ds = p * (do v^T - delta),
@@ -42,8 +42,9 @@ def _probabilities(ctx, q, k, lse, causal):
   return jnp.where(mask, jnp.exp(s - safe), 0.0), scale
 
 
-def _scores_grad(ctx, q, k, v, do, lse, delta, causal):
+def _scores_grad(ctx, q, k, v, o, do, lse, causal):
   p, scale = _probabilities(ctx, q, k, lse, causal)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
   dp = jnp.einsum("bihgd,bjhd->bihgj", do, v, preferred_element_type=jnp.float32)
   return p, p * (dp - delta[..., None]), scale
 
@@ -61,16 +62,16 @@ def _skipping(block):
 
 
 @_skipping
-def dq_block(ctx, q, k, v, do, lse, delta, *, causal):
+def dq_block(ctx, q, k, v, o, do, lse, *, causal):
   """dq [b, i, hk, g, d] of one block pair, float32."""
-  _, ds, scale = _scores_grad(ctx, q, k, v, do, lse, delta, causal)
+  _, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
   return jnp.einsum("bihgj,bjhd->bihgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
 
 @_skipping
-def dkv_block(ctx, q, k, v, do, lse, delta, *, causal):
+def dkv_block(ctx, q, k, v, o, do, lse, *, causal):
   """[dk, dv] stacked as [b, j, hk, 2, d] for one block pair, float32."""
-  p, ds, scale = _scores_grad(ctx, q, k, v, do, lse, delta, causal)
+  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
   dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
   dv = jnp.einsum("bihgj,bihgd->bjhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
   return jnp.stack([dk, dv], axis=3)
@@ -79,8 +80,8 @@ def dkv_block(ctx, q, k, v, do, lse, delta, *, causal):
 def _backward_buffers(p, dtype):
   b, hk, g, i, j, d = _axes(p)
   reads = (match_buffer("q", (b, i, (hk, g), d), dtype), match_buffer("k", (b, j, hk, d), dtype),
-           match_buffer("v", (b, j, hk, d), dtype), match_buffer("do", (b, i, (hk, g), d), dtype),
-           match_buffer("lse", (b, i, (hk, g)), jnp.float32), match_buffer("delta", (b, i, (hk, g)), jnp.float32))
+           match_buffer("v", (b, j, hk, d), dtype), match_buffer("o", (b, i, (hk, g), d), dtype),
+           match_buffer("do", (b, i, (hk, g), d), dtype), match_buffer("lse", (b, i, (hk, g)), jnp.float32))
   return (b, hk, g, i, j, d), reads
 
 

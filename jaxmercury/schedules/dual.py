@@ -8,10 +8,13 @@ has its gradient reduce-scattered (``shard`` on the gradient of a parallel
 reduction), an all-to-all is answered by an all-to-all (the layouts swap
 roles). Buffer names map forward to backward: placements of an input apply to
 that input and to its gradient; placements of the output apply to the
-incoming cotangent and its companions (``lse``, ``delta``).
+incoming cotangent and its companions (``o``, ``lse``). A patched forward
+kernel maps to its backward kernels (``BACKWARD_KERNELS``).
 """
 
 from __future__ import annotations
+
+import math
 
 from jax.sharding import PartitionSpec
 
@@ -21,6 +24,9 @@ from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import replay
 
 BUFFER_STEPS = ("shard", "replicate")
+# Forward kernels and the kernels of their backward programs.
+BACKWARD_KERNELS = {"dq": {"cudnn_attention": "cudnn_attention_dq"},
+                    "dkv": {"cudnn_attention": "cudnn_attention_dkv"}}
 
 
 def _full(spec, rank):
@@ -28,10 +34,16 @@ def _full(spec, rank):
   return entries[:rank]
 
 
-def _renamed(steps, names: dict, keep_patch: bool) -> list[dict]:
+def _renamed(steps, names: dict, kernel: dict) -> list[dict]:
+  """Steps with buffers renamed and kernels mapped (a kernel with no backward is dropped)."""
   out = []
   for step in steps:
-    if step["primitive"] == "patch" and not keep_patch:
+    if step["primitive"] == "patch":
+      name = step["args"][0]
+      if not kernel:
+        out.append(step)
+      elif name in kernel:
+        out.append({**step, "args": [kernel[name]]})
       continue
     if step["primitive"] not in BUFFER_STEPS:
       out.append(step)
@@ -42,19 +54,30 @@ def _renamed(steps, names: dict, keep_patch: bool) -> list[dict]:
 
 
 def _storage_specs(schedule):
+  """Each buffer's stored layout over its own dims; dims it cannot split evenly (padded) left whole."""
   plan = schedule.plan()
   prog = schedule.program
-  return {b.name: _full(plan.user_spec(b.name), len(b.dims)) for b in prog.reads + (prog.writes,)}
+  specs = {}
+  for b in prog.reads + (prog.writes,):
+    entries = _full(plan.user_spec(b.name), len(b.dims))
+    for dim, (entry, size) in enumerate(zip(entries, b.shape)):
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      if size % math.prod(schedule.levels[n] for n in names):
+        entries[dim] = None
+    specs[b.name] = entries
+  return specs
 
 
 def fit_blocks(schedule: Schedule, budget_bytes: int) -> Schedule:
   """Tiles a schedule's innermost blocks into serial blocks until one body call's workspace fits."""
+  from jaxmercury.pallas_kernels import registry
   from jaxmercury.tuner.memory import block_sizes
   prog = schedule.program
+  kernel = registry.kernel(schedule.kernel or "xla")
   reductions = [a.name for a in prog.loops if prog.kinds[a.name] == "r"]
   spatial = [a.name for a in prog.loops if prog.kinds[a.name] == "s"]
   for axis in reductions + spatial:
-    need = -(-prog.workspace(block_sizes(schedule)) // budget_bytes)
+    need = -(-kernel.workspace_bytes(prog, block_sizes(schedule)) // budget_bytes)
     if need <= 1:
       break
     inner = schedule.loop(schedule.factors[axis][-1])
@@ -79,18 +102,19 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30) -> tuple[Schedule,
   specs = _storage_specs(schedule)
   q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
   rows = PartitionSpec(*o[:3])
-  backward_ins = [PartitionSpec(*x) for x in (q, k, v, o)] + [rows, rows]
+  backward_ins = [PartitionSpec(*x) for x in (q, k, v, o, o)] + [rows]
   mesh, steps = schedule.mesh, schedule.trace
 
   forward = replay(Schedule(ab.attention_with_lse(prog), mesh, in_shardings=[PartitionSpec(*x) for x in (q, k, v)],
                             out_sharding=PartitionSpec(*o)),
-                   _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, keep_patch=True))
-  companions = ["do", "lse", "delta"]
+                   _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, kernel={}))
+  companions = ["o", "do", "lse"]
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
-              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]}, keep_patch=False))
+              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]},
+                       kernel=BACKWARD_KERNELS["dq"]))
   dq = fit_blocks(dq, workspace_bytes)
   dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
                         out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
                _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions},
-                        keep_patch=False))
+                        kernel=BACKWARD_KERNELS["dkv"]))
   return forward, dq, fit_blocks(dkv, workspace_bytes)

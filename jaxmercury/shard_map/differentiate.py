@@ -10,8 +10,9 @@ a ring and the reverse ring, all-to-all and all-to-all).
 
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 
 from jaxmercury.schedules.dual import attention_duals
 
@@ -21,25 +22,28 @@ def differentiable(schedule, forward):
   prog = schedule.program
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
     return forward
-  with_lse, dq_s, dkv_s = attention_duals(schedule)
-  f_lse, f_dq, f_dkv = with_lse.compile(differentiable=False), dq_s.compile(), dkv_s.compile()
   d = prog.params["head_dim"]
+
+  @functools.cache
+  def duals():  # built on the first differentiation, not for forward-only use
+    with_lse, dq_s, dkv_s = attention_duals(schedule)
+    return with_lse.compile(differentiable=False), dq_s.compile(), dkv_s.compile()
 
   @jax.custom_vjp
   def attention(q, k, v):
     return forward(q, k, v)
 
   def fwd(q, k, v):
-    y = f_lse(q, k, v)
+    y = duals()[0](q, k, v)
     o = y[..., :d].astype(q.dtype)
     return o, (q, k, v, o, y[..., d])
 
   def bwd(residuals, do):
     q, k, v, o, lse = residuals
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     do = do.astype(q.dtype)
-    dq = f_dq(q, k, v, do, lse, delta)
-    dkv = f_dkv(q, k, v, do, lse, delta)
+    _, f_dq, f_dkv = duals()
+    dq = f_dq(q, k, v, o, do, lse)
+    dkv = f_dkv(q, k, v, o, do, lse)
     return dq.astype(q.dtype), dkv[..., 0, :].astype(k.dtype), dkv[..., 1, :].astype(v.dtype)
 
   attention.defvjp(fwd, bwd)

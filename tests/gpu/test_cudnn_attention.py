@@ -44,3 +44,19 @@ def test_ring_with_uneven_blocks_uses_all_paths(causal):
   s = jm.Schedule(prog, _mesh()).tile("i", n).parallelize("i0", "x").tile("j", n).shift("j0", "i0")
   s.tile("j1", 2).patch("cudnn_attention")
   _check(s)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel"])
+def test_gradients_with_cudnn_backward(strategy):
+  prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=True, dtype=jnp.bfloat16)
+  s = jm.library(prog, _mesh())[strategy].patch("cudnn_attention")
+  xs = prog.random_inputs(jax.random.key(np.random.randint(1 << 30)))
+  cot = jax.random.normal(jax.random.key(3), prog.writes.shape, jnp.float32)
+  ref_prog = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
+  want = jax.grad(lambda *a: jnp.sum(ref_prog.reference(*a) * cot), argnums=(0, 1, 2))(
+      *[x.astype(jnp.float32) for x in xs])
+  f = s.compile()
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2)))(*xs)
+  for g, w in zip(got, want):
+    err = float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+    assert err < 3e-2, f"{strategy}: rel err {err}"
