@@ -21,17 +21,32 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxmercury.errors import ScheduleError
+from jaxmercury.errors import ProgramError
 from jaxmercury.program import Program
 from jaxmercury.reductions import Reduction
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
 
-def check_name(name: str, what: str) -> str:
+def check_name(name: str, what: str, error: type = ProgramError) -> str:
+  """Returns ``name`` if it is a non-empty identifier; raises ``error`` otherwise."""
   if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS:
-    raise ScheduleError(f"{what} name {name!r} must be a non-empty identifier")
+    raise error(f"{what} name {name!r} must be a non-empty identifier (letters, digits and _)")
   return name
+
+
+def check_dtype(dtype, where: str) -> np.dtype:
+  """``dtype`` as a numpy dtype if it is a numeric (or bool) type JAX computes with; raises ``ProgramError``."""
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    raise ProgramError(f"{where}: {dtype!r} is not a dtype; use a numeric type such as "
+                       "jnp.float32, jnp.bfloat16 or jnp.float16") from None
+  import jax.numpy as jnp
+  if not (jnp.issubdtype(dt, jnp.number) or dt == np.bool_):
+    raise ProgramError(f"{where}: dtype {dt} is neither numeric nor bool; use a numeric type such as "
+                       "jnp.float32, jnp.bfloat16 or jnp.float16")
+  return dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +59,7 @@ class Axis:
   def __post_init__(self):
     check_name(self.name, "axis")
     if not isinstance(self.extent, (int, np.integer)) or self.extent < 1:
-      raise ScheduleError(
+      raise ProgramError(
           f"axis {self.name!r} needs a positive integer extent, got {self.extent!r}")
 
 
@@ -97,12 +112,12 @@ def match_buffer(name: str, dims: Sequence[Axis | Sequence[Axis]], dtype) -> Buf
   for d in dims:
     group = (d,) if isinstance(d, Axis) else tuple(d)
     if not group or not all(isinstance(a, Axis) for a in group):
-      raise ScheduleError(f"buffer {name!r}: each dimension must be an Axis or a tuple of Axes")
+      raise ProgramError(f"buffer {name!r}: each dimension must be an Axis or a tuple of Axes, got {d!r}")
     bound.append(group)
   names = [a.name for g in bound for a in g]
   if len(set(names)) != len(names):
-    raise ScheduleError(f"buffer {name!r} binds an axis twice: {names}")
-  return Buffer(name, tuple(bound), np.dtype(dtype))
+    raise ProgramError(f"buffer {name!r} binds an axis twice: {names}; each axis may index a buffer once")
+  return Buffer(name, tuple(bound), check_dtype(dtype, f"buffer {name!r}"))
 
 
 def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: Buffer,
@@ -138,10 +153,25 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
     The ``Program``.
   """
   loops = tuple(loops)
-  if len(kinds) != len(loops) or set(kinds) - {"s", "r"}:
-    raise ScheduleError(f"kinds {kinds!r} must give one of 's'/'r' for each of {len(loops)} loops")
-  return Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
-                 reads=tuple(reads), writes=writes, body=body, reduction=reduction,
-                 pattern=pattern, statement=statement, params=dict(params or {}),
-                 flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)),
-                 workspace=workspace)
+  if not all(isinstance(a, Axis) for a in loops):
+    raise ProgramError(f"grid: loops must be Axis objects, got {[type(a).__name__ for a in loops]}")
+  if not isinstance(kinds, str) or len(kinds) != len(loops) or set(kinds) - {"s", "r"}:
+    raise ProgramError(f"kinds {kinds!r} must give one of 's'/'r' for each of {len(loops)} loops "
+                       f"{[a.name for a in loops]}")
+  reads = tuple(reads) if isinstance(reads, (list, tuple)) else (reads,)
+  for role, buf in [("reads", b) for b in reads] + [("writes", writes)]:
+    if not isinstance(buf, Buffer):
+      raise ProgramError(f"grid: {role} must hold Buffers made by match_buffer, got {type(buf).__name__}")
+  if not reads:
+    raise ProgramError("grid: a program needs at least one read buffer")
+  if reduction is not None and not isinstance(reduction, Reduction):
+    raise ProgramError(f"grid: reduction must be a jaxmercury Reduction such as Sum() or LogSumExp(), "
+                       f"got {reduction!r}")
+  program = Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
+                    reads=reads, writes=writes, body=body, reduction=reduction,
+                    pattern=pattern, statement=statement, params=dict(params or {}),
+                    flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)),
+                    workspace=workspace)
+  if not callable(body):  # after the structure, whose errors say more
+    raise ProgramError(f"{name}: body must be callable as body(ctx, *blocks), got {type(body).__name__}")
+  return program

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.errors import ScheduleError
+from jaxmercury.errors import InputError, ProgramError
 from jaxmercury.reductions import Reduction
 
 
@@ -90,28 +90,29 @@ class Program:
       for d in buf.dims:
         for a in d:
           if axes.setdefault(a.name, a) != a:
-            raise ScheduleError(
+            raise ProgramError(
                 f"axis {a.name!r} has extents {axes[a.name].extent} and {a.extent} in {self.name}")
     names = [b.name for b in self.reads + (self.writes,)]
     if len(set(names)) != len(names):
-      raise ScheduleError(f"{self.name}: buffer names must be unique, got {names}")
+      raise ProgramError(f"{self.name}: buffer names must be unique, got {names}")
     loop_names = [a.name for a in self.loops]
     if len(set(loop_names)) != len(loop_names):
-      raise ScheduleError(f"{self.name}: loop axes must be unique, got {loop_names}")
+      raise ProgramError(f"{self.name}: loop axes must be unique, got {loop_names}")
     for a in self.loops:
       if a.name not in axes:
-        raise ScheduleError(f"{self.name}: loop {a.name!r} indexes no buffer")
+        raise ProgramError(f"{self.name}: loop {a.name!r} indexes no buffer; bind it to a buffer dimension "
+                           "with match_buffer")
       if axes[a.name] != a:
-        raise ScheduleError(f"{self.name}: loop {a.name!r} extent differs from its buffers'")
+        raise ProgramError(f"{self.name}: loop {a.name!r} extent differs from its buffers'")
     out = set(self.writes.axes)
     for a in self.loops:
       kind = self.kinds[a.name]
       if kind == "s" and a.name not in out:
-        raise ScheduleError(f"{self.name}: spatial loop {a.name!r} must index output {self.writes.name!r}")
+        raise ProgramError(f"{self.name}: spatial loop {a.name!r} must index output {self.writes.name!r}")
       if kind == "r" and a.name in out:
-        raise ScheduleError(f"{self.name}: reduction loop {a.name!r} must not index output {self.writes.name!r}")
+        raise ProgramError(f"{self.name}: reduction loop {a.name!r} must not index output {self.writes.name!r}")
     if "r" in self.kinds.values() and self.reduction is None:
-      raise ScheduleError(f"{self.name}: reduction loops need a reduction (e.g. jaxmercury.Sum())")
+      raise ProgramError(f"{self.name}: reduction loops need a reduction (e.g. jaxmercury.Sum())")
     object.__setattr__(self, "axes", axes)
 
   @property
@@ -129,22 +130,38 @@ class Program:
     return self.buffers[name]
 
   def check_inputs(self, inputs):
-    """Checks the number, shapes and dtypes of inputs against the read buffers."""
-    if len(inputs) != len(self.reads):
-      raise ScheduleError(f"{self.name} takes {len(self.reads)} inputs "
-                          f"({', '.join(b.name for b in self.reads)}), got {len(inputs)}")
-    for buf, x in zip(self.reads, inputs):
-      if tuple(x.shape) != buf.shape:
-        raise ScheduleError(f"input {buf.name}: expected shape {buf.shape} for {buf}, got {tuple(x.shape)}")
-      if np.dtype(x.dtype) != buf.dtype:
-        raise ScheduleError(f"input {buf.name}: expected dtype {buf.dtype}, got {x.dtype}")
+    """Checks the number, shapes and dtypes of inputs against the read buffers.
 
-  def run_body(self, ctx, blocks):
-    """Runs the body on canonical blocks and returns its state."""
-    result = self.body(ctx, *blocks)
+    Raises:
+      InputError: naming the buffer, what it expects and what it got.
+    """
+    if len(inputs) != len(self.reads):
+      raise InputError(f"{self.name} takes {len(self.reads)} inputs "
+                       f"({', '.join(b.name for b in self.reads)}), got {len(inputs)}")
+    for buf, x in zip(self.reads, inputs):
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise InputError(f"input {buf.name}: expected an array of shape {buf.shape} and dtype {buf.dtype}, "
+                         f"got {type(x).__name__}")
+      if tuple(x.shape) != buf.shape:
+        raise InputError(f"input {buf.name}: expected shape {buf.shape} for {buf}, got {tuple(x.shape)}")
+      if np.dtype(x.dtype) != buf.dtype:
+        raise InputError(f"input {buf.name}: expected dtype {buf.dtype}, got {x.dtype}")
+
+  def state_axes(self) -> tuple[tuple[str, ...], ...]:
+    """The axes of each leaf of a partial result (the reduction's state)."""
+    if self.reduction is None:
+      return (self.writes.axes,)
+    return self.reduction.state_axes(self.writes.axes)
+
+  def state_of(self, result):
+    """A body's (or kernel's) return value as a partial state: a tuple of float32 leaves."""
     if self.reduction is None:
       return (jnp.asarray(result, jnp.float32),)
     return self.reduction.from_body(result)
+
+  def run_body(self, ctx, blocks):
+    """Runs the body on canonical blocks and returns its state."""
+    return self.state_of(self.body(ctx, *blocks))
 
   def finalize(self, state):
     if self.reduction is None:

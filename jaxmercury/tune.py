@@ -35,6 +35,9 @@ flags.DEFINE_integer("top", 8, "candidates compiled and timed, best predicted fi
 flags.DEFINE_integer("space", 24, "design-space schedules added to the library's", flag_values=FLAGS)
 flags.DEFINE_integer("iters", 10, "timed runs per candidate", flag_values=FLAGS)
 flags.DEFINE_float("time_limit", 300.0, "seconds a candidate may take to compile and run once", flag_values=FLAGS)
+flags.DEFINE_enum("isolation", "thread", ["thread", "process"],
+                  "thread: measure in this process, abandoning a candidate at --time_limit; process: measure each "
+                  "candidate in a worker process that is killed at --time_limit", flag_values=FLAGS)
 flags.DEFINE_string("db", None, "tuning database (default ~/.cache/jaxmercury/tuning.db)", flag_values=FLAGS)
 flags.DEFINE_boolean("retune", False, "tune even if the database holds a winner", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "write the result as JSON here", flag_values=FLAGS)
@@ -143,6 +146,7 @@ def main(argv) -> int:
   budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
   result = jm.autotune(prog, mesh, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
                        iters=FLAGS.iters, time_limit_s=FLAGS.time_limit, database=db, retune=FLAGS.retune,
+                       isolation=FLAGS.isolation,
                        log=lambda s: print(s, flush=True))
   print("\n" + result.table())
   report = result_json(result, mesh)

@@ -126,3 +126,10 @@ def test_rejected_primitive_leaves_schedule_unchanged():
   with pytest.raises(jm.ScheduleError):
     s.shift("hk0", "i0")
   assert (str(s), s.to_json()) == before
+
+
+def test_join_undoes_tile():
+  s = jm.Schedule(jm.programs.weighted_sum(64, 32), make_mesh("8"))
+  before = str(s)
+  s.tile("i", 4).join("i0", "i1", name="i")
+  assert str(s) == before

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxmercury import validate as checks
 from jaxmercury.dsl import check_name
-from jaxmercury.errors import PreconditionError, ScheduleError, UnknownNameError
+from jaxmercury.errors import PreconditionError, ProgramError, ScheduleError, UnknownNameError
 from jaxmercury.program import Program
 from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR, Loop
 
@@ -42,10 +43,9 @@ class Schedule:
                in_shardings: Sequence[PartitionSpec | None] | None = None,
                out_sharding: PartitionSpec | None = None):
     if not isinstance(program, Program):
-      raise ScheduleError(f"Schedule needs a jaxmercury Program, got {type(program).__name__}")
-    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-      raise ScheduleError(f"Schedule needs a jax.sharding.Mesh (or an AbstractMesh to plan with), "
-                          f"got {type(mesh).__name__}")
+      raise ProgramError(f"Schedule needs a jaxmercury Program, got {type(program).__name__}")
+    checks.check_program(program)
+    checks.check_mesh(mesh)
     self.program = program
     self.mesh = mesh
     self.levels: dict[str, int] = dict(mesh.shape)
@@ -56,8 +56,7 @@ class Schedule:
     self.zigzags: dict[str, int] = {}
     self.placements: dict[tuple[str, str], tuple] = {}
     self.kernel: str | None = None
-    self.in_shardings = _check_in_shardings(program, self.levels, in_shardings)
-    self.out_sharding = _check_spec(program.writes, self.levels, out_sharding, "out_sharding")
+    self.in_shardings, self.out_sharding = checks.check_layouts(program, self.levels, in_shardings, out_sharding)
     self.trace: list[dict] = []
 
   # ----------------------------------------------------------------- lookup
@@ -71,10 +70,8 @@ class Schedule:
   def loop_or_none(self, name) -> Loop | None:
     return next((lp for lp in self.loops if lp.name == name), None)
 
-  def _level(self, level: str) -> int:
-    if level not in self.levels:
-      raise UnknownNameError(f"mesh has no level {level!r}; levels: {list(self.levels)}")
-    return self.levels[level]
+  def _level(self, level: str, primitive: str) -> int:
+    return checks.check_level(self.levels, level, primitive)
 
   def _parallel(self, name: str, primitive: str) -> Loop:
     lp = self.loop(name)
@@ -201,7 +198,7 @@ class Schedule:
     outer, inner = names or (loop + "0", loop + "1")
     taken = {x.name for x in self.loops} - {loop}
     for n in (outer, inner):
-      check_name(n, "loop")
+      check_name(n, "loop", PreconditionError)
       if n in taken or outer == inner:
         raise PreconditionError(f"tile({loop!r}): loop name {n!r} is already used; pass names=")
     at = self.loops.index(lp)
@@ -218,7 +215,8 @@ class Schedule:
     """Merges two adjacent loops over consecutive factors of one axis.
 
     Preconditions: ``outer`` directly encloses ``inner`` in the nest and is
-    the next-major factor of the same axis; neither is distributed.
+    the next-major factor of the same axis; neither is distributed. The
+    merged loop runs as ``inner`` did, so ``join`` undoes ``tile``.
 
     Before / after (``join("j0", "j1")``)::
 
@@ -242,10 +240,10 @@ class Schedule:
     if o.distributed or i.distributed:
       raise PreconditionError(f"join({outer!r}, {inner!r}): distributed loops cannot be joined")
     merged = name or outer
-    check_name(merged, "loop")
+    check_name(merged, "loop", PreconditionError)
     if merged in {x.name for x in self.loops} - {outer, inner}:
       raise PreconditionError(f"join: loop name {merged!r} is already used")
-    role = VECTOR if o.role == i.role == VECTOR else (i.role if o.role == VECTOR else o.role)
+    role = i.role  # the merged loop runs as the inner one did: join undoes tile
     at = self.loops.index(o)
     self.loops[at:at + 2] = [Loop(merged, o.axis, o.extent * i.extent, o.kind, role=role)]
     k = fs.index(outer)
@@ -313,7 +311,7 @@ class Schedule:
         for i in I: ...              for j in J: ...
     """
     lp = self.loop(loop)
-    size = self._level(mesh_level)
+    size = self._level(mesh_level, f"parallelize({loop!r}, {mesh_level!r})")
     if lp.role == PARALLEL:
       raise PreconditionError(f"parallelize({loop!r}): loop is already parallel over {lp.level!r}")
     if lp.shifted_by:
@@ -458,14 +456,17 @@ class Schedule:
         (``jax.grad`` works either way; this makes the gradient a scheduled
         program of its own where the program has backward programs).
 
+    The program, the mesh, the layouts, the kernel and the schedule's
+    consistency with its own trace are checked first (``jaxmercury.validate``);
+    ``validate(program, mesh, inputs=...)`` also checks arrays and the devices
+    they are committed to.
+
     Returns:
       ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
     """
     from jaxmercury.shard_map.differentiate import differentiable as with_backward
     from jaxmercury.shard_map.lower import lower
-    if not isinstance(self.mesh, jax.sharding.Mesh):
-      raise ScheduleError(f"cannot compile on {self.mesh}: an AbstractMesh has no devices; "
-                          "use it for plans and cost predictions")
+    checks.validate(self.program, self.mesh, schedule=self, compiling=True)
     forward = lower(self)
     return with_backward(self, forward) if differentiable else forward
 
@@ -494,39 +495,3 @@ def _check_parallel_outermost(loops: list[Loop]):
       raise PreconditionError(
           f"reorder: parallel loop {lp.name!r} would sit inside loop {seen_local!r}; "
           "parallel loops stay outside the others")
-
-
-def _check_spec(buf, levels: Mapping[str, int], spec, what: str):
-  if spec is None:
-    return None
-  if not isinstance(spec, PartitionSpec):
-    raise ScheduleError(f"{what} for {buf.name} must be a PartitionSpec, got {type(spec).__name__}")
-  if len(spec) > len(buf.dims):
-    raise ScheduleError(f"{what}: {spec} has more entries than {buf} has dimensions")
-  seen = set()
-  for dim, entry in enumerate(spec):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    size = 1
-    for n in names:
-      if n not in levels:
-        raise UnknownNameError(f"{what} for {buf.name}: mesh has no level {n!r}; levels: {list(levels)}")
-      if n in seen:
-        raise ScheduleError(f"{what} for {buf.name}: mesh level {n!r} is used twice in {spec}")
-      seen.add(n)
-      size *= levels[n]
-    lead = buf.dims[dim][0].extent
-    if lead % size:
-      raise ScheduleError(
-          f"{what} for {buf.name}: dimension {dim} ({buf.dims[dim][0].name}, extent {lead}) does not "
-          f"divide evenly over {names} ({size} devices)")
-  return spec
-
-
-def _check_in_shardings(program, levels, specs):
-  if specs is None:
-    return None
-  specs = tuple(specs)
-  if len(specs) != len(program.reads):
-    raise ScheduleError(f"in_shardings needs one entry per input of {program.name} "
-                        f"({len(program.reads)}), got {len(specs)}")
-  return tuple(_check_spec(b, levels, s, "in_shardings") for b, s in zip(program.reads, specs))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.sharding import AxisType
 
 from jaxmercury.schedules.dual import attention_duals
 
@@ -44,7 +45,13 @@ def differentiable(schedule, forward):
     _, f_dq, f_dkv = duals()
     dq = f_dq(q, k, v, o, do, lse)
     dkv = f_dkv(q, k, v, o, do, lse)
-    return dq.astype(q.dtype), dkv[..., 0, :].astype(k.dtype), dkv[..., 1, :].astype(v.dtype)
+    return like(dq, q), like(dkv[..., 0, :], k), like(dkv[..., 1, :], v)
+
+  explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
+
+  def like(grad, primal):  # a cotangent has its primal's dtype and, with explicit axes, its sharding
+    grad = grad.astype(primal.dtype)
+    return jax.sharding.reshard(grad, jax.typeof(primal).sharding) if explicit else grad
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.schedules import orders
@@ -46,7 +46,6 @@ def lower(schedule, *, jit: bool = True):
   nest = Nest(schedule, plan, kernel)
   out = prog.writes
   reads = prog.reads
-  state_axes = nest.state_axes
 
   def per_device(*local):
     arrays = {b.name: reshard(x, plan.storage[b.name], plan.resident[b.name])
@@ -56,7 +55,7 @@ def lower(schedule, *, jit: bool = True):
       if red.scatter_axis is None:
         state = prog.reduction.all_reduce(state, red.level)
       else:
-        dims = [axes.index(red.scatter_axis) for axes in state_axes]
+        dims = [axes.index(red.scatter_axis) for axes in prog.state_axes()]
         state = prog.reduction.reduce_scatter(state, red.level, dims)
     y = prog.finalize(state)
     return reshard(y, plan.result, plan.storage[out.name])
@@ -71,6 +70,9 @@ def lower(schedule, *, jit: bool = True):
     sharding = NamedSharding(mesh, spec)
     return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
 
+  def whole(x):  # explicit sharding types cannot gather along a split dimension
+    return constrain(x, PartitionSpec()) if explicit else x
+
   def run(*inputs):
     prog.check_inputs(inputs)
     canon = []
@@ -79,8 +81,12 @@ def lower(schedule, *, jit: bool = True):
       pads = [(0, schedule.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
       if any(p for _, p in pads):
         x = jnp.pad(x, pads)
-      canon.append(constrain(_to_storage_order(x, b.axes, schedule.zigzags), plan.spec(b.name)))
-    y = _to_true_order(mapped(*canon), out.axes, schedule.zigzags)
+      if schedule.zigzags.keys() & set(b.axes):
+        x = _to_storage_order(whole(x), b.axes, schedule.zigzags)
+      canon.append(constrain(x, plan.spec(b.name)))
+    y = mapped(*canon)
+    if schedule.zigzags.keys() & set(out.axes):
+      y = _to_true_order(whole(y), out.axes, schedule.zigzags)
     crop = tuple(slice(0, e) for e in out.canonical_shape)
     y = jnp.reshape(y[crop], out.shape)
     return y

@@ -29,10 +29,8 @@ class Nest:
     self.prog = schedule.program
     self.loops = {lp.name: lp for lp in schedule.loops}
     self.serial = [lp for lp in schedule.loops if lp.role == SERIAL]
-    out = self.prog.writes
-    self.state_axes = ((out.axes,) if self.prog.reduction is None
-                       else self.prog.reduction.state_axes(out.axes))
-    self.out_local = plan.local_factors[out.name]
+    self.state_axes = self.prog.state_axes()
+    self.out_local = plan.local_factors[self.prog.writes.name]
 
   # ------------------------------------------------------------------ helpers
   def _extents(self, names):
@@ -139,7 +137,4 @@ class Nest:
         sizes[a] = self.prog.axes[a].extent
     ctx = BlockContext(starts=starts, sizes=sizes,
                        extents={a: ax.extent for a, ax in self.prog.axes.items()}, zigzag=self.s.zigzags)
-    result = self.kernel(ctx, *[env[b.name][0] for b in self.prog.reads])
-    if self.prog.reduction is None:
-      return (result.astype("float32"),)
-    return self.prog.reduction.from_body(result)
+    return self.prog.state_of(self.kernel(ctx, *[env[b.name][0] for b in self.prog.reads]))

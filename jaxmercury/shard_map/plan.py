@@ -150,7 +150,7 @@ def make_plan(schedule) -> Plan:
     place = placements.get((out.name, lp.level))
     axis = place[1] if place and place[0] == "shard" else None
     if axis is not None:
-      for leaf_axes in _state_axes(prog):
+      for leaf_axes in prog.state_axes():
         if axis not in leaf_axes:
           raise PreconditionError(
               f"shard({out.name!r}, {lp.name!r}, axis={axis!r}): the {prog.reduction.name} reduction's "
@@ -190,12 +190,6 @@ def make_plan(schedule) -> Plan:
 
 def _level_of(lp, loops):
   return lp.level if lp.role == PARALLEL else loops[lp.shifted_by].level
-
-
-def _state_axes(prog):
-  if prog.reduction is None:
-    return (prog.writes.axes,)
-  return prog.reduction.state_axes(prog.writes.axes)
 
 
 def local_factor_names(schedule, buf, layout, loops):

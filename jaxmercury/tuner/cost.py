@@ -94,8 +94,7 @@ def predict(schedule, machine: Machine) -> float:
       exposed += machine.latency_s if st.op != reshard.SLICE else 0.0
       _apply(layout, st)
   out = prog.writes
-  state_bytes = 4 * local_elements(schedule, out, plan.resident[out.name]) * (
-      1 if prog.reduction is None else len(prog.reduction.state_axes(out.axes)))
+  state_bytes = 4 * local_elements(schedule, out, plan.resident[out.name]) * len(prog.state_axes())
   for red in plan.reductions:
     n = levels[red.level]
     exposed += machine.gather_factor * 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level)
@@ -118,8 +117,7 @@ def predict(schedule, machine: Machine) -> float:
 def _state_block_bytes(schedule) -> int:
   from jaxmercury.tuner.memory import block_sizes
   prog, sizes = schedule.program, block_sizes(schedule)
-  axes = (prog.writes.axes,) if prog.reduction is None else prog.reduction.state_axes(prog.writes.axes)
-  return sum(4 * math.prod(sizes[a] for a in leaf) for leaf in axes)
+  return sum(4 * math.prod(sizes[a] for a in leaf) for leaf in prog.state_axes())
 
 
 def _apply(layout, st):

@@ -1,11 +1,24 @@
-"""The tuning database: winning schedule traces in SQLite, keyed by everything they depend on.
+"""The tuning database: winning schedule traces and every measurement, in SQLite.
 
 A record's key holds the program's structural hash and parameters, the mesh
-shape and level names, the device kind, and the jax and jaxmercury versions:
-a record from another version is not used. A record stores the winner's trace
-(data), its time and memory, and every candidate's outcome. Reading a record
-replays traces through the public primitives (``Schedule.from_json``);
-nothing stored is executed.
+shape and level names, the device kind, the caller's layouts, and the jax and
+jaxmercury versions: a record from another version is not used (and
+``stale_records`` says it is there). Three tables:
+
+- ``winners``: per key, the winner's trace, time and memory, and every
+  candidate's outcome;
+- ``measurements``: per key and candidate trace, its measurement, written as
+  soon as it is taken (an interrupted tune resumes from them), or a marker
+  that it is being measured (a tune that dies in it counts an attempt);
+- ``machines``: calibrated cost-model figures.
+
+Durability: WAL journal, one ``BEGIN IMMEDIATE`` transaction per record, a
+60 s busy timeout, so concurrent tuners on one machine wait for each other
+instead of failing or overwriting. A file that is not a readable database is
+moved aside (``<path>.corrupt-<time>``) with a warning and a fresh one
+started. The database holds data only: traces are replayed through the public
+primitives (``Schedule.from_json``), which reject unknown primitives and
+malformed steps; a malformed record is reported and ignored, never executed.
 """
 
 from __future__ import annotations
@@ -15,10 +28,12 @@ import datetime
 import json
 import os
 import sqlite3
+import time
+import warnings
 
 import jax
 
-from jaxmercury.errors import ScheduleError
+from jaxmercury.errors import ScheduleError, TraceError
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS winners (
@@ -26,7 +41,14 @@ SCHEMA = (
          time_ms REAL NOT NULL, memory_bytes INTEGER NOT NULL, candidates TEXT NOT NULL,
          created TEXT NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS machines (key TEXT PRIMARY KEY, figures TEXT NOT NULL, created TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS measurements (
+         key TEXT NOT NULL, trace TEXT NOT NULL, name TEXT NOT NULL, result TEXT,
+         attempts INTEGER NOT NULL DEFAULT 0, created TEXT NOT NULL, PRIMARY KEY (key, trace))""",
 )
+COLUMNS = {"winners": {"key", "program", "trace", "name", "time_ms", "memory_bytes", "candidates", "created"},
+           "machines": {"key", "figures", "created"},
+           "measurements": {"key", "trace", "name", "result", "attempts", "created"}}
+VERSION_FIELDS = ("jax", "jaxmercury")
 
 
 def default_path() -> str:
@@ -61,36 +83,154 @@ class Record:
   candidates: list
 
 
+@dataclasses.dataclass
+class Stored:
+  """A candidate's row in ``measurements``: its measurement (None while unfinished) and start count."""
+
+  name: str
+  result: object  # measure.Measurement | None
+  attempts: int
+
+
+def record_from_data(program, mesh, data: dict) -> Record:
+  """A ``Record`` from stored (or broadcast) data; every trace replays through the primitives.
+
+  Raises:
+    TraceError: the data is malformed or a trace does not replay.
+  """
+  from jaxmercury.schedules.schedule import Schedule
+  from jaxmercury.tuner import measure
+  from jaxmercury.tuner.tune import Candidate
+  try:
+    trace, name = data["trace"], data["name"]
+    winner = Candidate(name, Schedule.from_json(program, mesh, trace), float("nan"), int(data["memory_bytes"]),
+                       measure.Measurement(measure.OK, float(data["time_ms"])))
+    cands = []
+    for r in data["candidates"]:
+      if r["schedule"] == trace and r["name"] == name:
+        winner.predicted_ms, winner.result.rel_err = r["predicted_ms"], r["rel_err"]
+        winner.result.compiled_bytes = r.get("compiled_bytes")
+        cands.append(winner)
+        continue
+      result = measure.Measurement.from_dict({"status": r["status"], "median_ms": r["time_ms"], "rel_err": r["rel_err"],
+                                              "reason": r["reason"], "compiled_bytes": r.get("compiled_bytes")})
+      if not isinstance(r["name"], str) or not all(isinstance(r[f], (int, float)) for f in ("predicted_ms",
+                                                                                          "memory_bytes")):
+        raise ValueError(f"candidate fields of the wrong type: {r!r:.200}")
+      cands.append(Candidate(r["name"], Schedule.from_json(program, mesh, r["schedule"]),
+                             r["predicted_ms"], r["memory_bytes"], result))
+  except TraceError:
+    raise
+  except (ScheduleError, KeyError, TypeError, ValueError, AttributeError) as e:
+    raise TraceError(f"stored record is malformed: {type(e).__name__}: {e}") from None
+  return Record(winner, cands)
+
+
 def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
 class Database:
-  """A SQLite file of tuned schedules (WAL mode, one transaction per record).
+  """A SQLite file of tuned schedules and measurements (WAL, one transaction per record).
 
   Args:
-    path: the file; default ``default_path()``. Its folder is created.
+    path: the file; default ``default_path()``. Its folder is created. A
+      file that is not a readable jaxmercury database is moved aside to
+      ``<path>.corrupt-<time>`` with a ``RuntimeWarning`` and a fresh one is
+      started.
   """
 
-  def __init__(self, path: str | None = None):
+  def __init__(self, path: str | os.PathLike | None = None):
     self.path = path or default_path()
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    self.set_aside: str | None = None  # where a corrupted file was moved, if one was
     try:
-      self._conn = sqlite3.connect(self.path, timeout=60)
-      self._conn.execute("PRAGMA journal_mode=WAL")
-      for statement in SCHEMA:
-        self._conn.execute(statement)
-      self._conn.commit()
+      self._conn = self._connect()
     except sqlite3.DatabaseError as e:
-      raise ScheduleError(f"tuning database {self.path!r} is unreadable: {e}") from None
+      if not _is_corruption(e):  # locked, unreadable, a directory: report, never move it
+        raise ScheduleError(f"tuning database {os.fspath(self.path)!r} cannot be opened: {e}") from None
+      self.set_aside = self._move_aside(str(e))
+      try:
+        self._conn = self._connect()
+      except sqlite3.DatabaseError as again:
+        raise ScheduleError(f"tuning database {os.fspath(self.path)!r} is unusable: {again}") from None
 
+  # ------------------------------------------------------------ the file
+  def _connect(self) -> sqlite3.Connection:
+    path = os.fspath(self.path)
+    self._inode = _inode(path)
+    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
+    try:
+      conn.execute("PRAGMA journal_mode=WAL")
+      check = conn.execute("PRAGMA quick_check").fetchone()
+      if check is None or check[0] != "ok":
+        raise _Corrupt(f"integrity check failed: {check[0] if check else 'no answer'}")
+      for statement in SCHEMA:
+        conn.execute(statement)
+      for table, columns in COLUMNS.items():
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not columns <= have:
+          raise _Corrupt(f"table {table} lacks columns {sorted(columns - have)}: not a jaxmercury tuning database")
+    except BaseException:
+      conn.close()
+      raise
+    return conn
+
+  def _move_aside(self, reason: str) -> str | None:
+    """Renames the corrupted file (and its WAL files) aside; returns the new name."""
+    path = os.fspath(self.path)
+    if _inode(path) != self._inode:  # another process already replaced it
+      return None
+    aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for suffix in ("", "-wal", "-shm"):
+      try:
+        os.replace(path + suffix, aside + suffix)
+      except FileNotFoundError:
+        pass
+    warnings.warn(f"tuning database {path} is corrupted ({reason}); moved it to {aside} and started a "
+                  "fresh one", RuntimeWarning, stacklevel=3)
+    return aside
+
+  def _write(self, sql: str, params: tuple):
+    """One statement in one ``BEGIN IMMEDIATE`` transaction (waits for other writers)."""
+    self._conn.execute("BEGIN IMMEDIATE")
+    try:
+      self._conn.execute(sql, params)
+    except BaseException:
+      self._conn.execute("ROLLBACK")
+      raise
+    self._conn.execute("COMMIT")
+
+  def _read(self, sql: str, params: tuple) -> list:
+    try:
+      return self._conn.execute(sql, params).fetchall()
+    except sqlite3.DatabaseError as e:
+      warnings.warn(f"tuning database {os.fspath(self.path)} could not be read ({e}); treating it as empty",
+                    RuntimeWarning, stacklevel=3)
+      return []
+
+  # ------------------------------------------------------------ winners
   def store(self, program, mesh, winner, candidates, layouts=None):
+    """Stores (or replaces) the winner of ``program`` on ``mesh`` and every candidate's outcome."""
     rows = json.dumps([c.to_dict() for c in candidates])
-    with self._conn:
-      self._conn.execute(
-          "INSERT OR REPLACE INTO winners VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-          (record_key(program, mesh, layouts), program.name, winner.schedule.to_json(), winner.name,
-           winner.time_ms, winner.memory_bytes, rows, _now()))
+    self._write("INSERT OR REPLACE INTO winners VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (record_key(program, mesh, layouts), program.name, winner.schedule.to_json(), winner.name,
+                 winner.time_ms, winner.memory_bytes, rows, _now()))
+
+  def record_data(self, program, mesh, layouts=None) -> dict | None:
+    """The stored record as plain data (what ``record_from_data`` reads), or None."""
+    rows = self._read("SELECT trace, name, time_ms, memory_bytes, candidates FROM winners WHERE key = ?",
+                      (record_key(program, mesh, layouts),))
+    if not rows:
+      return None
+    trace, name, time_ms, memory, cands = rows[0]
+    try:
+      cands = json.loads(cands)
+    except (TypeError, ValueError) as e:
+      warnings.warn(f"tuning database {os.fspath(self.path)}: the record for {program.name} has malformed "
+                    f"candidates ({e}); ignored", RuntimeWarning, stacklevel=2)
+      return None
+    return {"trace": trace, "name": name, "time_ms": time_ms, "memory_bytes": memory, "candidates": cands}
 
   def lookup(self, program, mesh, layouts=None):
     """The stored winner for ``program`` on ``mesh`` as a fresh Schedule, or None."""
@@ -98,42 +238,110 @@ class Database:
     return None if record is None else record.winner.schedule
 
   def lookup_record(self, program, mesh, layouts=None) -> Record | None:
-    from jaxmercury.schedules.schedule import Schedule
-    from jaxmercury.tuner import measure
-    from jaxmercury.tuner.tune import Candidate
-    row = self._conn.execute(
-        "SELECT trace, name, time_ms, memory_bytes, candidates FROM winners WHERE key = ?",
-        (record_key(program, mesh, layouts),)).fetchone()
-    if row is None:
+    """The stored record, its traces replayed; None if there is none or it is malformed (with a warning)."""
+    data = self.record_data(program, mesh, layouts)
+    if data is None:
       return None
-    trace, name, time_ms, memory, rows = row
-    winner = Candidate(name, Schedule.from_json(program, mesh, trace), float("nan"), memory,
-                       measure.Measurement(measure.OK, time_ms))
-    cands = []
-    for r in json.loads(rows):
-      if r["schedule"] == trace and r["name"] == name:
-        winner.predicted_ms, winner.result.rel_err, winner.result.compiled_bytes = r["predicted_ms"], r["rel_err"], r.get("compiled_bytes")
-        cands.append(winner)
-        continue
-      result = measure.Measurement(r["status"], r["time_ms"], rel_err=r["rel_err"], reason=r["reason"],
-                                   compiled_bytes=r.get("compiled_bytes"))
-      cands.append(Candidate(r["name"], Schedule.from_json(program, mesh, r["schedule"]),
-                             r["predicted_ms"], r["memory_bytes"], result))
-    return Record(winner, cands)
+    try:
+      return record_from_data(program, mesh, data)
+    except TraceError as e:
+      warnings.warn(f"tuning database {os.fspath(self.path)}: the record for {program.name} is not "
+                    f"trusted ({e}); ignored", RuntimeWarning, stacklevel=2)
+      return None
 
+  def stale_records(self, program, mesh, layouts=None) -> list[dict]:
+    """Versions of records for this key made by another jax or jaxmercury (not used)."""
+    want = json.loads(record_key(program, mesh, layouts))
+    base = {k: v for k, v in want.items() if k not in VERSION_FIELDS}
+    out = []
+    for (key,) in self._read("SELECT key FROM winners WHERE program = ?", (program.name,)):
+      try:
+        have = json.loads(key)
+      except ValueError:
+        continue
+      if isinstance(have, dict) and {k: v for k, v in have.items() if k not in VERSION_FIELDS} == base \
+          and any(have.get(f) != want[f] for f in VERSION_FIELDS):
+        out.append({f: have.get(f) for f in VERSION_FIELDS})
+    return out
+
+  # ------------------------------------------------------------ measurements
+  def start_measurement(self, program, mesh, candidate, layouts=None):
+    """Marks a candidate as being measured (one more attempt), before it runs."""
+    self._write(
+        "INSERT INTO measurements (key, trace, name, result, attempts, created) VALUES (?, ?, ?, NULL, 1, ?) "
+        "ON CONFLICT (key, trace) DO UPDATE SET attempts = attempts + 1, result = NULL, created = excluded.created",
+        (record_key(program, mesh, layouts), candidate.schedule.to_json(), candidate.name, _now()))
+
+  def store_measurement(self, program, mesh, candidate, layouts=None):
+    """Stores a candidate's measurement as soon as it is taken."""
+    self._write(
+        "INSERT INTO measurements (key, trace, name, result, attempts, created) VALUES (?, ?, ?, ?, 0, ?) "
+        "ON CONFLICT (key, trace) DO UPDATE SET result = excluded.result, name = excluded.name, "
+        "created = excluded.created",
+        (record_key(program, mesh, layouts), candidate.schedule.to_json(), candidate.name,
+         json.dumps(candidate.result.to_dict()), _now()))
+
+  def measurements(self, program, mesh, layouts=None) -> dict[str, Stored]:
+    """Stored measurements of this key by candidate trace; malformed rows are skipped with a warning."""
+    from jaxmercury.tuner.measure import Measurement
+    out = {}
+    rows = self._read("SELECT trace, name, result, attempts FROM measurements WHERE key = ?",
+                      (record_key(program, mesh, layouts),))
+    for trace, name, result, attempts in rows:
+      try:
+        out[trace] = Stored(name, None if result is None else Measurement.from_dict(json.loads(result)),
+                            int(attempts))
+      except (TypeError, ValueError) as e:
+        warnings.warn(f"tuning database {os.fspath(self.path)}: skipping a malformed measurement of "
+                      f"{name!r} ({e})", RuntimeWarning, stacklevel=2)
+    return out
+
+  def clear_measurements(self, program, mesh, layouts=None):
+    """Forgets this key's measurements (``autotune(retune=True)`` starts afresh)."""
+    self._write("DELETE FROM measurements WHERE key = ?", (record_key(program, mesh, layouts),))
+
+  def count_measurements(self) -> int:
+    rows = self._read("SELECT COUNT(*) FROM measurements WHERE result IS NOT NULL", ())
+    return rows[0][0] if rows else 0
+
+  # ------------------------------------------------------------ machines
   def machine(self, program, mesh):
     """Stored cost-model figures for this machine and program, or None."""
     from jaxmercury.tuner.cost import Machine
-    row = self._conn.execute("SELECT figures FROM machines WHERE key = ?", (record_key(program, mesh),)).fetchone()
-    return None if row is None else Machine.from_dict(json.loads(row[0]))
+    rows = self._read("SELECT figures FROM machines WHERE key = ?", (record_key(program, mesh),))
+    if not rows:
+      return None
+    try:
+      return Machine.from_dict(json.loads(rows[0][0]))
+    except (TypeError, ValueError, KeyError) as e:
+      warnings.warn(f"tuning database {os.fspath(self.path)}: malformed machine figures ({e}); ignored",
+                    RuntimeWarning, stacklevel=2)
+      return None
 
   def store_machine(self, program, mesh, machine):
-    with self._conn:
-      self._conn.execute("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
-                         (record_key(program, mesh), json.dumps(machine.to_dict()), _now()))
+    self._write("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
+                (record_key(program, mesh), json.dumps(machine.to_dict()), _now()))
 
   def __len__(self):
-    return self._conn.execute("SELECT COUNT(*) FROM winners").fetchone()[0]
+    rows = self._read("SELECT COUNT(*) FROM winners", ())
+    return rows[0][0] if rows else 0
 
   def close(self):
     self._conn.close()
+
+
+class _Corrupt(sqlite3.DatabaseError):
+  """A file SQLite reads but that fails the integrity check or lacks jaxmercury's tables."""
+
+
+def _is_corruption(e: sqlite3.DatabaseError) -> bool:
+  name = getattr(e, "sqlite_errorname", "") or ""
+  return isinstance(e, _Corrupt) or name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB"))
+
+
+def _inode(path: str):
+  try:
+    st = os.stat(path)
+  except FileNotFoundError:
+    return None
+  return (st.st_dev, st.st_ino)

@@ -1,15 +1,28 @@
-"""Compiling, checking and timing one candidate schedule."""
+"""Compiling, checking and timing one candidate schedule.
+
+``measure`` runs in two phases, each under a hard time limit when one is
+given (``watchdog.run_limited``): compile + first run + check against the
+reference, then the timed runs. Between and after the phases the processes of
+a multi-process run combine what they saw (``gather``): a candidate fails if
+it fails on any process, its error is the error of the whole output, and each
+timed run counts as long as the slowest process took.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
 import time
+from typing import Callable
 
 import jax
 import numpy as np
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
+
+# Local outcome codes of the first phase, combined across processes.
+_PASSED, _ERROR, _TIMEOUT = 0, 1, 2
+_CODE_TEXT = {_ERROR: "compile or run error", _TIMEOUT: "time-out"}
 
 
 @dataclasses.dataclass
@@ -29,6 +42,22 @@ class Measurement:
   reason: str = ""
   compiled_bytes: int | None = None  # from compiled.memory_analysis(), where available
 
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, data: dict) -> "Measurement":
+    """Rebuilds a measurement from ``to_dict`` output (data from a database or another process)."""
+    if not isinstance(data, dict) or data.get("status") not in (OK, PRUNED, FAILED):
+      raise ValueError(f"not a measurement: {data!r}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    m = cls(**{k: v for k, v in data.items() if k in fields})
+    if not isinstance(m.times_ms, list) or not all(isinstance(t, (int, float)) for t in m.times_ms):
+      raise ValueError(f"measurement times must be a list of numbers, got {m.times_ms!r}")
+    if m.status == OK and not isinstance(m.median_ms, (int, float)):
+      raise ValueError(f"an ok measurement needs a time, got {m.median_ms!r}")
+    return m
+
 
 def tolerance(dtype) -> float:
   """Relative Frobenius error allowed for outputs of this dtype."""
@@ -42,9 +71,36 @@ def rel_err(y, ref) -> float:
   return float(np.linalg.norm(y - ref) / (denom if denom else 1.0))
 
 
+def local_error(y, ref) -> tuple[bool, float, float]:
+  """(all finite, sum of squared differences, sum of squared reference) over this process's shards.
+
+  Each element counts once (replica 0 of every shard), so the sums of all
+  processes give the error of the whole output; one process needs only the
+  shards it can address.
+  """
+  ref = np.asarray(jax.device_get(ref), np.float64)
+  finite, diff, norm = True, 0.0, 0.0
+  for shard in y.addressable_shards:
+    if shard.replica_id != 0:
+      continue
+    part = np.asarray(shard.data, np.float64)
+    r = ref[shard.index]
+    finite = finite and bool(np.all(np.isfinite(part)))
+    diff += float(np.sum((part - r) ** 2)) if finite else 0.0
+    norm += float(np.sum(r ** 2))
+  return finite, diff, norm
+
+
 def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+  """The exception's type and its most telling line (an out-of-memory is named as such)."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  line = lines[0] if lines else ""
+  oom = next((x for x in lines if "RESOURCE_EXHAUSTED" in x or "Out of memory" in x), None)
+  if oom is not None:
+    return f"out of memory: {type(e).__name__}: {oom[:300]}"
+  if line.startswith("Traceback") or line.endswith("Traceback (most recent call last):"):
+    line = f"{line} ... {lines[-1]}"  # a host callback's error: its last line says what failed
+  return f"{type(e).__name__}: {line[:300]}"
 
 
 def compiled_memory(compiled) -> int | None:
@@ -60,7 +116,11 @@ def compiled_memory(compiled) -> int | None:
 
 
 def place_inputs(schedule, inputs):
-  """Inputs laid out as the schedule stores them, so that timing excludes the move."""
+  """Inputs laid out as the schedule stores them, so that timing excludes the move.
+
+  Under several processes each process passes the same (host-local) values
+  and keeps the shards its devices hold.
+  """
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return inputs
   from jax.sharding import NamedSharding, PartitionSpec
@@ -68,39 +128,47 @@ def place_inputs(schedule, inputs):
   out = []
   for b, x in zip(schedule.program.reads, inputs):
     spec = plan.user_spec(b.name)
-    out.append(jax.device_put(x, NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())))
+    sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
+    if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
+      x = np.asarray(jax.device_get(x))
+    out.append(jax.device_put(x, sharding))
   return jax.block_until_ready(out)
 
 
-def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
-            time_limit_s: float | None = None) -> Measurement:
-  """Compiles ``schedule``, checks it against ``reference``, then times it.
+def _this_process(values: np.ndarray) -> np.ndarray:
+  return np.asarray(values)[None]
 
-  A candidate that fails to compile or run, or whose compile and first run
-  exceed ``time_limit_s``, is ``failed``; inputs are first placed in the
-  layout the schedule stores them in (``place_inputs``); so is one whose output is not finite
-  or differs from the reference beyond the dtype's tolerance, and it is never
-  timed. Times are wall clock around ``block_until_ready`` (device-side
-  completion), after ``warmup`` runs; the median of ``iters`` counts.
-  """
-  start = time.perf_counter()
+
+@dataclasses.dataclass
+class _Checked:
+  """What one process saw of the compile, the first run and the check."""
+
+  code: int = _PASSED
+  reason: str = ""
+  compiled: object = None
+  inputs: tuple = ()
+  compiled_bytes: int | None = None
+  run_s: float = 0.0
+  finite: bool = True
+  diff: float = 0.0
+  norm: float = 0.0
+
+
+def _compile_and_check(schedule, inputs, reference) -> _Checked:
   try:
     inputs = place_inputs(schedule, inputs)
     compiled = schedule.compile().lower(*inputs).compile()
+    t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*inputs))
+    run_s = time.perf_counter() - t0
   except Exception as e:  # noqa: BLE001 - a candidate's failure is data, not a crash
-    return Measurement(FAILED, reason=_first_line(e))
-  nbytes = compiled_memory(compiled)
-  if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
-    return Measurement(FAILED, reason=f"time-out: compile and first run took over {time_limit_s:g} s",
-                       compiled_bytes=nbytes)
-  if not np.all(np.isfinite(np.asarray(jax.device_get(y), np.float32))):
-    return Measurement(FAILED, reason="output has NaN or Inf", compiled_bytes=nbytes)
-  err = rel_err(y, reference)
-  tol = tolerance(schedule.program.writes.dtype)
-  if err > tol:
-    return Measurement(FAILED, rel_err=err, reason=f"wrong result: relative error {err:.2e} above {tol:.0e}",
-                       compiled_bytes=nbytes)
+    return _Checked(_ERROR, _first_line(e))
+  finite, diff, norm = local_error(y, reference)
+  return _Checked(compiled=compiled, inputs=tuple(inputs), compiled_bytes=compiled_memory(compiled),
+                  run_s=run_s, finite=finite, diff=diff, norm=norm)
+
+
+def _timed_runs(compiled, inputs, warmup: int, iters: int) -> list[float]:
   for _ in range(warmup):
     jax.block_until_ready(compiled(*inputs))
   times = []
@@ -108,4 +176,77 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     t0 = time.perf_counter()
     jax.block_until_ready(compiled(*inputs))
     times.append((time.perf_counter() - t0) * 1e3)
-  return Measurement(OK, statistics.median(times), times, err, compiled_bytes=nbytes)
+  return times
+
+
+def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
+            time_limit_s: float | None = None, gather: Callable | None = None,
+            on_checked: Callable | None = None) -> Measurement:
+  """Compiles ``schedule``, checks it against ``reference``, then times it.
+
+  A candidate that fails to compile or run, or whose compile and first run
+  exceed ``time_limit_s``, is ``failed``: the limit is enforced by a
+  watchdog that stops waiting for it (``watchdog.run_limited``), so a hung
+  candidate is abandoned, not waited for. Inputs are first placed in the
+  layout the schedule stores them in (``place_inputs``). A candidate whose
+  output is not finite or differs from the reference beyond the dtype's
+  tolerance is ``failed`` and never timed. Times are wall clock around
+  ``block_until_ready`` (device-side completion), after ``warmup`` runs; the
+  median of ``iters`` counts. The timed runs have their own limit:
+  ``time_limit_s`` plus ten times their expected length.
+
+  Args:
+    schedule: the candidate.
+    inputs: the program's inputs (host-local values, the same on every process).
+    reference: the trusted output, on this process.
+    warmup: untimed runs before timing.
+    iters: timed runs.
+    time_limit_s: seconds for the compile and first run; None: no limit.
+    gather: ``gather(array) -> array`` stacking one array per process (an
+      all-gather); default this process only. Every process calls it at the
+      same points, so all reach the same verdict and time.
+    on_checked: called with the first run's seconds once the candidate passed its check.
+
+  Returns:
+    The ``Measurement``.
+  """
+  from jaxmercury.tuner.watchdog import run_limited
+  gather = gather or _this_process
+  start = time.perf_counter()
+  checked, timed_out = run_limited(lambda: _compile_and_check(schedule, inputs, reference), time_limit_s)
+  if timed_out or (time_limit_s is not None and checked.code == _PASSED
+                   and time.perf_counter() - start > time_limit_s):
+    nbytes = None if checked is None else checked.compiled_bytes
+    checked = _Checked(_TIMEOUT, f"time-out: compile and first run took over {time_limit_s:g} s",
+                       compiled_bytes=nbytes)
+  rows = gather(np.array([checked.code, float(checked.finite), checked.diff, checked.norm], np.float64))
+  nbytes = checked.compiled_bytes
+  failed = [int(c) for c in rows[:, 0]]
+  if any(failed):
+    if checked.code:
+      return Measurement(FAILED, reason=checked.reason, compiled_bytes=nbytes)
+    process, code = next((p, c) for p, c in enumerate(failed) if c)
+    return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes)
+  if not np.all(rows[:, 1]):
+    return Measurement(FAILED, reason="output has NaN or Inf", compiled_bytes=nbytes)
+  norm = float(np.sum(rows[:, 3]))
+  err = float(np.sqrt(np.sum(rows[:, 2]) / (norm if norm else 1.0)))
+  tol = tolerance(schedule.program.writes.dtype)
+  if err > tol:
+    return Measurement(FAILED, rel_err=err, reason=f"wrong result: relative error {err:.2e} above {tol:.0e}",
+                       compiled_bytes=nbytes)
+  if on_checked is not None:
+    on_checked(checked.run_s)
+  limit = None if time_limit_s is None else time_limit_s + 10 * (warmup + iters) * checked.run_s
+  try:
+    times, timed_out = run_limited(lambda: _timed_runs(checked.compiled, checked.inputs, warmup, iters), limit)
+    reason = f"time-out: {warmup + iters} timed runs took over {limit:.3g} s" if timed_out else ""
+  except Exception as e:  # noqa: BLE001
+    times, reason = None, _first_line(e)
+  local = np.full(iters, np.nan) if times is None else np.asarray(times, np.float64)
+  all_times = gather(local)
+  if np.isnan(all_times).any():
+    return Measurement(FAILED, rel_err=err, compiled_bytes=nbytes,
+                       reason=reason or f"timed runs failed on process {int(np.isnan(all_times).any(1).argmax())}")
+  slowest = [float(t) for t in np.max(all_times, axis=0)]  # each run as long as its slowest process
+  return Measurement(OK, statistics.median(slowest), slowest, err, compiled_bytes=nbytes)

@@ -7,22 +7,36 @@ the memory budget (default on GPUs: 90% of device memory) are pruned before
 compiling; the library strategies and the best ``top_k`` others are compiled,
 checked against the reference and timed. The winner and every
 candidate's outcome go to the tuning database.
+
+Reliability: the program, mesh, layouts and every candidate are validated
+before anything is traced (an invalid candidate fails with the reason); each
+candidate runs under a hard time limit (``watchdog``) and any failure (compile
+error, out of memory, time-out, NaN, wrong values) fails only that candidate;
+each measurement is stored as soon as it is taken, so an interrupted tune
+resumes; under ``jax.distributed`` process 0 decides and broadcasts
+(``agree``), and times are combined so that the slowest process counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import random
+import sqlite3
 
 import jax
 
+from jaxmercury.errors import ScheduleError
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
-from jaxmercury.tuner import cost, measure
+from jaxmercury.tuner import agree, cost, measure, watchdog
 from jaxmercury.tuner.calibrate import calibrate
+from jaxmercury.tuner.database import record_from_data
 from jaxmercury.tuner.memory import memory_per_device
 from jaxmercury.tuner.reference import reference_output
+from jaxmercury.validate import validate
 from jaxmercury.tuner.space import enumerate_schedules
 
 
@@ -60,6 +74,7 @@ class TuneResult:
   candidates: list
   from_database: bool = False
   machine: cost.Machine | None = None
+  resumed: int = 0  # measurements read back from the database instead of taken
 
   def table(self) -> str:
     rows = ["| candidate | predicted ms | measured ms | memory MiB | status | note |",
@@ -109,7 +124,8 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0,
 
 
 def _device_budget(mesh) -> int | None:
-  stats = mesh.devices.flat[0].memory_stats() if mesh.devices.flat[0].platform != "cpu" else None
+  device = agree.local_device(mesh)
+  stats = device.memory_stats() if device.platform != "cpu" else None
   return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
@@ -120,12 +136,25 @@ def with_layouts(schedule, in_shardings, out_sharding):
   return replay(fresh, [dict(step) for step in schedule.trace])
 
 
+MAX_ATTEMPTS = 2  # a candidate the tuner died in this often is failed, not retried
+
+
 def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
              in_shardings=None, out_sharding=None,
              memory_budget: int | None = None, machine: cost.Machine | None = None, iters: int = 10,
              time_limit_s: float | None = None, key=None, database=None, retune: bool = False,
-             log=print) -> TuneResult:
+             isolation: str = "thread", resume: bool = True, log=print) -> TuneResult:
   """Finds the fastest correct schedule of ``program`` on ``mesh``.
+
+  The program, mesh and layouts are validated first (``jaxmercury.validate``);
+  a candidate that does not validate is failed with the reason. Each
+  candidate's measurement goes to ``database`` as soon as it is taken, so an
+  interrupted tune (Ctrl-C, kill) resumes from them: a later call with the
+  same key re-times only what is missing. Under several processes
+  (``jax.distributed``) process 0 makes every decision (the stored winner,
+  the candidates, the inputs' seed, the winner) and broadcasts it; the others
+  follow, and a process whose database disagrees is overruled. Timings are
+  combined so that the slowest process counts.
 
   Args:
     program: the program to tune.
@@ -133,47 +162,177 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     candidates: (name, Schedule) pairs to choose among; default the library
       plus ``space`` design-space schedules, with every applicable kernel.
     space: how many design-space schedules to add to the library's.
+    top_k: how many candidates besides the library's, best predicted first,
+      to compile and time (library strategies that fit are always timed).
     in_shardings: the layouts (``PartitionSpec`` per input) the caller's
       arrays have; every candidate is lowered for them, so that moving the
       inputs into its own layout counts in its time.
     out_sharding: the layout the caller needs the output in.
-    top_k: how many candidates besides the library's, best predicted first,
-      to compile and time (library strategies that fit are always timed).
     memory_budget: bytes per device; candidates estimated above it are pruned.
       Default: 90% of a GPU's memory, no limit on CPU.
     machine: cost-model figures; default read from ``database`` or measured by
       ``calibrate`` (and stored).
     iters: timed runs per candidate (the median counts).
-    time_limit_s: a candidate whose compile and first run take longer fails.
+    time_limit_s: seconds a candidate's compile and first run may take; past
+      it the candidate is failed ("time-out") and the search goes on.
     key: PRNG key for the random inputs; fresh inputs by default.
     database: a ``Database``: a stored winner is returned without tuning
-      (unless ``retune``), and a new winner is stored.
-    retune: tune even when the database holds a winner.
+      (unless ``retune``), measurements are stored as they are taken, and a
+      new winner is stored.
+    retune: tune even when the database holds a winner, and re-time every
+      candidate (stored measurements of this key are discarded).
+    isolation: ``"thread"`` measures in this process, abandoning a candidate
+      at the time limit; ``"process"`` measures each candidate in a worker
+      process that is killed at the limit (a hang cannot outlive it; programs
+      from ``jaxmercury.programs`` on one process only, others fall back to
+      ``"thread"``).
+    resume: reuse this key's stored measurements instead of re-timing them.
     log: progress printer.
 
   Returns:
     A ``TuneResult``; ``best`` is None when no candidate passed.
+
+  Raises:
+    ScheduleError: the program, mesh or layouts are invalid.
   """
+  validate(program, mesh, in_shardings=in_shardings, out_sharding=out_sharding, compiling=True)
+  if isolation not in ("thread", "process"):
+    raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
   layouts = None if in_shardings is None and out_sharding is None else (in_shardings, out_sharding)
-  if database is not None and not retune:
-    record = database.lookup_record(program, mesh, layouts)
-    if record is not None:
-      log(f"found in {database.path}: {record.winner.name} ({record.winner.time_ms:.3f} ms)")
-      return TuneResult(record.winner, record.candidates, from_database=True)
+  many = agree.process_count() > 1
+  if isolation == "process" and many:
+    log("isolation='process' measures on one process only; measuring in-process under jax.distributed")
+    isolation = "thread"
+
+  found = _from_database(program, mesh, layouts, database, retune, log)
+  if found is not None:
+    return found
+  machine = _machine(program, mesh, machine, database, log)
+  store = _Store(database, program, mesh, layouts, log)
+  if agree.is_leader():
+    cands, timed, resumed = _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
+                                  memory_budget, machine, store, retune, resume, log)
+    seed = _seed(key)
+  if many:
+    plan = agree.broadcast_json(_plan_data(cands, timed, seed) if agree.is_leader() else None)
+    if not agree.is_leader():
+      cands, timed, seed = _plan_from_data(program, mesh, plan)
+      resumed = sum(1 for n in timed if cands[n].result is not None)
+
+  inputs = reference = None
+  for n, index in enumerate(timed):
+    c = cands[index]
+    if c.result is None:
+      store.started(c)
+      if isolation == "process":
+        c.result = watchdog.measure_in_worker(c.schedule, seed, iters=iters, time_limit_s=time_limit_s)
+        if c.result is None:
+          log(f"  {c.name}: no worker can rebuild {program.name}; measuring in-process")
+      if c.result is None:
+        if inputs is None:
+          inputs = program.random_inputs(jax.random.key(seed))
+          reference = reference_output(program, inputs, agree.local_device(mesh))
+        c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s,
+                                   gather=agree.gather if many else None)
+      store.measured(c)
+      note = ""
+    else:
+      note = "  (resumed)"
+    shown = f"{c.time_ms:9.3f} ms" if c.time_ms is not None else c.result.reason
+    log(f"  [{n + 1}/{len(timed)}] {c.name:<40} predicted {c.predicted_ms:9.3f} ms  {c.status:<6} {shown}{note}")
+    if not note and isolation == "thread" and c.result.reason.startswith("time-out"):
+      log("  warning: an abandoned candidate may still occupy the devices and delay the next ones; "
+          "isolation='process' kills it instead")
+
+  ok = [c for c in cands if c.status == measure.OK]
+  best = min(ok, key=lambda c: c.time_ms) if ok else None
+  if many:
+    final = agree.broadcast_json(
+        {"results": [None if c.result is None else c.result.to_dict() for c in cands],
+         "best": None if best is None else cands.index(best)} if agree.is_leader() else None)
+    for c, r in zip(cands, final["results"]):
+      c.result = None if r is None else measure.Measurement.from_dict(r)
+    best = None if final["best"] is None else cands[final["best"]]
+  if best is not None:
+    store.winner(best, cands)
+  return TuneResult(best, cands, machine=machine, resumed=resumed)
+
+
+def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneResult | None:
+  """Process 0's stored winner (broadcast to every process), or None to tune."""
+  many = agree.process_count() > 1
+  if not many and (database is None or retune):
+    return None
+  mine = database.record_data(program, mesh, layouts) if database is not None and not retune else None
+  record = None
+  if agree.is_leader() and mine is not None:
+    try:
+      record = record_from_data(program, mesh, mine)
+    except ScheduleError as e:
+      log(f"{database.path}: the stored record is not trusted ({e}); tuning afresh")
+      mine = None
+  if agree.is_leader() and mine is None and database is not None and not retune:
+    for old in database.stale_records(program, mesh, layouts):
+      log(f"{database.path} holds a record from jax {old['jax']} / jaxmercury {old['jaxmercury']}; "
+          "not used by this version")
+  agreed = agree.broadcast_json(mine if agree.is_leader() else None) if many else mine
+  if agreed is None:
+    if mine is not None:
+      log(f"process {jax.process_index()}: {database.path} holds {mine['name']!r}, but process 0 "
+          "decides and has none: tuning")
+    return None
+  if not agree.is_leader():
+    if mine is None or mine["trace"] != agreed["trace"]:
+      held = "no winner" if mine is None else repr(mine["name"])
+      log(f"process {jax.process_index()}: database {getattr(database, 'path', None)} holds {held}; "
+          f"overruled by process 0's {agreed['name']!r}")
+  if record is None:  # another process: process 0's record, replayed here
+    record = record_from_data(program, mesh, agreed)
+  if not agree.is_leader() and database is not None and (mine is None or mine["trace"] != agreed["trace"]):
+    _Store(database, program, mesh, layouts, log).winner(record.winner, record.candidates)
+  where = f"in {database.path}" if agree.is_leader() else f"by process {jax.process_index()} from process 0"
+  log(f"found {where}: {record.winner.name} ({record.winner.time_ms:.3f} ms)")
+  return TuneResult(record.winner, record.candidates, from_database=True)
+
+
+def _machine(program, mesh, machine, database, log) -> cost.Machine:
+  """Cost-model figures: given, stored, or calibrated; process 0's under several processes."""
   if machine is None and database is not None:
     machine = database.machine(program, mesh)
+  if agree.process_count() > 1:
+    figures = agree.broadcast_json(machine.to_dict() if agree.is_leader() and machine else None)
+    machine = None if figures is None else cost.Machine.from_dict(figures)
   if machine is None:
     log("calibrating the cost model on this machine ...")
     machine = calibrate(program, mesh)
+    if agree.process_count() > 1:
+      machine = cost.Machine.from_dict(agree.broadcast_json(machine.to_dict() if agree.is_leader() else None))
     if database is not None:
-      database.store_machine(program, mesh, machine)
+      _Store(database, program, mesh, None, log).machine(machine)
+  return machine
+
+
+def _candidate(name, schedule, program, mesh, machine, in_shardings, out_sharding) -> Candidate:
+  """A scored candidate, or one failed with the reason it does not validate."""
+  try:
+    if in_shardings is not None or out_sharding is not None:
+      schedule = with_layouts(schedule, in_shardings, out_sharding)
+    validate(program, mesh, schedule=schedule, compiling=True)
+    return Candidate(name, schedule, cost.predict(schedule, machine) * 1e3, memory_per_device(schedule))
+  except ScheduleError as e:
+    return Candidate(name, schedule, math.inf, 0, measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
+
+
+def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, store,
+          retune, resume, log):
+  """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
   memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
   pairs = candidates if candidates is not None else default_candidates(program, mesh, space=space)
-  if in_shardings is not None or out_sharding is not None:
-    pairs = [(n, with_layouts(s, in_shardings, out_sharding)) for n, s in pairs]
-  cands = [Candidate(name, s, cost.predict(s, machine) * 1e3, memory_per_device(s)) for name, s in pairs]
+  cands = [_candidate(name, s, program, mesh, machine, in_shardings, out_sharding) for name, s in pairs]
   fits = []
   for c in cands:
+    if c.result is not None:
+      continue
     if memory_budget is not None and c.memory_bytes > memory_budget:
       c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget")
     else:
@@ -185,18 +344,88 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   for c in ranked[top_k:]:
     c.result = measure.Measurement(measure.PRUNED, reason=f"cost model ranks it below the top {top_k}")
   fits = sorted(anchors + ranked[:top_k], key=lambda c: c.predicted_ms)
-  key = key if key is not None else jax.random.key(random.SystemRandom().randrange(1 << 31))
-  inputs = program.random_inputs(key)
-  reference = reference_output(program, inputs, mesh.devices.flat[0])
-  for n, c in enumerate(fits):
-    c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s)
-    shown = f"{c.time_ms:9.3f} ms" if c.time_ms is not None else c.result.reason
-    log(f"  [{n + 1}/{len(fits)}] {c.name:<40} predicted {c.predicted_ms:9.3f} ms  {c.status:<6} {shown}")
-  ok = [c for c in cands if c.status == measure.OK]
-  best = min(ok, key=lambda c: c.time_ms) if ok else None
-  if best is not None and database is not None:
-    database.store(program, mesh, best, cands, layouts)
-  return TuneResult(best, cands, machine=machine)
+  if retune:
+    store.clear()
+  stored = store.measurements() if resume and not retune else {}
+  resumed = 0
+  for c in fits:
+    row = stored.get(c.schedule.to_json())
+    if row is None:
+      continue
+    if row.result is not None:
+      c.result, resumed = row.result, resumed + 1
+    elif row.attempts >= MAX_ATTEMPTS:
+      c.result = measure.Measurement(measure.FAILED, reason=f"the tuner died {row.attempts} times while "
+                                                            "measuring it (crash, kill or out of memory)")
+      resumed += 1
+  if resumed:
+    log(f"resuming: {resumed} of {len(fits)} measurements read from {store.path}")
+  return cands, [cands.index(c) for c in fits], resumed
+
+
+def _seed(key) -> int:
+  if key is None:
+    return random.SystemRandom().randrange(1 << 31)
+  return int(jax.random.randint(key, (), 0, (1 << 31) - 1))
+
+
+def _plan_data(cands, timed, seed) -> dict:
+  return {"seed": seed, "timed": timed, "candidates": [
+      {"name": c.name, "trace": c.schedule.to_json(), "predicted_ms": c.predicted_ms,
+       "memory_bytes": c.memory_bytes, "result": None if c.result is None else c.result.to_dict()}
+      for c in cands]}
+
+
+def _plan_from_data(program, mesh, data):
+  """Process 0's plan on another process: candidates rebuilt from their traces."""
+  cands = []
+  for d in data["candidates"]:
+    result = None if d["result"] is None else measure.Measurement.from_dict(d["result"])
+    try:
+      schedule = Schedule.from_json(program, mesh, d["trace"])
+    except ScheduleError:  # a candidate process 0 found invalid: keep its trace for the record
+      schedule = Schedule(program, mesh)
+      schedule.trace = json.loads(d["trace"]).get("steps", [])
+    cands.append(Candidate(d["name"], schedule, d["predicted_ms"], d["memory_bytes"], result))
+  return cands, list(data["timed"]), int(data["seed"])
+
+
+class _Store:
+  """Database writes that never stop a tune: a failed write is logged and the search goes on."""
+
+  def __init__(self, database, program, mesh, layouts, log):
+    self.db, self.program, self.mesh, self.layouts, self.log = database, program, mesh, layouts, log
+    self.path = getattr(database, "path", None)
+
+  def _do(self, what, method: str, *args):
+    if self.db is None:
+      return None
+    try:
+      return getattr(self.db, method)(*args)
+    except sqlite3.Error as e:
+      self.log(f"warning: could not {what} in {self.path}: {e}")
+      return None
+
+  def started(self, c):
+    self._do("mark a measurement started", "start_measurement", self.program, self.mesh, c,
+             self.layouts)
+
+  def measured(self, c):
+    self._do("store a measurement", "store_measurement", self.program, self.mesh, c,
+             self.layouts)
+
+  def winner(self, best, cands):
+    self._do("store the winner", "store", self.program, self.mesh, best, cands, self.layouts)
+
+  def machine(self, machine):
+    self._do("store machine figures", "store_machine", self.program, self.mesh, machine)
+
+  def clear(self):
+    self._do("clear measurements", "clear_measurements", self.program, self.mesh, self.layouts)
+
+  def measurements(self) -> dict:
+    return self._do("read measurements", "measurements", self.program, self.mesh,
+                    self.layouts) or {}
 
 
 def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24, in_shardings=None,

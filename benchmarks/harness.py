@@ -1,0 +1,318 @@
+"""Timing, numerical agreement and the physical floor, shared by the benchmark suites.
+
+Every contestant of a case is a jitted function of the same global inputs,
+placed once in the callers' layout. ``prepare`` compiles each one, runs it
+once, compares that output with the reference contestant's (the first to
+run), and warms it up; ``time_interleaved`` then times them in rounds, one
+call of each per round in a rotating order, so that drift of the machine
+(clocks, temperature) spreads over all of them. A contestant that fails
+(compile error, out of memory, a run error) is recorded with its error and
+the case goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import traceback
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BF16_TOLERANCE = 2e-2  # relative Frobenius error allowed between bf16 outputs
+
+
+def log(text: str):
+  print(text, flush=True)
+
+
+def error_text(exc: BaseException) -> str:
+  """The exception's type and most telling line; an out-of-memory is named as such."""
+  lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+  oom = next((ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "Out of memory" in ln
+              or "out of memory" in ln), None)
+  if oom is not None:
+    return f"out of memory: {type(exc).__name__}: {oom[:300]}"
+  return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
+def is_oom(text: str | None) -> bool:
+  return bool(text) and text.startswith("out of memory")
+
+
+@dataclasses.dataclass
+class Contestant:
+  """One implementation timed in a case.
+
+  Attributes:
+    name: its key in the results (``"jaxmercury"``, ``"ring"``, ...).
+    role: ``"jaxmercury"`` or ``"baseline"``.
+    build: returns the jitted function of the case's inputs (called once).
+    label: what it is, in words.
+    skip: a reason not to run it (recorded instead of a time).
+    record: extra fields for its result record.
+  """
+
+  name: str
+  role: str
+  build: Callable[[], Callable] | None
+  label: str = ""
+  skip: str | None = None
+  record: dict = dataclasses.field(default_factory=dict)
+
+
+def compiled_bytes(compiled) -> int | None:
+  """Peak bytes per device XLA reports for a compiled function (arguments + outputs + temporaries)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every backend reports memory
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
+@dataclasses.dataclass
+class Ready:
+  fn: Callable
+  iters: int
+
+
+@dataclasses.dataclass
+class Prepared:
+  """What ``prepare`` leaves: the runnable contestants, every record, and the reference output."""
+
+  ready: dict  # name -> Ready, in run order
+  records: dict  # name -> result record, in the contestants' order
+  reference: str | None = None  # the contestant every other output is compared with
+  reference_output: object = None
+
+
+def prepare(contestants, inputs, *, warmup: int, iters: int, max_timing_s: float, order=(),
+            deadline: float | None = None, tolerance: float = BF16_TOLERANCE) -> Prepared:
+  """Compiles, runs and warms up every contestant, checking each first output against the reference.
+
+  Contestants run in ``order`` (names first to last, the rest after); the
+  first that runs becomes the reference, and every later output is compared
+  with it as soon as it exists (``check`` below), so agreement costs no extra
+  runs and only the reference's output is held. Failures and skips become
+  records. A contestant whose first run takes long gets fewer timed runs:
+  as many as fit ``max_timing_s``, at least 3 (and one warm-up run).
+  """
+  records = {c.name: {"name": c.name, "role": c.role, "label": c.label, **c.record} for c in contestants}
+  rank = {name: i for i, name in enumerate(order)}
+  out = Prepared({}, records)
+  for c in sorted(contestants, key=lambda c: rank.get(c.name, len(rank))):
+    rec = records[c.name]
+    if c.skip:
+      rec["skipped"] = c.skip
+      log(f"  skip  {c.name}: {c.skip}")
+      continue
+    if deadline is not None and time.time() > deadline:
+      rec["skipped"] = "time budget spent"
+      log(f"  skip  {c.name}: time budget spent")
+      continue
+    try:
+      t0 = time.perf_counter()
+      fn = c.build()
+      compiled = fn.lower(*inputs).compile() if hasattr(fn, "lower") else fn
+      rec["compile_s"] = round(time.perf_counter() - t0, 3)
+      rec["memory_bytes"] = compiled_bytes(compiled)
+      t1 = time.perf_counter()
+      y = jax.block_until_ready(compiled(*inputs))
+      first = time.perf_counter() - t1
+      check(out, c.name, y, tolerance)
+      del y
+      for _ in range((warmup if first < 1.0 else 1) - 1):
+        jax.block_until_ready(compiled(*inputs))
+      n = max(3, min(iters, int(max_timing_s / max(first, 1e-6))))
+      out.ready[c.name] = Ready(compiled, n)
+      log(f"  ready {c.name} (compile {rec['compile_s']:.2f} s, first run {first * 1e3:.2f} ms, "
+          f"{n} timed runs{_agreement(rec)})")
+    except Exception as exc:  # noqa: BLE001 - a contestant's failure is data
+      rec["error"] = error_text(exc)
+      log(f"  ERROR {c.name}: {rec['error']}")
+      if not is_oom(rec["error"]):
+        traceback.print_exc(limit=4)
+  return out
+
+
+def _agreement(rec) -> str:
+  if "rel_err" not in rec:
+    return ""
+  return f", rel err {rec['rel_err']:.1e}" + ("" if rec["numerics_ok"] else " DISAGREES")
+
+
+def check(prepared: Prepared, name: str, y, tolerance: float = BF16_TOLERANCE):
+  """Compares ``y`` (``name``'s output) with the reference's; the first output checked becomes it.
+
+  The record gets ``rel_err`` (relative Frobenius error, float32) and
+  ``numerics_ok``: false when it is not finite or not below ``tolerance``
+  (the contestant keeps its time, flagged).
+  """
+  rec = prepared.records[name]
+  if prepared.reference is None:
+    prepared.reference, prepared.reference_output = name, y
+    rec["rel_err"], rec["numerics_ok"] = 0.0, bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+    return
+  ref = prepared.reference_output
+  if y.shape != ref.shape:
+    raise ValueError(f"output shape {y.shape} differs from the reference's {ref.shape}")
+  err = float(rel_err(y, ref))
+  rec["rel_err"] = err
+  rec["numerics_ok"] = bool(math.isfinite(err) and err < tolerance)
+  if not rec["numerics_ok"]:
+    log(f"  !!! {name} disagrees with {prepared.reference}: relative error {err:.3e} (tolerance {tolerance})")
+
+
+def time_interleaved(ready: dict, records: dict, inputs) -> dict[str, list[float]]:
+  """Times the ready contestants in rounds (rotating order); name -> per-call ms.
+
+  A contestant stops when it has its own count of runs; one that fails is
+  dropped with its error recorded.
+  """
+  times = {name: [] for name in ready}
+  names = list(ready)
+  rounds = max((r.iters for r in ready.values()), default=0)
+  for r in range(rounds):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      if name not in ready or len(times[name]) >= ready[name].iters:
+        continue
+      try:
+        t0 = time.perf_counter()
+        jax.block_until_ready(ready[name].fn(*inputs))
+        times[name].append((time.perf_counter() - t0) * 1e3)
+      except Exception as exc:  # noqa: BLE001
+        records[name]["error"] = error_text(exc)
+        log(f"  ERROR while timing {name}: {records[name]['error']}")
+        del ready[name]
+  return {n: t for n, t in times.items() if n in ready}
+
+
+@jax.jit
+def rel_err(a, b):
+  """``||a - b|| / ||b||`` (Frobenius), in float32, on the devices."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
+def summarize(records: dict, times: dict):
+  """Median, min and the per-call times into each record."""
+  for name, t in times.items():
+    if t:
+      rec = records[name]
+      rec["median_ms"] = statistics.median(t)
+      rec["min_ms"] = min(t)
+      rec["times_ms"] = [round(x, 4) for x in t]
+
+
+def rank(records: list[dict], floor_ms: float | None, flops_per_device: float | None):
+  """Adds each record's ratio to the best baseline, fraction of the floor and TFLOP/s.
+
+  ``ratio_to_best_baseline`` is the best baseline's median over this
+  record's (above 1: faster than every baseline). Only timed records whose
+  numbers agree (or were not checked) count as the best baseline.
+
+  Returns:
+    The best baseline's record, or None.
+  """
+  timed = [r for r in records if "median_ms" in r and r.get("numerics_ok", True)
+           and "error" not in r]
+  base = [r for r in timed if r["role"] == "baseline"]
+  best = min(base, key=lambda r: r["median_ms"], default=None)
+  for r in records:
+    if "median_ms" not in r:
+      continue
+    if best is not None:
+      r["ratio_to_best_baseline"] = best["median_ms"] / r["median_ms"]
+    if floor_ms:
+      r["floor_fraction"] = floor_ms / r["median_ms"]
+    if flops_per_device:
+      r["tflops_per_device"] = flops_per_device / (r["median_ms"] * 1e-3) / 1e12
+  return best
+
+
+# ------------------------------------------------------------------ floor
+
+
+def time_call(fn, args, *, iters: int = 5, max_s: float = 10.0) -> float:
+  """Median ms of ``fn(*args)`` after one warm-up run (fewer runs for slow calls)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - t0
+  times = []
+  for _ in range(max(2, min(iters, int(max_s / max(first, 1e-6))))):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def random_array(key, shape, dtype, sharding):
+  """Fresh normal values of ``shape`` generated in place with ``sharding`` (no host copy)."""
+  make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype), out_shardings=sharding)
+  return make(key)
+
+
+def link_bandwidth(mesh, nbytes: int, iters: int = 10) -> dict:
+  """One ``ppermute`` of ``nbytes`` per device around a ring over every device of ``mesh``.
+
+  Returns:
+    ``{"bytes_per_device", "ms", "bytes_per_s"}`` (bytes each device sends per second).
+  """
+  levels = tuple(mesh.axis_names)
+  axis = levels[0] if len(levels) == 1 else levels
+  n = mesh.devices.size
+  spec = P(axis)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  fn = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, axis, perm), mesh=mesh, in_specs=spec,
+                             out_specs=spec, check_vma=False))
+  per = max(nbytes // 4, 1)
+  x = jax.block_until_ready(jax.device_put(jnp.ones((n * per,), jnp.float32), NamedSharding(mesh, spec)))
+  ms = time_call(fn, (x,), iters=iters)
+  del x
+  return {"bytes_per_device": per * 4, "ms": ms, "bytes_per_s": per * 4 / (ms * 1e-3)}
+
+
+def compute_floor(fn, shapes, dtype, device, key) -> float:
+  """Median milliseconds of ``fn`` on one device, with fresh normal inputs of ``shapes``."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  keys = jax.random.split(key, len(shapes))
+  args = [random_array(k, s, dtype, sharding) for k, s in zip(keys, shapes)]
+  try:
+    return time_call(jax.jit(fn), args)
+  finally:
+    del args
+
+
+def floor_record(*, compute_ms: float | None, compute_how: str, comm_bytes: float, link: dict | None,
+                 comm_how: str) -> dict:
+  """The physical floor: the larger of compute and communication time."""
+  comm_ms = comm_bytes / link["bytes_per_s"] * 1e3 if link else None
+  parts = [x for x in (compute_ms, comm_ms) if x is not None]
+  out = {"compute_ms": compute_ms, "compute_how": compute_how, "comm_bytes_per_device": comm_bytes,
+         "comm_ms": comm_ms, "comm_how": comm_how}
+  if len(parts) == 2:
+    out["floor_ms"] = max(parts)
+    out["bound"] = "compute" if compute_ms >= comm_ms else "communication"
+  return out
+
+
+def make_mesh(spec: str):
+  """``""``: one level ``"gpu"`` over every device; ``"8"``: one level of 8; ``"2x4"``: levels ``("node", "gpu")``."""
+  from jax.sharding import AxisType
+  shape = (len(jax.devices()),) if not spec else tuple(int(p) for p in spec.lower().split("x"))
+  if len(shape) not in (1, 2) or min(shape) < 1:
+    raise ValueError(f"mesh {spec!r}: expected N or AxB")
+  names = ("gpu",) if len(shape) == 1 else ("node", "gpu")
+  count = math.prod(shape)
+  if count > len(jax.devices()):
+    raise ValueError(f"mesh {spec!r} needs {count} devices; there are {len(jax.devices())}")
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=jax.devices()[:count])

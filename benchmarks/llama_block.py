@@ -1,0 +1,215 @@
+"""One Llama-3 8B-sized decoder block: jaxmercury's graph-level plan against XLA partitioning the same block.
+
+The plan comes from ``jaxmercury.graph.search`` over the block's DAG
+(``models.block_graph``): every GEMM and the attention pick a library
+schedule, every edge the fused resharding between them. The baselines are the
+same block as one plain function (``models.block_graph.block_apply``) under
+``jax.jit`` with sharded parameters and input, partitioned by XLA itself:
+Megatron tensor parallelism (column-split q/k/v/gate/up, row-split o/down)
+with a replicated or a sequence-split residual, and pure sequence
+parallelism (replicated weights). Forward and forward+backward (gradients of
+the input and every parameter) are timed, medians of ``--iters`` runs on
+fresh random inputs, and every output and gradient is compared with the
+block on one device.
+
+  python -m benchmarks.llama_block --out results.json [--smoke] [--seq 4096 16384] [--iters 10]
+      [--baselines xla_megatron_tp xla_megatron_tp_sp xla_sequence_parallel] [--config llama3_8b]
+
+``--smoke``: the tiny configuration on 2 simulated CPU devices, sequence 128.
+On GPUs the plan is searched with the reference H200 figures below and the
+attention strategies whose blocks cuDNN takes whole.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxmercury import graph as jg  # noqa: E402
+from jaxmercury.tuner.cost import Machine  # noqa: E402
+from models import CONFIGS, DecoderBlock  # noqa: E402
+from models import block_graph as bg  # noqa: E402
+
+# Figures measured on the 2 x H200 NVLink machine (shared/REFERENCE.md): bf16 GEMM 609 TFLOP/s, cuDNN
+# attention ~550 TFLOP/s, ring transfers ~150 GB/s at 256 MiB, elementwise 2.2 TB/s.
+_H200_LINKS = {"*": 150e9}
+H200_MACHINES = {
+    "matmul": Machine("H200 GEMM (reference figures)", 600e12, _H200_LINKS, 20e-6, {"xla": 600e12},
+                      memory_bytes_per_s=2.2e12),
+    "attention": Machine("H200 cuDNN attention (reference figures)", 550e12, _H200_LINKS, 20e-6,
+                         {"cudnn_attention": 550e12}, memory_bytes_per_s=2.2e12),
+    "*": Machine("H200 NVLink (reference figures)", 600e12, _H200_LINKS, 20e-6, memory_bytes_per_s=2.2e12),
+}
+CPU_MACHINES = {"*": Machine("simulated CPU devices", 20e9, {"*": 5e9}, 50e-6, memory_bytes_per_s=10e9)}
+# Library strategies on GPU: blocks of unequal query/key sizes (context_parallel, tree) fall back to the XLA
+# attention body under a causal mask, which materializes the scores at these lengths.
+GPU_STRATEGIES = ("ring", "ulysses", "allgather_matmul", "matmul_reducescatter", "async_tp",
+                  "async_tp_reducescatter")
+
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW = ("wo", "w_down")
+
+
+def baseline_layouts(name: str) -> tuple[dict, P]:
+  """Parameter specs and the residual spec of a plain-jit baseline."""
+  seq = P(None, "x", None)
+  if name == "xla_megatron_tp":
+    return {**{k: P(None, "x") for k in COLUMN}, **{k: P("x", None) for k in ROW}}, P()
+  if name == "xla_megatron_tp_sp":
+    return {**{k: P(None, "x") for k in COLUMN}, **{k: P("x", None) for k in ROW}}, seq
+  if name == "xla_sequence_parallel":
+    return {}, seq
+  raise ValueError(f"unknown baseline {name!r}")
+
+
+BASELINES = ("xla_megatron_tp", "xla_megatron_tp_sp", "xla_sequence_parallel")
+
+
+def timed(fn, args, iters: int) -> float:
+  """Median milliseconds of ``iters`` calls after two warm-up calls."""
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def place(tree: dict, mesh, specs: dict):
+  return {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in tree.items()}
+
+
+def plan_block(config, seq: int, mesh, machines, strategies):
+  """The searched plan of one block (batch 1) and the seconds the search took."""
+  t0 = time.perf_counter()
+  graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies)
+  plan = jg.search(graph, machines)
+  return plan, time.perf_counter() - t0
+
+
+def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation):
+  plan, search_s = plan_block(config, seq, mesh, machines, strategies)
+  print(plan, flush=True)
+  seed = random.SystemRandom().randrange(1 << 31)
+  block = DecoderBlock(config, rngs=nnx.Rngs(seed))
+  params = bg.block_params(block)
+  kx, kc = jax.random.split(jax.random.key(seed + 1))
+  x = jax.random.normal(kx, (1, seq, config.dim), config.dtype)
+  cot = jax.random.normal(kc, x.shape, config.dtype)
+
+  def with_grad(f):
+    loss = lambda p, x: jnp.sum(f(p, x).astype(jnp.float32) * cot.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+  one = jax.devices()[0]
+  ref_fn = lambda p, x: bg.block_apply(p, x, config, implementation=implementation)
+  ref_args = (jax.device_put(params, one), jax.device_put(x, one))
+  want = jax.jit(ref_fn)(*ref_args)
+  _, want_grads = jax.jit(with_grad(ref_fn))(*ref_args)
+  want_grads = jax.tree.leaves(want_grads)
+
+  planned, plan_specs = bg.planned_block(plan)
+  contestants = {"jaxmercury_plan": (planned, plan_specs, P(None, "x", None))}
+  for name in baselines:
+    specs, x_spec = baseline_layouts(name)
+    contestants[name] = (ref_fn, specs, x_spec)
+  rows = []
+  for name, (f, specs, x_spec) in contestants.items():
+    row = {"name": name, "param_specs": {k: str(v) for k, v in specs.items()}, "input_spec": str(x_spec)}
+    try:
+      p = place(params, mesh, specs)
+      xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+      shardings = ({k: NamedSharding(mesh, specs.get(k, P())) for k in params}, NamedSharding(mesh, x_spec))
+      fwd = jax.jit(f, in_shardings=shardings, out_shardings=NamedSharding(mesh, x_spec))
+      both = jax.jit(with_grad(f), in_shardings=shardings)
+      t0 = time.perf_counter()
+      out = fwd(p, xs)
+      _, grads = both(p, xs)
+      row["compile_and_first_run_s"] = time.perf_counter() - t0
+      row["out_rel_err"] = rel(out, want)
+      row["grad_rel_err"] = max(rel(g, w) for g, w in zip(jax.tree.leaves(grads), want_grads))
+      row["forward_ms"] = timed(fwd, (p, xs), iters)
+      row["forward_backward_ms"] = timed(both, (p, xs), iters)
+    except Exception as e:  # noqa: BLE001 - record and go on
+      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  ok = [r for r in rows if "error" not in r and r["name"] != "jaxmercury_plan"]
+  mine = next(r for r in rows if r["name"] == "jaxmercury_plan")
+  summary = {}
+  for key in ("forward_ms", "forward_backward_ms"):
+    if ok and key in mine:
+      best = min(ok, key=lambda r: r[key])
+      summary[key] = {"jaxmercury": mine[key], "best_baseline": best["name"], "best_baseline_ms": best[key],
+                      "speedup": best[key] / mine[key]}
+  return {"config": f"Llama block dim {config.dim} heads {config.heads} kv {config.kv_heads} head_dim "
+                    f"{config.head_dim} hidden {config.hidden}, batch 1, seq {seq}, {np.dtype(config.dtype)}",
+          "seq": seq, "plan": str(plan), "plan_predicted_ms": plan.seconds * 1e3, "plan_search_s": search_s,
+          "plan_choice": {n: c.name for n, c in plan.choice.items()},
+          "contestants": rows, "summary": summary}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--seq", type=int, nargs="*", default=[4096, 16384])
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--baselines", nargs="*", default=list(BASELINES))
+  p.add_argument("--config", default="llama3_8b", choices=sorted(CONFIGS), help="block sizes (without --smoke)")
+  args = p.parse_args(argv)
+  n = len(jax.devices())
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
+  gpu = jax.devices()[0].platform == "gpu"
+  if args.smoke:
+    config = CONFIGS["tiny"].with_dtype(jnp.bfloat16)
+    seqs, iters, machines, strategies = [128], min(args.iters, 3), CPU_MACHINES, None
+  else:
+    config = CONFIGS[args.config].with_dtype(jnp.bfloat16)
+    seqs, iters = args.seq, args.iters
+    machines, strategies = (H200_MACHINES, GPU_STRATEGIES) if gpu else (CPU_MACHINES, None)
+  implementation = "cudnn" if gpu else None
+  cases = [run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation) for s in seqs]
+  out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+         "command": "python -m benchmarks.llama_block " + " ".join(sys.argv[1:] if argv is None else argv),
+         "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+         "machines": {k: m.to_dict() for k, m in machines.items()}, "iters": iters, "cases": cases}
+  with open(args.out, "w") as f:
+    json.dump(out, f, indent=1)
+  print(json.dumps([{"seq": c["seq"], **c["summary"]} for c in cases], indent=1))
+  if args.smoke:
+    bad = [r for c in cases for r in c["contestants"]
+           if "error" in r or r["out_rel_err"] > 5e-2 or r["grad_rel_err"] > 5e-2]
+    if bad:
+      raise SystemExit(f"smoke run failed: {bad}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,156 @@
+"""Drop-in replacements for Flax's attention function and ``dot_general`` that run jaxmercury operators.
+
+``AttentionFn`` has the signature of ``flax.nnx.dot_product_attention`` (what
+``nnx.MultiHeadAttention(attention_fn=...)`` calls) and ``DotGeneral`` that of
+``jax.lax.dot_general`` (what ``nnx.Linear(dot_general=...)`` calls). Each
+runs ``jaxmercury.ops`` on its mesh when the call is one it covers, and the
+function it replaced otherwise, so results never change, only where and how
+they are computed. Both are hashable values: Flax keeps them as static
+attributes of the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmercury import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Where and how routed operators run.
+
+  Attributes:
+    mesh: the device mesh the operators are spread over.
+    database: a ``jaxmercury.Database`` with tuned schedules; None for the
+      default file (``jaxmercury.tuner.database.default_path()``).
+    tune: on a database miss, tune the operator (and store the winner);
+      otherwise use a library default.
+    tune_options: keyword arguments for ``jaxmercury.autotune``, as sorted
+      (name, value) pairs.
+  """
+
+  mesh: Any
+  database: Any = None
+  tune: bool = False
+  tune_options: tuple = ()
+
+  @property
+  def devices(self) -> int:
+    return math.prod(self.mesh.shape.values())
+
+  def options(self) -> dict:
+    return dict(self.tune_options)
+
+
+_FLAX_ATTENTION_ARGS = {"bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
+                        "dtype", "precision", "module", "is_causal", "promote_dtype"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFn:
+  """``attention_fn(query, key, value, ...)`` through ``jaxmercury.ops.attention``.
+
+  Covered: 4-D ``query [batch, q_len, heads, head_dim]`` and ``key``/``value``
+  ``[batch, kv_len, kv_heads, head_dim]`` (``heads`` a multiple of
+  ``kv_heads``), no ``bias`` or ``mask``, no dropout, no weights sown
+  (``module`` None), floating dtypes; ``is_causal`` selects causal attention.
+  Anything else goes to ``fallback``.
+
+  Attributes:
+    routing: where the operator runs.
+    fallback: the attention function replaced.
+  """
+
+  routing: Routing
+  fallback: Callable
+
+  def covers(self, query, key, value, kwargs) -> bool:
+    if set(kwargs) - _FLAX_ATTENTION_ARGS:
+      return False
+    if kwargs.get("bias") is not None or kwargs.get("mask") is not None or kwargs.get("module") is not None:
+      return False
+    rate = kwargs.get("dropout_rate", 0.0)
+    if rate and not kwargs.get("deterministic", False):
+      return False
+    if query.ndim != 4 or key.ndim != 4 or value.shape != key.shape:
+      return False
+    b, _, h, d = query.shape
+    return (key.shape[0] == b and key.shape[3] == d and key.shape[2] >= 1 and h % key.shape[2] == 0
+            and all(jnp.issubdtype(x.dtype, jnp.floating) for x in (query, key, value)))
+
+  def __call__(self, query, key, value, *args, **kwargs):
+    if args or not self.covers(query, key, value, kwargs):
+      return self.fallback(query, key, value, *args, **kwargs)
+    dtype = kwargs.get("dtype")
+    query, key, value = _promote((query, key, value), dtype)
+    r = self.routing
+    return ops.attention(query, key, value, mesh=r.mesh, causal=bool(kwargs.get("is_causal", False)),
+                         database=r.database, tune=r.tune, **r.options())
+
+
+def _promote(arrays, dtype):
+  dtype = dtype if dtype is not None else jnp.result_type(*arrays)
+  return tuple(jnp.asarray(x, dtype) for x in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class DotGeneral:
+  """``dot_general(lhs, rhs, dimension_numbers, ...)`` through ``jaxmercury.ops.matmul``.
+
+  Covered: no batch dimensions; ``lhs`` contracts its trailing dimensions and
+  ``rhs`` its leading ones, in the same order (what ``nnx.Linear`` and
+  ``nnx.LinearGeneral`` do), so that the call is one GEMM ``[m, k] @ [k, n]``;
+  equal floating dtypes; ``m``, ``k`` and ``n`` divide by the number of
+  devices; no ``out_sharding``. Anything else goes to ``fallback``.
+
+  Attributes:
+    routing: where the operator runs.
+    fallback: the dot_general replaced.
+  """
+
+  routing: Routing
+  fallback: Callable = jax.lax.dot_general
+
+  def gemm_shape(self, lhs, rhs, dimension_numbers) -> tuple[int, int, int] | None:
+    """``(m, k, n)`` when the call is one GEMM this route covers, else None."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = tuple(lc), tuple(rc)
+    if lb or rb or not lc or len(lc) != len(rc):
+      return None
+    if lc != tuple(range(lhs.ndim - len(lc), lhs.ndim)) or rc != tuple(range(len(rc))):
+      return None
+    if [lhs.shape[d] for d in lc] != [rhs.shape[d] for d in rc]:
+      return None
+    k = math.prod(rhs.shape[:len(rc)])
+    m = math.prod(lhs.shape[:lhs.ndim - len(lc)])
+    n = math.prod(rhs.shape[len(rc):])
+    if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+      return None
+    devices = self.routing.devices
+    if min(m, n, k) == 0 or m % devices or n % devices or k % devices:
+      return None
+    return m, k, n
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    shape = None if kwargs.get("out_sharding") is not None or set(kwargs) - {"out_sharding"} else \
+        self.gemm_shape(lhs, rhs, dimension_numbers)
+    if shape is None:
+      return self.fallback(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type, **kwargs)
+    m, k, n = shape
+    r = self.routing
+    (lc, rc), _ = dimension_numbers
+    out_shape = lhs.shape[:lhs.ndim - len(lc)] + rhs.shape[len(rc):]
+    y = ops.matmul(jnp.reshape(lhs, (m, k)), jnp.reshape(rhs, (k, n)), mesh=r.mesh, database=r.database,
+                   tune=r.tune, **r.options())
+    y = jnp.reshape(y, out_shape)
+    if preferred_element_type is not None and np.dtype(preferred_element_type) != y.dtype:
+      y = y.astype(preferred_element_type)
+    return y

@@ -1,0 +1,170 @@
+"""Candidate placements of graph nodes: library schedules for operators, layouts for glue.
+
+An operator's candidate is a library strategy with its inputs fixed to the
+layouts its loop nest works on (so that moving data into them is the edge's
+job, where it can be fused with the producer's), and its output left as the
+nest produces it: a GEMM whose reduction axis is spread over the mesh leaves
+partial sums, reduced on the edge by an all-reduce, or a reduce-scatter when
+the consumer wants only its part. Its time is the cost model's prediction
+(``jaxmercury.tuner.cost.predict``) without that reduction, or a measured
+time from the tuning database scaled the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxmercury.errors import ScheduleError
+from jaxmercury.graph.dag import Candidate
+from jaxmercury.graph.layouts import Layout, enumerate_layouts
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.reductions import Sum
+from jaxmercury.schedules.library import library
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.schedules.trace import replay
+from jaxmercury.shard_map.plan import make_plan
+from jaxmercury.tuner import cost
+from jaxmercury.tuner.memory import local_elements
+from jaxmercury.tuner.tune import with_layouts
+
+SKIPPED_STRATEGIES = ("ring_zigzag",)  # stores sequences permuted: a whole-array reorder on every edge
+
+
+def machine_for(machines, pattern: str) -> cost.Machine:
+  """The machine figures for a program pattern: ``machines`` is a Machine or a mapping by pattern ("*": default)."""
+  if isinstance(machines, cost.Machine):
+    return machines
+  return machines.get(pattern) or machines["*"]
+
+
+def user_layout(plan, buffer: str, layout) -> PartitionSpec | None:
+  """A canonical layout of ``buffer`` as a spec over the buffer's own dims, or None if it has none."""
+  return dataclasses.replace(plan, storage={**plan.storage, buffer: layout}).user_spec(buffer)
+
+
+def _without_output_placement(schedule: Schedule) -> Schedule:
+  """The schedule with ``shard``/``replicate`` of its output removed: reductions all-reduce."""
+  out = schedule.program.writes.name
+  steps = [dict(st) for st in schedule.trace
+           if not (st["primitive"] in ("shard", "replicate") and st["args"][0] == out)]
+  return replay(Schedule(schedule.program, schedule.mesh), steps)
+
+
+def reduction_seconds(schedule: Schedule, machine: cost.Machine) -> float:
+  """The part of ``cost.predict`` spent in the cross-level reductions of the output.
+
+  Mirrors the reduction term of ``jaxmercury.tuner.cost.predict`` (which has
+  no breakdown): keep the two in step.
+  """
+  prog, plan = schedule.program, make_plan(schedule)
+  out = prog.writes
+  state = 4 * local_elements(schedule, out, plan.resident[out.name]) * len(prog.state_axes())
+  total = 0.0
+  for red in plan.reductions:
+    n = schedule.levels[red.level]
+    total += machine.gather_factor * 2 * state * (n - 1) / n / machine.bandwidth(red.level) + machine.latency_s
+  return total
+
+
+def _database_seconds(record, native: Schedule, machine, core: float) -> float | None:
+  """The measured time of ``native`` (as tuned), scaled by the model's core/native ratio; None if unmeasured."""
+  if record is None:
+    return None
+  want = native.to_json()
+  for c in record.candidates:
+    if c.schedule.to_json() == want and c.time_ms is not None:
+      predicted = cost.predict(native, machine)
+      return c.time_ms * 1e-3 * (core / predicted if predicted > 0 else 1.0)
+  return None
+
+
+def op_candidates(program, mesh, machines, *, activations: Sequence[str], strategies: Sequence[str] | None = None,
+                  kernels: Sequence[str] | None = None, partial_outputs: bool = True,
+                  database=None) -> list[Candidate]:
+  """One candidate per library strategy (and local kernel) of ``program`` on ``mesh``.
+
+  Args:
+    program: a jaxmercury program.
+    mesh: the device mesh.
+    machines: a ``Machine`` or a mapping by program pattern (see ``machine_for``).
+    activations: names of the program's read buffers fed by graph edges, in
+      the node's input order; the other reads are parameters, stored in the
+      layout the strategy wants.
+    strategies: library names to consider; default all but ``ring_zigzag``.
+    kernels: local kernels; default those the machine has a rate for that
+      apply here (``"xla"`` when it has none).
+    partial_outputs: leave a sum-reduced output partial (reduced on the edge).
+    database: a ``Database``; a measured time of the strategy replaces the prediction.
+  """
+  machine = machine_for(machines, program.pattern)
+  available = registry.candidates(program, mesh)
+  kernels = list(kernels) if kernels is not None else (
+      [k for k in sorted(machine.kernel_flops_per_s) if k in available] or ["xla"])
+  params = [b.name for b in program.reads if b.name not in activations]
+  record = database.lookup_record(program, mesh) if database is not None else None
+  found = []
+  for name, native in library(program, mesh).items():
+    if (strategies is not None and name not in strategies) or (strategies is None and name in SKIPPED_STRATEGIES):
+      continue
+    for kernel in kernels:
+      try:
+        found.append(_candidate(name, native, kernel, program, machine, activations, params,
+                                partial_outputs and isinstance(program.reduction, Sum), record))
+      except ScheduleError:
+        continue  # the strategy does not take these layouts
+  return found
+
+
+def _candidate(name, native, kernel, program, machine, activations, params, partial_ok, record):
+  if kernel != "xla":
+    native = native.copy().patch(kernel)
+    name = f"{name} [{kernel}]"
+  base = _without_output_placement(native) if partial_ok else native
+  plan = base.plan()
+  specs = {}
+  for b in program.reads:
+    specs[b.name] = user_layout(plan, b.name, plan.resident[b.name]) or plan.user_spec(b.name)
+  out = program.writes
+  partial = tuple(red.level for red in plan.reductions) if partial_ok else ()
+  out_spec = user_layout(plan, out.name, plan.result) or plan.user_spec(out.name)
+  if out_spec is None or any(s is None for s in specs.values()):
+    raise ScheduleError(f"{name}: a layout is not expressible over the buffers' own dims")
+  realized = with_layouts(base, [specs[b.name] for b in program.reads], out_spec)
+  seconds = cost.predict(realized, machine)
+  if partial:
+    seconds -= reduction_seconds(realized, machine)
+  source = "predicted"
+  measured = _database_seconds(record, native, machine, seconds)
+  if measured is not None:
+    seconds, source = measured, "database"
+  inputs = tuple(Layout.from_spec(specs[a], len(program.buffer(a).shape)) for a in activations)
+  output = Layout.from_spec(out_spec, len(out.shape), partial)
+  return Candidate(name, inputs, output, seconds, realized, tuple((p, specs[p]) for p in params), source)
+
+
+def glue_candidates(shape: Sequence[int], dtype, n_inputs: int, mesh, machines, *,
+                    allowed: Callable[[Layout], bool] | None = None, touches: float = 1.0) -> list[Candidate]:
+  """One candidate per layout of a local (elementwise or per-row) function.
+
+  Every input is read in the output's shape and layout. Time: reading the
+  inputs and writing the output of one device's block at the machine's
+  memory bandwidth, ``touches`` times.
+  """
+  machine = machine_for(machines, "*")
+  sizes = dict(mesh.shape)
+  out = []
+  for lay in enumerate_layouts(shape, sizes, allowed=allowed):
+    local = math.prod(lay.local_shape(shape, sizes)) * np.dtype(dtype).itemsize
+    seconds = touches * (n_inputs + 1) * local / machine.memory_bytes_per_s
+    out.append(Candidate(str(lay), (lay,) * n_inputs, lay, seconds))
+  return out
+
+
+def unsplit(*dims: int) -> Callable[[Layout], bool]:
+  """A layout filter: the given dimensions stay whole (for example the features a norm reduces over)."""
+  return lambda lay: all(not lay.dims[d] for d in dims)

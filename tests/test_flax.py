@@ -1,0 +1,124 @@
+"""jaxmercury.distribute on Flax NNX modules: same parameters, same results, same training losses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmercury as jm
+import models
+from conftest import fresh_key, make_mesh, rel_err
+from jaxmercury import ops
+from jaxmercury.flax import AttentionFn, DotGeneral, Routing, replicate_state
+
+
+def _state_leaves(module):
+  return jax.tree.leaves(nnx.state(module))
+
+
+def test_distribute_keeps_parameters_for_instances_and_classes(tmp_path):
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "flax.db"))
+  config = models.CONFIGS["tiny"]
+  plain = models.Llama(config, rngs=nnx.Rngs(3))
+  routed = jm.distribute(models.Llama(config, rngs=nnx.Rngs(3)), mesh=mesh, database=db)
+  Routed = jm.distribute(mesh=mesh, database=db)(models.Llama)
+  built = Routed(config, rngs=nnx.Rngs(3))
+  assert Routed.__name__ == "Llama" and issubclass(Routed, models.Llama)
+  for other in (routed, built):
+    assert jax.tree.structure(nnx.state(other)) == jax.tree.structure(nnx.state(plain))
+    for a, b in zip(_state_leaves(other), _state_leaves(plain)):
+      np.testing.assert_array_equal(a, b)
+    block = other.blocks[0]
+    assert isinstance(block.attention.attention_fn, AttentionFn)
+    assert block.attention.attention_fn.fallback is models.llama.attend
+    assert isinstance(block.mlp.w_up.dot_general, DotGeneral)
+    assert block.mlp.w_up.dot_general.fallback is jax.lax.dot_general
+  # rewiring twice keeps the original fallbacks
+  again = jm.distribute(routed, mesh=mesh)
+  assert again.blocks[0].attention.attention_fn.fallback is models.llama.attend
+  with pytest.raises(TypeError, match="nnx.Module"):
+    jm.distribute(object(), mesh=mesh)
+
+
+def test_decorated_tiny_model_matches_forward_and_training(tmp_path):
+  """8 simulated devices against the undecorated model on one device: outputs and three AdamW steps."""
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "flax.db"))
+  config = models.CONFIGS["tiny"]
+  plain = models.Llama(config, rngs=nnx.Rngs(0))
+  routed = replicate_state(jm.distribute(models.Llama(config, rngs=nnx.Rngs(0)), mesh=mesh, database=db), mesh)
+  tokens = models.random_tokens(fresh_key(), 2, 32, config.vocab)
+  forward = nnx.jit(lambda m, t: m(t))
+  want = forward(plain, tokens[:, :-1])
+  got = forward(routed, tokens[:, :-1])
+  assert got.shape == want.shape == (2, 32, config.vocab)
+  assert rel_err(got, want) < 1e-5
+  text = jax.jit(lambda s, t: nnx.merge(nnx.graphdef(routed), s)(t)).lower(nnx.state(routed), tokens[:, :-1]).as_text()
+  assert "collective_permute" in text and "all_gather" in text  # ring attention, all-gather GEMMs
+
+  opt_plain = models.make_optimizer(plain)
+  opt_routed = replicate_state(models.make_optimizer(routed), mesh)
+  losses = []
+  for _ in range(3):
+    losses.append((float(models.train_step(plain, opt_plain, tokens)),
+                   float(models.train_step(routed, opt_routed, tokens, mesh=mesh))))
+  for want_loss, got_loss in losses:
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+  assert losses[-1][0] < losses[0][0]  # it trains
+  for a, b in zip(_state_leaves(routed), _state_leaves(plain)):  # Adam normalizes: compare whole tensors
+    assert rel_err(a, b) < 1e-4
+
+
+def test_multihead_attention_and_linear_general_are_routed(tmp_path):
+  mesh = make_mesh("2x4")
+  db = jm.Database(str(tmp_path / "flax.db"))
+
+  def build():
+    return nnx.MultiHeadAttention(num_heads=8, in_features=32, qkv_features=64, num_kv_heads=4, decode=False,
+                                  rngs=nnx.Rngs(1))
+
+  plain, routed = build(), jm.distribute(build(), mesh=mesh, database=db)
+  assert isinstance(routed.query.dot_general, DotGeneral) and isinstance(routed.out.dot_general, DotGeneral)
+  x = jax.random.normal(fresh_key(), (2, 16, 32))
+  want = plain(x, is_causal=True)
+  got = jax.jit(lambda s, x: nnx.merge(nnx.graphdef(routed), s)(x, is_causal=True))(nnx.state(routed), x)
+  assert rel_err(got, want) < 1e-5
+
+
+def test_routes_fall_back_where_they_do_not_apply(monkeypatch):
+  mesh = make_mesh("8")
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("jaxmercury should not run this call")
+
+  monkeypatch.setattr(ops, "matmul", refuse)
+  monkeypatch.setattr(ops, "attention", refuse)
+  route = Routing(mesh)
+  dot = DotGeneral(route)
+  a, b = jax.random.normal(fresh_key(), (12, 16)), jax.random.normal(fresh_key(), (16, 8))
+  np.testing.assert_allclose(dot(a, b, (((1,), (0,)), ((), ()))), a @ b, rtol=1e-6)  # 12 rows do not divide by 8
+  batched = jax.random.normal(fresh_key(), (2, 8, 16))
+  assert dot.gemm_shape(batched, batched, (((2,), (2,)), ((0,), (0,)))) is None  # batch dims
+  attn = AttentionFn(route, nnx.dot_product_attention)
+  q = jax.random.normal(fresh_key(), (1, 16, 4, 8))
+  mask = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+  np.testing.assert_allclose(attn(q, q, q, mask=mask), nnx.dot_product_attention(q, q, q, mask=mask), rtol=1e-6)
+
+
+def test_routes_pass_database_and_tuning_options(monkeypatch, tmp_path):
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "flax.db"))
+  seen = {}
+
+  def spy(q, k, v, **kwargs):
+    seen.update(kwargs)
+    return nnx.dot_product_attention(q, k, v, is_causal=kwargs["causal"])
+
+  monkeypatch.setattr(ops, "attention", spy)
+  layer = jm.distribute(nnx.MultiHeadAttention(num_heads=8, in_features=32, decode=False, rngs=nnx.Rngs(0)),
+                        mesh=mesh, database=db, tune=True, top_k=2, iters=3, linear=False)
+  layer(jnp.ones((1, 16, 32)), is_causal=True)
+  assert seen == {"mesh": mesh, "causal": True, "database": db, "tune": True, "top_k": 2, "iters": 3}
+  assert not isinstance(layer.query.dot_general, DotGeneral)

@@ -1,0 +1,260 @@
+"""Graph-level search and communication fusion: values, bytes counted in the lowered HLO, plans."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxmercury as jm
+from conftest import fresh_key, make_mesh, rel_err
+from jaxmercury import graph as jg
+from jaxmercury.graph import collectives as cl
+from jaxmercury.graph import fusion, hlo
+from jaxmercury.graph.collectives import Collective as C
+from jaxmercury.graph.layouts import Layout
+from jaxmercury.shard_map import reshard
+from jaxmercury.tuner import cost
+from jaxmercury.tuner.tune import with_layouts
+
+MACHINE = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
+AR, RS, AG, A2A, SLICE, SCALE = cl.ALL_REDUCE, cl.REDUCE_SCATTER, cl.ALL_GATHER, cl.ALL_TO_ALL, cl.SLICE, cl.SCALE
+
+
+def mesh4():
+  return jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+
+
+def lay(*dims, partial=()):
+  return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+
+# (rule, mesh, source layout, shape, unfused collectives, fused collectives, fused/unfused bytes at N = 4)
+RULE_CASES = {
+    "allreduce_slice_is_reducescatter": (
+        "4", lay((), (), partial=["x"]), (16, 8), [C(AR, "x"), C(SLICE, "x", 0)], [C(RS, "x", 0)], 0.5),
+    "allgather_slice_cancels": (
+        "4", lay(["x"], ()), (16, 8), [C(AG, "x", 0), C(SLICE, "x", 0)], [], 0.0),
+    "allgather_slice_is_alltoall": (
+        "4", lay(["x"], ()), (16, 8), [C(AG, "x", 0), C(SLICE, "x", 1)], [C(A2A, "x", 0, 1)], 1 / 4),
+    "alltoall_alltoall_compose": (
+        "4", lay(["x"], (), ()), (8, 8, 8), [C(A2A, "x", 0, 1), C(A2A, "x", 1, 2)], [C(A2A, "x", 0, 2)], 0.5),
+    "allgather_reducescatter_is_scale": (
+        "4", lay(["x"], ()), (16, 8), [C(AG, "x", 0), C(RS, "x", 0)], [C(SCALE, "x")], 0.0),
+}
+
+
+def _program(mesh, src: Layout, seq):
+  """A shard_map taking ``src`` (a partial source arrives as one slice per rank) through ``seq``."""
+  sizes = dict(mesh.shape)
+  dst = cl.trajectory(src, seq)[-1]
+  if src.partial:
+    (level,) = src.partial
+    in_spec = P(level, *src.spec)
+
+    def body(x):
+      return cl.run(x[0], seq, sizes)
+  else:
+    in_spec = src.spec
+
+    def body(x):
+      return cl.run(x, seq, sizes)
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=dst.spec, check_vma=False))
+
+
+def _mesh(name):
+  return mesh4() if name == "4" else make_mesh(name)
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_CASES))
+def test_fusion_rule_values_and_lowered_bytes(rule):
+  mesh_name, src, shape, unfused, expected, ratio = RULE_CASES[rule]
+  mesh = _mesh(mesh_name)
+  sizes = dict(mesh.shape)
+  fused, applied = fusion.fuse(src, unfused)
+  assert applied == [rule] and fused == expected
+  n = sizes["x"]
+  x = jax.random.normal(fresh_key(), ((n,) if src.partial else ()) + shape, jnp.float32)
+  want = x.sum(0) if src.partial else x * (n if rule == "allgather_reducescatter_is_scale" else 1)
+  outputs, counted = [], []
+  for seq in (unfused, fused):
+    f = _program(mesh, src, seq)
+    outputs.append(f(x))
+    counted.append(hlo.collective_bytes(f.lower(x).as_text()))
+    assert counted[-1] == pytest.approx(cl.sequence_bytes(src, seq, shape, 4, sizes)), seq
+  np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(outputs[0], want, rtol=1e-5, atol=1e-5)
+  assert counted[1] == pytest.approx(ratio * counted[0])
+
+
+def test_fusion_commutes_steps_of_other_levels_on_two_level_mesh():
+  """TP over gpu + SP over both levels: all-reduce meets its slice across the node steps."""
+  mesh = make_mesh("2x4")
+  src, dst = lay(["node"], (), partial=["gpu"]), lay(["node"], ["gpu"])
+  naive = cl.naive(src, dst)
+  assert naive == [C(AR, "gpu"), C(AG, "node", 0), C(SLICE, "node", 0), C(SLICE, "gpu", 1)]
+  fused, applied = fusion.fuse(src, naive)
+  assert fused == [C(RS, "gpu", 1)]
+  assert sorted(applied) == ["allgather_slice_cancels", "allreduce_slice_is_reducescatter"]
+  x = jax.random.normal(fresh_key(), (4, 16, 8), jnp.float32)
+  outs = [_program(mesh, src, seq)(x) for seq in (naive, fused)]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(outs[1], x.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair,src", [
+    ([C(AG, "x", 0), C(SLICE, "gpu", 0)], lay(["x"], ())),  # different levels
+    ([C(AR, "x"), C(SLICE, "gpu", 0)], lay((), (), partial=["x"])),  # different levels
+    ([C(A2A, "x", 0, 1), C(A2A, "gpu", 2, 0)], lay(["x"], (), ["gpu"])),  # different levels
+    ([C(AG, "x", 0), C(RS, "x", 1)], lay(["x"], ())),  # gather and scatter along different dims
+    # cancelling the outer pair would have to move a slice of another level across it on the same dim
+    ([C(AG, "x", 0), C(SLICE, "gpu", 0), C(SLICE, "x", 0)], lay(["x"], ())),
+])
+def test_rules_refuse_when_preconditions_fail(pair, src):
+  fused, rule = fusion.fuse_once(src, pair)
+  assert rule is None and fused == pair
+
+
+def test_tp_sp_transition_moves_half_the_bytes_in_lowered_schedules():
+  """k-parallel GEMM then a sequence-split consumer: all-reduce + slice (unfused) vs reduce-scatter (fused)."""
+  from jaxmercury.graph.candidates import _without_output_placement
+  mesh = mesh4()
+  prog = jm.programs.matmul(64, 32, 48)
+  fused = jm.library(prog, mesh)["matmul_reducescatter"]
+  unfused = with_layouts(_without_output_placement(fused), None, P("x", None))
+  a, b = prog.random_inputs(fresh_key())
+  texts = [s.compile().lower(a, b).as_text() for s in (unfused, fused)]
+  kinds = [[c.kind for c in hlo.collectives(t)] for t in texts]
+  assert kinds == [["all_reduce"], ["reduce_scatter"]]
+  moved = [hlo.collective_bytes(t) for t in texts]
+  assert moved[1] == pytest.approx(0.5 * moved[0])
+  np.testing.assert_allclose(unfused.compile()(a, b), fused.compile()(a, b), rtol=1e-6, atol=1e-6)
+  # the volume formulas: all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the float32 partial C
+  state = 64 * 32 * 4
+  assert moved == pytest.approx([2 * 3 / 4 * state, 3 / 4 * state])
+
+
+def _as_collectives(steps):
+  return [C(st.op, st.level, st.dim, st.to_dim) for st in steps]
+
+
+def test_fused_edges_never_move_more_than_needed():
+  """Over every pair of layouts on a 2x4 mesh: fused <= naive, and <= jaxmercury's own resharding steps."""
+  sizes = {"node": 2, "gpu": 4}
+  shape = (16, 8)
+  layouts = jg.enumerate_layouts(shape, sizes)
+  sources = layouts + [Layout(lay_.dims, (lv,)) for lay_ in layouts for lv in sizes if lv not in lay_.levels]
+  checked = 0
+  for src, dst in itertools.product(sources, layouts):
+    naive = cl.naive(src, dst)
+    fused, _ = fusion.fuse(src, naive)
+    assert cl.trajectory(src, fused)[-1] == dst
+    fused_bytes = cl.sequence_bytes(src, fused, shape, 2, sizes)
+    assert fused_bytes <= cl.sequence_bytes(src, naive, shape, 2, sizes) + 1e-9
+    if not src.partial:
+      direct = _as_collectives(reshard.steps(src.dims, dst.dims))
+      assert fused_bytes <= cl.sequence_bytes(src, direct, shape, 2, sizes) + 1e-9, (src, dst, fused, direct)
+    checked += 1
+  assert checked > 100
+
+
+def test_views_carry_layouts_across_reshapes():
+  sizes = {"x": 8}
+  tokens_split = lay(["x"], ())
+  assert jg.view(tokens_split, (64, 64), (1, 64, 4, 16), sizes) == lay((), ["x"], (), ())
+  assert jg.view(lay((), ["x"]), (64, 64), (1, 64, 8, 8), sizes) == lay((), (), ["x"], ())
+  assert jg.view(lay((), ["x"]), (64, 64), (1, 64, 4, 16), sizes) is None  # 4 heads cannot split 8 ways
+  assert jg.view(lay(["x"], ()), (64, 64), (2, 32, 4, 16), sizes) is None  # tokens are batch-major
+  assert jg.view(lay(["x"], (), (), ()), (16, 4, 4, 16), (64, 64), sizes) == lay(["x"], ())
+
+
+def _mlp_graph(mesh, tokens=64, dim=32, hidden=64):
+  """x -> norm -> (gate, up) -> swiglu -> down -> + x: small enough to enumerate."""
+  g = jg.Graph(mesh)
+  common = dict(mesh=mesh, machines=MACHINE)
+  res = Layout((("x",), ()))
+  g.add(jg.input_node("x", (tokens, dim), jnp.float32, res))
+  g.add(jg.glue_node("norm", lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True), ["x"], (tokens, dim),
+                     jnp.float32, allowed=lambda lay_: not lay_.dims[1], **common))
+  for name in ("gate", "up"):
+    g.add(jg.op_node(name, jm.programs.matmul(tokens, hidden, dim), inputs={"A": "norm"}, params={"B": name},
+                     **common))
+  g.add(jg.glue_node("act", lambda a, b: jax.nn.silu(a) * b, ["gate", "up"], (tokens, hidden), jnp.float32,
+                     **common))
+  g.add(jg.op_node("down", jm.programs.matmul(tokens, dim, hidden), inputs={"A": "act"}, params={"B": "down"},
+                   **common))
+  g.add(jg.glue_node("residual", jnp.add, ["x", "down"], (tokens, dim), jnp.float32, **common))
+  g.add(jg.output_node("y", "residual", (tokens, dim), jnp.float32, res))
+  return g
+
+
+def test_dynamic_programming_matches_exhaustive_search():
+  mesh = make_mesh("8")
+  g = _mlp_graph(mesh)
+  assert 100 < g.space_size() <= 4096
+  exact, dp = jg.exhaustive(g, MACHINE), jg.dynamic(g, MACHINE)
+  assert dp.seconds == pytest.approx(exact.seconds)
+  assert jg.search(g, MACHINE).method == "exhaustive search"
+  assert jg.search(g, MACHINE, exhaustive_limit=10).method.startswith("dynamic")
+  # a plan's total is its operators plus its edges, and no fixed assignment beats it
+  assert dp.seconds == pytest.approx(dp.node_seconds + dp.edge_seconds)
+  naive_tp = {n.name: n.candidates[0] for n in g.nodes}
+  assert jg.fixed(g, MACHINE, naive_tp).seconds >= exact.seconds - 1e-12
+
+
+def test_block_plan_is_printed_runs_and_matches_the_block():
+  import models
+  from models import block_graph as bg
+  mesh = make_mesh("8")
+  config = models.CONFIGS["tiny"]
+  graph = bg.block_graph(config, batch=1, seq=64, mesh=mesh, machines=MACHINE)
+  plan = jg.search(graph, MACHINE)
+  assert plan.method.startswith("dynamic")
+  text = str(plan)
+  print(text)
+  for node in ("wq", "attention", "wo", "w_gate", "w_down"):
+    assert f"  {node} " in text
+  assert "edges (after fusion" in text
+  for e in plan.edges:
+    assert e.fused_bytes <= e.naive_bytes
+    assert all(a.kind != AR or b.kind != SLICE for a, b in zip(e.fused, e.fused[1:]))
+  block = models.DecoderBlock(config, rngs=nnx.Rngs(0))
+  params = bg.block_params(block)
+  f, specs = bg.planned_block(plan)
+  assert set(specs) <= set(bg.PARAMS)
+  x = jax.random.normal(fresh_key(), (1, 64, config.dim), jnp.float32)
+  cot = jax.random.normal(fresh_key(), x.shape, jnp.float32)
+
+  def loss(run):
+    def value(p, x):
+      y = run(p, x)
+      return jnp.sum(y * cot), y
+    return jax.jit(jax.value_and_grad(value, argnums=(0, 1), has_aux=True))
+
+  (_, y), grads = loss(f)(params, x)
+  (_, want), want_grads = loss(lambda p, x: bg.block_apply(p, x, config))(params, x)
+  assert rel_err(y, want) < 1e-5
+  assert rel_err(want, block(x)) < 1e-6
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    assert rel_err(got, ref) < 1e-4
+
+def test_candidates_take_measured_times_from_the_database(tmp_path):
+  from jaxmercury.graph.candidates import op_candidates
+  from jaxmercury.tuner import measure
+  from jaxmercury.tuner.tune import Candidate as Tuned
+  mesh = make_mesh("8")
+  prog = jm.programs.matmul(64, 32, 48)
+  db = jm.Database(str(tmp_path / "graph.db"))
+  winner = Tuned("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"], 1.0, 0,
+                 measure.Measurement(measure.OK, 7.0))
+  db.store(prog, mesh, winner, [winner])
+  found = {c.name: c for c in op_candidates(prog, mesh, MACHINE, activations=["A"], database=db)}
+  assert found["allgather_matmul"].source == "database"
+  # the measured 7 ms, less the share of the input all-gather that moves onto the edge
+  assert 0 < found["allgather_matmul"].seconds <= 7e-3
+  assert found["async_tp"].source == "predicted"

@@ -1,0 +1,153 @@
+"""Agreement across processes: 2 CPU processes x 4 devices under jax.distributed (gloo) tune as one.
+
+Each process has its own database holding a different winner; process 0
+decides, the other is overruled, both use process 0's schedule and get the
+reference's result on the shards they hold. A second, real tuning run times
+every candidate on both processes and combines the times (the slowest counts).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jaxmercury as jm
+from conftest import fresh_key, make_mesh
+from jaxmercury.tuner import measure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROCESS = textwrap.dedent("""
+    import json, os, sys
+    pid, port, db_path, stored = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jaxmercury as jm
+    from jaxmercury.tuner import cost, measure
+    from jaxmercury.tuner.tune import Candidate
+
+    machine = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    prog = jm.programs.matmul(64, 128, 256)
+    lib = jm.library(prog, mesh)
+    db = jm.Database(db_path)
+    mine = Candidate(stored, lib[stored], 0.5, 1024, measure.Measurement("ok", 1.0 + pid, [1.0 + pid], 1e-7))
+    db.store(prog, mesh, mine, [mine])  # the two databases disagree
+    lines = []
+
+    def log(line):
+      lines.append(line)
+      print(f"[{pid}] {line}", flush=True)
+
+    def check(schedule):
+      xs = prog.random_inputs(jax.random.key(7))  # the same values on every process
+      ref = np.asarray(prog.reference(*xs))
+      y = schedule.compile()(*[jax.device_put(np.asarray(x), NamedSharding(mesh, P())) for x in xs])
+      return (max(float(np.max(np.abs(np.asarray(s.data) - ref[s.index]))) for s in y.addressable_shards),
+              float(np.max(np.abs(ref))), len(y.addressable_shards))
+
+    first = jm.autotune(prog, mesh, database=db, machine=machine, log=log)
+    err1, scale, shards = check(first.best.schedule)
+    second = jm.autotune(prog, mesh, candidates=list(lib.items()), iters=3, machine=machine, database=db,
+                         retune=True, log=log)
+    err2, _, _ = check(second.best.schedule)
+    report = {
+        "process": jax.process_index(), "devices": len(jax.devices()), "local": len(jax.local_devices()),
+        "first": {"name": first.best.name, "trace": first.best.schedule.to_json(),
+                  "from_database": first.from_database, "err": err1},
+        "second": {"name": second.best.name, "trace": second.best.schedule.to_json(), "err": err2,
+                   "from_database": second.from_database,
+                   "times": {c.name: c.time_ms for c in second.candidates}},
+        "scale": scale, "shards": shards, "stored_after": jm.Database(db_path).lookup(prog, mesh).to_json(),
+        "log": lines}
+    print("REPORT " + json.dumps(report), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_agree_on_process_zeros_schedule(tmp_path):
+  port = _free_port()
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+  env.pop("XLA_FLAGS", None)
+  stored = {0: "allgather_matmul", 1: "async_tp"}
+  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(tmp_path / f"p{i}.db"), stored[i]],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    outs = [p.communicate()[0] for p in procs]
+    pytest.fail("the processes did not finish in 300 s:\n" + "\n".join(o[-3000:] for o in outs))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-5000:]
+  reports = [json.loads(next(line[len("REPORT "):] for line in out.splitlines() if line.startswith("REPORT ")))
+             for out in outs]
+  assert [r["process"] for r in reports] == [0, 1]
+  assert all(r["devices"] == 8 and r["local"] == 4 and r["shards"] == 4 for r in reports)
+
+  # A stored winner: process 0's, on both; process 1's database is overruled and brought in line.
+  lead, other = reports
+  assert lead["first"]["name"] == other["first"]["name"] == "allgather_matmul"
+  assert lead["first"]["trace"] == other["first"]["trace"] and other["first"]["from_database"]
+  assert any("overruled by process 0's 'allgather_matmul'" in line for line in other["log"]), other["log"]
+  assert not any("overruled" in line for line in lead["log"])
+
+  # A real tuning run: the same winner and the same (combined) times on both processes.
+  assert not lead["second"]["from_database"]
+  assert lead["second"]["trace"] == other["second"]["trace"]
+  assert lead["second"]["times"] == other["second"]["times"]
+  assert all(t is not None and t > 0 for t in lead["second"]["times"].values())
+  assert lead["stored_after"] == other["stored_after"] == lead["second"]["trace"]
+
+  # Each process's shards of the result equal the reference's.
+  for r in reports:
+    for run in ("first", "second"):
+      assert r[run]["err"] <= 1e-4 * r["scale"], (r["process"], run, r[run]["err"])
+
+
+def _two_processes(other):
+  """A ``gather`` as if a second process reported ``other(row)`` for each row this one reports."""
+  return lambda a: np.stack([np.asarray(a, np.float64), np.asarray(other(np.asarray(a, np.float64)), np.float64)])
+
+
+def test_measurements_combine_across_processes_slowest_counts():
+  prog, mesh = jm.programs.matmul(64, 128, 256), make_mesh("8")
+  s = jm.library(prog, mesh)["allgather_matmul"]
+  xs = prog.random_inputs(fresh_key())
+  ref = prog.reference(*xs)
+  iters = 5  # timing rows have 5 entries; the check row has 4 (code, finite, squared error, squared norm)
+  alone = measure.measure(s, xs, ref, iters=iters)
+  slower = measure.measure(s, xs, ref, iters=iters, gather=_two_processes(lambda a: a * 50 if len(a) == iters else a))
+  assert alone.status == slower.status == measure.OK and slower.rel_err == pytest.approx(alone.rel_err, abs=1e-9)
+  assert slower.median_ms > 10 * alone.median_ms  # each run counts as long as the other process took
+  failed = measure.measure(s, xs, ref, iters=iters,
+                           gather=_two_processes(lambda a: [1.0, 1.0, 0.0, 0.0] if len(a) == 4 else a))
+  assert failed.status == measure.FAILED and failed.reason == "compile or run error on process 1"
+  nan = measure.measure(s, xs, ref, iters=iters,
+                        gather=_two_processes(lambda a: [0.0, 0.0, 0.0, a[3]] if len(a) == 4 else a))
+  assert nan.status == measure.FAILED and nan.reason == "output has NaN or Inf"
+  wrong = measure.measure(s, xs, ref, iters=iters,
+                          gather=_two_processes(lambda a: [0.0, 1.0, 1e-2 * a[3], a[3]] if len(a) == 4 else a))
+  assert wrong.status == measure.FAILED and wrong.reason.startswith("wrong result")
+  assert wrong.rel_err == pytest.approx(np.sqrt(0.5e-2), rel=1e-3)
