@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmercury.tuner import measure
+
 BF16_TOLERANCE = 2e-2  # relative Frobenius error allowed between bf16 outputs
 
 
@@ -67,15 +69,8 @@ class Contestant:
 
 
 def compiled_bytes(compiled) -> int | None:
-  """Peak bytes per device XLA reports for a compiled function (arguments + outputs + temporaries)."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - not every backend reports memory
-    return None
-  if m is None:
-    return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
+  """Peak bytes per device XLA reports for a compiled function (the tuner's measure)."""
+  return measure.compiled_memory(compiled)
 
 
 @dataclasses.dataclass

@@ -251,13 +251,9 @@ def _plot_title(results: dict, what: str) -> str:
 
 
 def pareto_front(points):
-  """The points with the lowest latency for at most their memory (``(x, y, ...)``, lower better), by x."""
-  front, best = [], math.inf
-  for p in sorted(points, key=lambda p: (p[0], p[1])):
-    if p[1] < best:
-      front.append(p)
-      best = p[1]
-  return front
+  """The points with the lowest latency for at most their memory (the tuner plot's front)."""
+  from jaxmercury.tuner.plot import pareto_front as front
+  return front(points)
 
 
 def design_space_plot(results: dict, case: dict, path: str) -> str | None:
