@@ -34,7 +34,6 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -44,6 +43,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from jaxmercury import graph as jg  # noqa: E402
 from jaxmercury.tuner.cost import Machine  # noqa: E402
 from models import CONFIGS, DecoderBlock  # noqa: E402
@@ -82,18 +82,6 @@ def baseline_layouts(name: str) -> tuple[dict, P]:
 
 
 BASELINES = ("xla_megatron_tp", "xla_megatron_tp_sp", "xla_sequence_parallel")
-
-
-def timed(fn, args, iters: int) -> float:
-  """Median milliseconds of ``iters`` calls after two warm-up calls."""
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
 
 
 def rel(a, b) -> float:
@@ -154,8 +142,8 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
       row["compile_and_first_run_s"] = time.perf_counter() - t0
       row["out_rel_err"] = rel(out, want)
       row["grad_rel_err"] = max(rel(g, w) for g, w in zip(jax.tree.leaves(grads), want_grads))
-      row["forward_ms"] = timed(fwd, (p, xs), iters)
-      row["forward_backward_ms"] = timed(both, (p, xs), iters)
+      row["forward_ms"] = harness.time_call(fwd, (p, xs), iters=iters, max_s=120.0)
+      row["forward_backward_ms"] = harness.time_call(both, (p, xs), iters=iters, max_s=120.0)
     except Exception as e:  # noqa: BLE001 - record and go on
       row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     print(json.dumps(row), flush=True)

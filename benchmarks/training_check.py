@@ -28,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from jaxmercury.pallas_kernels import registry  # noqa: E402
 from jaxmercury.schedules import orders  # noqa: E402
 from benchmarks.baselines import xla as base  # noqa: E402
@@ -38,17 +39,6 @@ def rank_work(seq: int, ranks: int, zigzag: bool) -> list[int]:
   true = orders.permutation(seq, 2 * ranks) if zigzag else np.arange(seq)
   per = seq // ranks
   return [int(np.sum(true[r * per:(r + 1) * per] + 1)) for r in range(ranks)]
-
-
-def timed(fn, args, iters):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
 
 
 def rel(a, b):
@@ -80,8 +70,8 @@ def run_case(mesh, seq, heads, kv_heads, dim, iters, kernel):
       if want is None:
         want = grads
       err = max(rel(g, w) for g, w in zip(grads, want))
-      fwd_ms = timed(jax.jit(f), xs, iters)
-      both_ms = timed(grad, xs, iters)
+      fwd_ms = harness.time_call(jax.jit(f), xs, iters=iters, max_s=120.0)
+      both_ms = harness.time_call(grad, xs, iters=iters, max_s=120.0)
       rows.append({"name": name, "forward_ms": fwd_ms, "forward_backward_ms": both_ms, "grad_rel_err": err})
     except Exception as e:  # noqa: BLE001 - record and go on
       rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -28,3 +28,17 @@ def cudnn_attention_backward(q, k, v, o, do, lse, *, scale: float, causal: bool)
       q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, o, do,
       scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
       layout=_normalize_layout("BTNH").value, sliding_window_length=None)
+
+
+def mgpu_attention_backward(q, k, v, o, do, lse, config):
+  """Mosaic GPU flash attention's backward kernels with a given output and log-sum-exp.
+
+  ``jax.experimental.pallas.ops.gpu.attention_mgpu`` is public, but only its
+  forward is: the backward kernels are reached through its ``custom_vjp``
+  rule ``_attention_bwd``, a private function, which (like cuDNN's public
+  API) would otherwise only see its own forward's residuals. Conventions:
+  q, o, do [B, T, H, D] and k, v [B, S, Hkv, D] in float16; lse [B, H, T]
+  float32 in base 2; scores unscaled. Returns (dq, dk, dv) in float16.
+  """
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  return attention_mgpu._attention_bwd(config, False, (q, k, v, o, lse), do)

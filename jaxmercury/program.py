@@ -30,6 +30,11 @@ class BlockContext:
   extents: Mapping[str, int]
   zigzag: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
+  def renamed(self, names: Mapping[str, str]) -> "BlockContext":
+    """The same block with its axes renamed (``names``: old -> new; others kept)."""
+    r = lambda m: {names.get(k, k): v for k, v in m.items()}
+    return BlockContext(r(self.starts), r(self.sizes), r(self.extents), r(self.zigzag))
+
   def start(self, axis: str):
     """The true global position of the block's first element along ``axis``."""
     return self.positions(axis)[0] if axis in self.zigzag else self.starts.get(axis, 0)

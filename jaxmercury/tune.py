@@ -33,6 +33,8 @@ flags.DEFINE_string("mesh", None, "mesh levels, e.g. gpu=2 or node=2,gpu=4 (defa
 flags.DEFINE_string("memory_budget", None, "per-device memory budget, e.g. 40GiB or 512MiB", flag_values=FLAGS)
 flags.DEFINE_integer("top", 8, "candidates compiled and timed, best predicted first", flag_values=FLAGS)
 flags.DEFINE_integer("space", 24, "design-space schedules added to the library's", flag_values=FLAGS)
+flags.DEFINE_boolean("kernel_variants", False, "also try every tunable variant (block sizes) of each local kernel",
+                     flag_values=FLAGS)
 flags.DEFINE_integer("iters", 10, "timed runs per candidate", flag_values=FLAGS)
 flags.DEFINE_float("time_limit", 300.0, "seconds a candidate may take to compile and run once", flag_values=FLAGS)
 flags.DEFINE_enum("isolation", "thread", ["thread", "process"],
@@ -144,7 +146,13 @@ def main(argv) -> int:
   print(f"tuning {prog}\non {math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
   db = jm.Database(FLAGS.db)
   budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
-  result = jm.autotune(prog, mesh, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
+  candidates = None
+  if FLAGS.kernel_variants:
+    from jaxmercury.pallas_kernels import registry
+    from jaxmercury.tuner.tune import default_candidates
+    candidates = default_candidates(prog, mesh, space=FLAGS.space,
+                                    kernels=registry.candidates(prog, mesh, variants=True))
+  result = jm.autotune(prog, mesh, candidates=candidates, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
                        iters=FLAGS.iters, time_limit_s=FLAGS.time_limit, database=db, retune=FLAGS.retune,
                        isolation=FLAGS.isolation,
                        log=lambda s: print(s, flush=True))

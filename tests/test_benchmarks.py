@@ -362,3 +362,20 @@ def test_harness_flags_disagreement_failures_and_the_deadline():
   assert best["name"] == "base" and "median_ms" in prep.records["mine"]  # flagged, still timed
   late = harness.prepare(contestants[:2], (x,), warmup=1, iters=3, max_timing_s=1.0, deadline=0.0)
   assert all(r["skipped"] == "time budget spent" for r in late.records.values()) and not late.ready
+
+
+def test_local_kernels_smoke(tmp_path):
+  """Every attention kernel that runs on the CPU (interpret mode) agrees with the reference."""
+  out = tmp_path / "k.json"
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.local_kernels", "--smoke", "--causal", "yes",
+                         "--iters", "2", "--warmup", "1", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  cases = json.loads(out.read_text())["cases"]
+  assert [c["config"] for c in cases] == ["B1 S128 H4 KV4 D32 causal", "B1 S128 H4 KV2 D32 causal"]
+  for case in cases:
+    kernels = {r["name"]: r for r in case["records"] if r["role"] == "jaxmercury"}
+    assert {"xla", "pallas_attention"} <= set(kernels)
+    for r in kernels.values():
+      assert r["numerics_ok"] and r["rel_err"] < 2e-2 and r["median_ms"] > 0, r
+    assert case["default"] in kernels

@@ -200,11 +200,26 @@ def _display_module(recorder_of):
         return self.data
 
     display_module.Markdown, display_module.Image = Markdown, Image
-    package = types.ModuleType("IPython")
-    package.display = display_module
-    sys.modules["IPython"], sys.modules["IPython.display"] = package, display_module
   display_module.display = lambda *objs, **kw: recorder_of().display(*objs, **kw)
   return display_module
+
+
+def _cell_builtins(display_module) -> dict:
+  """Builtins for the cells: ``IPython.display`` imports get ``display_module``.
+
+  Only the notebook's own code sees it; libraries that probe for IPython
+  (matplotlib, treescope) still see the real state of the machine.
+  """
+  import builtins
+  package = types.ModuleType("IPython")
+  package.display = display_module
+
+  def importer(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and name == "IPython.display":
+      return display_module if fromlist else package
+    return builtins.__import__(name, globals, locals, fromlist, level)
+
+  return {**vars(builtins), "__import__": importer}
 
 
 def execute(path: str, out: str) -> int:
@@ -214,8 +229,8 @@ def execute(path: str, out: str) -> int:
   """
   nb = json.loads(pathlib.Path(path).read_text())
   current: list[_Recorder] = []
-  _display_module(lambda: current[0])
-  namespace = {"__name__": "__main__"}
+  display_module = _display_module(lambda: current[0])
+  namespace = {"__name__": "__main__", "__builtins__": _cell_builtins(display_module)}
   status, count = 0, 0
   for cell in nb["cells"]:
     if cell["cell_type"] != "code":

@@ -117,27 +117,13 @@ def test_database_returns_the_stored_winner_without_compiling(tmp_path, monkeypa
 
 
 # ------------------------------------------------------------------ fault injection
-def _raises(ctx, a, b):
-  raise ValueError("injected kernel fault")
-
-
-def _nan(ctx, a, b):
-  return jnp.full((a.shape[0], b.shape[1]), jnp.nan, jnp.float32)
-
-
-def _off_by_one_percent(ctx, a, b):
-  return 1.01 * jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-BAD_KERNELS = {"test_raises": _raises, "test_nan": _nan, "test_wrong": _off_by_one_percent}
-
-
 @pytest.fixture
 def bad_kernels(monkeypatch):
-  for name, body in BAD_KERNELS.items():
-    monkeypatch.setitem(registry._KERNELS, name,
-                        registry.Kernel(name, frozenset({"matmul"}), lambda program, body=body: body))
-  return sorted(BAD_KERNELS)
+  """The kernels that raise, return NaNs or are 1% off (tests/fault_kernels.py), registered for one test."""
+  monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+  import fault_kernels
+  fault_kernels.install()
+  return ["test_nan", "test_raises", "test_wrong"]
 
 
 def test_faulty_kernels_fail_with_a_reason_and_never_win(bad_kernels):
@@ -322,3 +308,11 @@ def test_latency_memory_plot_without_matplotlib(tmp_path, monkeypatch):
   with pytest.raises(RuntimeError, match="pip install matplotlib"):
     plot.latency_memory_plot(_hand_made_result(), tmp_path / "x.png")
   assert not (tmp_path / "x.png").exists()
+
+
+def test_kernel_variants_take_their_kernels_measured_rate():
+  machine = cost.Machine("rates", 100e12, {"*": 400e9}, 20e-6,
+                         kernel_flops_per_s={"k": 500e12, "k[block_q=128]": 450e12})
+  assert machine.rate("k[block_q=128]") == 450e12
+  assert machine.rate("k[block_kv=64]") == 500e12  # not measured: its kernel's rate
+  assert machine.rate("other") == 100e12

@@ -202,7 +202,7 @@ CASES = [
      r"parallelize\('m', 'gpu'\): loop extent 64 must equal the size 4 of mesh level 'gpu'; tile\('m', 4\) first"),
     ("patch-unknown-kernel", lambda: _sched().patch("flash9"), jm.UnknownNameError, r"no kernel 'flash9'; registered:"),
     ("patch-wrong-pattern", lambda: _sched().patch("cudnn_attention"), jm.PreconditionError,
-     r"patch\('cudnn_attention'\): kernel implements \['attention'\], not matmul"),
+     r"patch\('cudnn_attention'\): kernel implements \['attention'\]: matmul does not match loop-nest pattern 'attention'"),
     ("patch-wrong-dtype", lambda: _sched().patch("test_bf16_only"), jm.PreconditionError,
      r"patch\('test_bf16_only'\): kernel accepts \['bfloat16'\], program has \['float32'\]"),
     # ---------------------------------------------------------------- traces

@@ -25,8 +25,10 @@ from jaxmercury.schedules.trace import replay
 
 BUFFER_STEPS = ("shard", "replicate")
 # Forward kernels and the kernels of their backward programs.
-BACKWARD_KERNELS = {"dq": {"cudnn_attention": "cudnn_attention_dq"},
-                    "dkv": {"cudnn_attention": "cudnn_attention_dkv"}}
+BACKWARD_KERNELS = {"dq": {"cudnn_attention": "cudnn_attention_dq", "mosaic_attention": "mosaic_attention_dq",
+                           "pallas_attention": "pallas_attention_dq", "triton_attention": "pallas_attention_dq"},
+                    "dkv": {"cudnn_attention": "cudnn_attention_dkv", "mosaic_attention": "mosaic_attention_dkv",
+                            "pallas_attention": "pallas_attention_dkv", "triton_attention": "pallas_attention_dkv"}}
 
 
 def _full(spec, rank):
@@ -39,7 +41,7 @@ def _renamed(steps, names: dict, kernel: dict) -> list[dict]:
   out = []
   for step in steps:
     if step["primitive"] == "patch":
-      name = step["args"][0]
+      name = step["args"][0].partition("[")[0]  # a tuned forward variant maps to the default backward
       if not kernel:
         out.append(step)
       elif name in kernel:

@@ -274,20 +274,31 @@ class Schedule:
     self._record("reorder", *loops)
     return self
 
-  def patch(self, kernel: str) -> "Schedule":
+  def patch(self, kernel: str, **params) -> "Schedule":
     """Replaces the innermost block computation by a registered kernel.
 
-    Preconditions: a kernel named ``kernel`` is registered for the program's
-    pattern, accepts its dtypes, and runs on the mesh's devices.
+    The block is the sub-nest left inside every tiled, parallel and shifted
+    loop; the kernel must implement its loop-nest pattern exactly (see
+    ``jaxmercury.pallas_kernels.patterns``: same buffers and loops up to axis
+    names, same reduction, same body).
 
-    Before / after (``patch("xla_attention")``)::
+    Preconditions: a kernel named ``kernel`` is registered; the program
+    matches one of its patterns; it accepts the program's dtypes; it runs on
+    the mesh's devices; ``params`` are among its tunable parameters' choices
+    (``kernel`` may also name a variant, ``"pallas_attention[block_q=64]"``).
 
-      for j1 in J1: o[i] <- merge(...)      for j1 in J1: xla_attention(o[i], q[i], k[j1], v[j1])
+    Before / after (``patch("cudnn_attention")``)::
+
+      parallel i0 in 8 @ x:                     parallel i0 in 8 @ x:
+        for j0 in 8 (shift i0 @ x):               for j0 in 8 (shift i0 @ x):
+          for b, hk, g, i1, j1:                     cudnn_attention(o[i0], q[i0], k[j0], v[j0])
+            o[..] <- merge(q . k, v)
     """
     from jaxmercury.pallas_kernels import registry
-    registry.lookup(kernel, self.program, self.mesh)
-    self.kernel = kernel
-    self._record("patch", kernel)
+    name = registry.resolve(kernel, **params)
+    registry.lookup(name, self.program, self.mesh)
+    self.kernel = name
+    self._record("patch", name)
     return self
 
   # -------------------------------------------------- communication primitives

@@ -54,7 +54,9 @@ class Machine:
     return self.link_bytes_per_s.get(level, self.link_bytes_per_s["*"])
 
   def rate(self, kernel: str) -> float:
-    return self.kernel_flops_per_s.get(kernel, self.flops_per_s)
+    """A kernel's measured rate; a variant (``name[p=v]``) not measured takes its kernel's."""
+    base = self.kernel_flops_per_s.get(kernel.partition("[")[0], self.flops_per_s)
+    return self.kernel_flops_per_s.get(kernel, base)
 
   def with_links(self, **levels: float) -> "Machine":
     """The same machine with other per-level bandwidths (to plan larger meshes)."""

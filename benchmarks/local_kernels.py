@@ -1,0 +1,139 @@
+"""Local attention kernels on one GPU against cuDNN's ``jax.nn.dot_product_attention``.
+
+Every registered kernel that implements the attention pattern and runs on the
+device (and, with ``--variants``, each of its tunable block sizes) computes
+one whole block (B, S, H, KV, D; causal or not) in one process, side by side
+with ``jax.nn.dot_product_attention(implementation="cudnn")``. Outputs are
+checked against cuDNN's; times are medians of interleaved runs; rates are in
+TFLOP/s (causal counts the visible half). The chosen default per shape is
+the fastest kernel that agrees, and it must reach 90% of cuDNN's rate.
+
+  python -m benchmarks.local_kernels --out benchmarks/results/<date>-local_kernels-<device>.json
+  python -m benchmarks.local_kernels --smoke --out /tmp/k.json      # CPU, interpret mode, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+import jaxmercury as jm  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from jaxmercury.pallas_kernels import registry  # noqa: E402
+from jaxmercury.program import BlockContext  # noqa: E402
+
+DEFAULT_RATIO = 0.9  # the chosen default's rate over cuDNN's, at least
+XLA_MAX_SEQ = 8192  # XLA's attention holds the S x S scores: skipped above this
+
+
+def kernel_fn(name, prog, mesh):
+  """``(q [b,s,h,d], k, v) -> out [b,s,h,d]`` through kernel ``name`` on one whole block."""
+  block = registry.lookup(name, prog, mesh)
+  extents = {n: a.extent for n, a in prog.axes.items()}
+  ctx = BlockContext(starts={}, sizes=extents, extents=extents)
+  p = prog.params
+  b, s, h, hk, d = p["batch"], p["q_len"], p["heads"], p["kv_heads"], p["head_dim"]
+
+  def run(q, k, v):
+    out, _ = block(ctx, q.reshape(b, s, hk, h // hk, d), k, v)
+    return out.astype(q.dtype).reshape(b, s, h, d)
+  return jax.jit(run)
+
+
+def cudnn_fn(causal):
+  return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
+
+
+def contestants(prog, mesh, *, variants: bool, on_gpu: bool):
+  causal, seq = prog.params["causal"], prog.params["q_len"]
+  out = []
+  if on_gpu:
+    out.append(harness.Contestant("cudnn_dpa", "baseline", lambda: cudnn_fn(causal),
+                                  label='jax.nn.dot_product_attention(implementation="cudnn")'))
+  else:
+    out.append(harness.Contestant("reference", "baseline", lambda: jax.jit(
+        lambda q, k, v: prog.reference(q, k, v)), label="the program's reference"))
+  for name in registry.candidates(prog, mesh, variants=variants):
+    skip = f"XLA holds the {seq}x{seq} scores" if name == "xla" and seq > XLA_MAX_SEQ else None
+    out.append(harness.Contestant(name, "jaxmercury", lambda name=name: kernel_fn(name, prog, mesh),
+                                  label=f"kernel {name}", skip=skip))
+  return out
+
+
+def run_case(batch, seq, heads, kv_heads, dim, causal, mesh, args, on_gpu):
+  prog = jm.programs.attention(batch, heads, kv_heads, seq, seq, dim, causal=causal, dtype=jnp.bfloat16)
+  config = f"B{batch} S{seq} H{heads} KV{kv_heads} D{dim}{' causal' if causal else ''}"
+  harness.log(config)
+  inputs = prog.random_inputs(jax.random.key(int(time.time_ns() % (1 << 31))))
+  field = contestants(prog, mesh, variants=args.variants, on_gpu=on_gpu)
+  prepared = harness.prepare(field, inputs, warmup=args.warmup, iters=args.iters, max_timing_s=args.max_timing_s,
+                             order=("cudnn_dpa", "reference"))
+  times = harness.time_interleaved(prepared.ready, prepared.records, inputs)
+  harness.summarize(prepared.records, times)
+  records = list(prepared.records.values())
+  best_base = harness.rank(records, None, prog.flops)
+  ours = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r and r.get("numerics_ok")]
+  default = min(ours, key=lambda r: r["median_ms"], default=None)
+  case = {"config": config, "batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+          "causal": causal, "flops": prog.flops, "records": records,
+          "default": default and default["name"],
+          "default_over_cudnn": default and best_base and best_base["median_ms"] / default["median_ms"]}
+  if default and best_base:
+    case["default_meets_90pct"] = case["default_over_cudnn"] >= DEFAULT_RATIO
+  for r in records:
+    rate = f"{r['tflops_per_device']:.0f} TFLOP/s" if "tflops_per_device" in r else r.get("error") or r.get("skipped")
+    harness.log(f"  {r['name']:<40} {rate}  rel err {r.get('rel_err', float('nan')):.1e}")
+  return case
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--smoke", action="store_true", help="CPU, kernels in interpret mode, toy sizes")
+  p.add_argument("--seqs", type=int, nargs="*", default=[4096, 8192, 16384, 32768])
+  p.add_argument("--kv_heads", type=int, nargs="*", default=[32, 8])
+  p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+  p.add_argument("--variants", action="store_true", help="every tunable block size of every kernel")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--max_timing_s", type=float, default=3.0)
+  p.add_argument("--time_budget", type=float, default=540.0)
+  args = p.parse_args(argv)
+  on_gpu = jax.devices()[0].platform == "gpu"
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+  heads, dim, batch = (32, 128, 1) if not args.smoke else (4, 32, 1)
+  seqs = args.seqs if not args.smoke else [128]
+  kv_list = args.kv_heads if not args.smoke else [4, 2]
+  causal_list = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  start = time.time()
+  out = {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+         "command": "python -m benchmarks.local_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+         "cases": []}
+  with registry.interpret_mode() if args.smoke else contextlib.nullcontext():
+    for seq in seqs:
+      for kv in kv_list:
+        for causal in causal_list:
+          if time.time() - start > args.time_budget:
+            harness.log(f"time budget spent: S{seq} KV{kv} causal={causal} not run")
+            continue
+          out["cases"].append(run_case(batch, seq, heads, kv, dim, causal, mesh, args, on_gpu))
+          with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+  print(json.dumps([{k: c[k] for k in ("config", "default", "default_over_cudnn")} for c in out["cases"]], indent=1))
+
+
+if __name__ == "__main__":
+  main()
