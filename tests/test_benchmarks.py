@@ -379,3 +379,32 @@ def test_local_kernels_smoke(tmp_path):
     for r in kernels.values():
       assert r["numerics_ok"] and r["rel_err"] < 2e-2 and r["median_ms"] > 0, r
     assert case["default"] in kernels
+
+
+def _smoke(module, tmp_path, *extra):
+  out = tmp_path / f"{module}.json"
+  proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out), *extra],
+                        capture_output=True, text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text())["cases"]
+
+
+def test_training_check_smoke(tmp_path):
+  """Forward+backward contestants agree with the baseline; zigzag balances the causal ring's work."""
+  (case,) = _smoke("training_check", tmp_path)
+  names = [c["name"] for c in case["contestants"]]
+  assert names[0].startswith("base:") and {"jm:ring[xla]", "jm:ring_zigzag[xla]"} <= set(names)
+  for c in case["contestants"]:
+    assert c["grad_rel_err"] < 2e-2 and c["forward_ms"] > 0 and c["forward_backward_ms"] > 0, c
+  assert case["max_over_mean_work"]["ring"] > 1.4 and case["max_over_mean_work"]["ring_zigzag"] == 1.0
+
+
+def test_llama_block_smoke(tmp_path):
+  """The graph plan of a tiny block runs, prints its plan and agrees with plain JAX sharding."""
+  (case,) = _smoke("llama_block", tmp_path, "--iters", "1")
+  assert "operators:" in case["plan"] and "edges" in case["plan"]
+  timed = [c for c in case["contestants"] if "error" not in c]
+  assert timed[0]["name"] == "jaxmercury_plan" and len(timed) >= 2
+  for c in timed:
+    assert c["out_rel_err"] < 5e-2 and c["grad_rel_err"] < 5e-2, c
+  assert case["summary"]["forward_ms"]["jaxmercury"] > 0

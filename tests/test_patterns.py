@@ -124,6 +124,7 @@ def test_variants_names_and_bad_parameters(kernels):
   prog = jm.programs.attention(1, 2, 2, 16, 16, 8)
   assert "test_attention[block=8]" in registry.candidates(prog, make_mesh("8"), variants=True)
   assert "test_attention[block=8]" not in registry.candidates(prog, make_mesh("8"))
+  assert jm.Schedule(prog, make_mesh("8")).kernel_candidates() == registry.candidates(prog, make_mesh("8"))
   s = jm.Schedule(prog, make_mesh("8"))
   with pytest.raises(jm.PreconditionError, match=r"block=16 is not one of the choices \[4, 8\]"):
     s.patch("test_attention", block=16)

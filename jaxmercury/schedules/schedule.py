@@ -301,6 +301,16 @@ class Schedule:
     self._record("patch", name)
     return self
 
+  def kernel_candidates(self, variants: bool = False) -> list[str]:
+    """The kernels ``patch`` accepts for this schedule's block on its mesh (the tuner's choices).
+
+    Args:
+      variants: list every tunable variant (``name[param=value]``), not only
+        each kernel's default.
+    """
+    from jaxmercury.pallas_kernels import registry
+    return registry.candidates(self.program, self.mesh, variants=variants)
+
   # -------------------------------------------------- communication primitives
   def parallelize(self, loop: str, mesh_level: str) -> "Schedule":
     """Spreads a loop's iterations over one mesh level.
