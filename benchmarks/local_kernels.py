@@ -7,8 +7,13 @@ with ``jax.nn.dot_product_attention(implementation="cudnn")``. Outputs are
 checked against cuDNN's; times are medians of interleaved runs; rates are in
 TFLOP/s (causal counts the visible half). The chosen default per shape is
 the fastest kernel that agrees, and it must reach 90% of cuDNN's rate.
+``--backward`` times forward+backward instead: each kernel followed by the
+backward kernels the dual schedules patch in (dq, then dk/dv, from the saved
+log-sum-exp), against ``jax.vjp`` of cuDNN's attention; flops count the
+backward as 2.5 forwards.
 
   python -m benchmarks.local_kernels --out benchmarks/results/<date>-local_kernels-<device>.json
+  python -m benchmarks.local_kernels --backward --out <...>.json    # forward+backward
   python -m benchmarks.local_kernels --smoke --out /tmp/k.json      # CPU, interpret mode, toy sizes
 """
 
@@ -52,23 +57,65 @@ def kernel_fn(name, prog, mesh):
   return jax.jit(run)
 
 
+def backward_fn(name, prog, mesh):
+  """``(q, k, v, do) -> [dq, dk, dv]`` flattened: kernel ``name``'s forward, then its backward kernels.
+
+  The backward kernels are the ones the dual schedules patch in
+  (``dual.BACKWARD_KERNELS``; the programs' XLA bodies for ``xla``): dq and
+  dk/dv are two calls, each recomputing the probabilities from the lse.
+  """
+  from jaxmercury.programs import attention_backward as ab
+  from jaxmercury.schedules.dual import BACKWARD_KERNELS
+  base = name.partition("[")[0]
+  dq_prog, dkv_prog = ab.attention_dq(prog), ab.attention_dkv(prog)
+  forward = registry.lookup(name, prog, mesh)
+  dq_block = registry.lookup(BACKWARD_KERNELS["dq"].get(base, "xla"), dq_prog, mesh)
+  dkv_block = registry.lookup(BACKWARD_KERNELS["dkv"].get(base, "xla"), dkv_prog, mesh)
+  extents = {n: a.extent for n, a in prog.axes.items()}
+  ctx = BlockContext(starts={}, sizes=extents, extents=extents)
+  p = prog.params
+  b, s, h, hk, d = p["batch"], p["q_len"], p["heads"], p["kv_heads"], p["head_dim"]
+
+  def run(q, k, v, do):
+    q5, do5 = q.reshape(b, s, hk, h // hk, d), do.reshape(b, s, hk, h // hk, d)
+    out, lse = forward(ctx, q5, k, v)
+    o5 = out.astype(q.dtype)
+    dq = dq_block(ctx, q5, k, v, o5, do5, lse)
+    dkv = dkv_block(ctx, q5, k, v, o5, do5, lse)
+    return jnp.concatenate([dq.ravel(), dkv[..., 0, :].ravel(), dkv[..., 1, :].ravel()])
+  return jax.jit(run)
+
+
+def grad_of(attend):
+  """``(q, k, v, do) -> [dq, dk, dv]`` flattened, by ``jax.vjp`` of ``attend(q, k, v)``."""
+  def run(q, k, v, do):
+    _, vjp = jax.vjp(attend, q, k, v)
+    return jnp.concatenate([g.astype(jnp.float32).ravel() for g in vjp(do)])
+  return jax.jit(run)
+
+
 def cudnn_fn(causal):
   return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
 
 
-def contestants(prog, mesh, *, variants: bool, on_gpu: bool):
+def contestants(prog, mesh, *, variants: bool, on_gpu: bool, backward: bool = False):
   causal, seq = prog.params["causal"], prog.params["q_len"]
   out = []
+  wrap = grad_of if backward else jax.jit
   if on_gpu:
-    out.append(harness.Contestant("cudnn_dpa", "baseline", lambda: cudnn_fn(causal),
-                                  label='jax.nn.dot_product_attention(implementation="cudnn")'))
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    out.append(harness.Contestant("cudnn_dpa", "baseline", lambda: wrap(attend),
+                                  label='jax.nn.dot_product_attention(implementation="cudnn")'
+                                  + (", jax.vjp" if backward else "")))
   else:
-    out.append(harness.Contestant("reference", "baseline", lambda: jax.jit(
-        lambda q, k, v: prog.reference(q, k, v)), label="the program's reference"))
+    out.append(harness.Contestant("reference", "baseline", lambda: wrap(prog.reference),
+                                  label="the program's reference" + (", jax.vjp" if backward else "")))
+  make = backward_fn if backward else kernel_fn
   for name in registry.candidates(prog, mesh, variants=variants):
     skip = f"XLA holds the {seq}x{seq} scores" if name == "xla" and seq > XLA_MAX_SEQ else None
-    out.append(harness.Contestant(name, "jaxmercury", lambda name=name: kernel_fn(name, prog, mesh),
-                                  label=f"kernel {name}", skip=skip))
+    out.append(harness.Contestant(name, "jaxmercury", lambda name=name: make(name, prog, mesh),
+                                  label=f"kernel {name}" + (" and its backward kernels" if backward else ""),
+                                  skip=skip))
   return out
 
 
@@ -76,18 +123,23 @@ def run_case(batch, seq, heads, kv_heads, dim, causal, mesh, args, on_gpu):
   prog = jm.programs.attention(batch, heads, kv_heads, seq, seq, dim, causal=causal, dtype=jnp.bfloat16)
   config = f"B{batch} S{seq} H{heads} KV{kv_heads} D{dim}{' causal' if causal else ''}"
   harness.log(config)
-  inputs = prog.random_inputs(jax.random.key(int(time.time_ns() % (1 << 31))))
-  field = contestants(prog, mesh, variants=args.variants, on_gpu=on_gpu)
+  key = jax.random.key(int(time.time_ns() % (1 << 31)))
+  inputs = prog.random_inputs(key)
+  if args.backward:  # the incoming gradient, like the output
+    inputs += (jax.random.normal(jax.random.fold_in(key, 1), prog.writes.shape, jnp.float32).astype(jnp.bfloat16),)
+  field = contestants(prog, mesh, variants=args.variants, on_gpu=on_gpu, backward=args.backward)
   prepared = harness.prepare(field, inputs, warmup=args.warmup, iters=args.iters, max_timing_s=args.max_timing_s,
                              order=("cudnn_dpa", "reference"))
   times = harness.time_interleaved(prepared.ready, prepared.records, inputs)
   harness.summarize(prepared.records, times)
   records = list(prepared.records.values())
-  best_base = harness.rank(records, None, prog.flops)
+  flops = prog.flops * (3.5 if args.backward else 1.0)  # forward 2 matmuls, backward 5
+  best_base = harness.rank(records, None, flops)
   ours = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r and r.get("numerics_ok")]
   default = min(ours, key=lambda r: r["median_ms"], default=None)
   case = {"config": config, "batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-          "causal": causal, "flops": prog.flops, "records": records,
+          "causal": causal, "pass": "forward+backward" if args.backward else "forward", "flops": flops,
+          "records": records,
           "default": default and default["name"],
           "default_over_cudnn": default and best_base and best_base["median_ms"] / default["median_ms"]}
   if default and best_base:
@@ -106,6 +158,8 @@ def main(argv=None):
   p.add_argument("--kv_heads", type=int, nargs="*", default=[32, 8])
   p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
   p.add_argument("--variants", action="store_true", help="every tunable block size of every kernel")
+  p.add_argument("--backward", action="store_true",
+                 help="time forward+backward: each kernel with its backward kernels against jax.vjp of cuDNN")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--max_timing_s", type=float, default=3.0)
