@@ -2,7 +2,8 @@
 
 ``attention`` and ``matmul`` build the program for their inputs, take the
 winner stored in the tuning database, tune on a miss when ``tune=True``, and
-otherwise fall back to a sensible library strategy.
+otherwise fall back to a sensible library strategy with the fastest local
+kernel that applies (cuDNN or Mosaic GPU flash attention on GPUs).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 
 DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter")}
+# Local kernels a default schedule patches in, the first that applies (measured on H200:
+# benchmarks/results/2026-11-22-local_kernels-H200.json); XLA's own body otherwise.
+DEFAULT_KERNELS = {"attention": ("cudnn_attention", "mosaic_attention")}
 
 
 def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
@@ -29,10 +33,10 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
     if result.best is not None:
       return result.best.schedule
   lib = library(program, mesh)
-  for name in DEFAULTS.get(program.pattern, ()):
-    if name in lib:
-      return lib[name]
-  return Schedule(program, mesh)
+  schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
+  available = schedule.kernel_candidates()
+  kernel = next((k for k in DEFAULT_KERNELS.get(program.pattern, ()) if k in available), None)
+  return schedule.patch(kernel) if kernel else schedule
 
 
 @functools.lru_cache(maxsize=64)

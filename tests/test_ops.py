@@ -34,3 +34,18 @@ def test_ops_matmul_is_differentiable(tmp_path):
   ga, gb = jax.grad(lambda x, y: jnp.sum(jm.ops.matmul(x, y, mesh=mesh, database=db) ** 2), argnums=(0, 1))(a, b)
   wa, wb = jax.grad(lambda x, y: jnp.sum((x @ y) ** 2), argnums=(0, 1))(a, b)
   assert rel_err(ga, wa) < 1e-5 and rel_err(gb, wb) < 1e-5
+
+
+def test_default_schedule_patches_the_first_kernel_that_applies(tmp_path, monkeypatch):
+  """On CPUs no default kernel applies (XLA's body); in interpret mode a Pallas one does."""
+  from jaxmercury.pallas_kernels import registry
+  monkeypatch.setitem(jm.ops.DEFAULT_KERNELS, "attention", ("cudnn_attention", "pallas_attention"))
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "ops.db"))
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  assert jm.ops.schedule_for(prog, mesh, database=db).kernel is None
+  with registry.interpret_mode():
+    s = jm.ops.schedule_for(prog, mesh, database=db)
+    assert s.kernel == "pallas_attention"
+    xs = prog.random_inputs(fresh_key())
+    assert rel_err(s.compile()(*xs), prog.reference(*xs)) < 1e-4
