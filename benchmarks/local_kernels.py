@@ -43,17 +43,20 @@ DEFAULT_RATIO = 0.9  # the chosen default's rate over cuDNN's, at least
 XLA_MAX_SEQ = 8192  # XLA's attention holds the S x S scores: skipped above this
 
 
+def _whole_block(prog):
+  """The context of one block covering every axis, and the queries' canonical shape [b, s, hk, g, d]."""
+  extents = {n: a.extent for n, a in prog.axes.items()}
+  return BlockContext(starts={}, sizes=extents, extents=extents), prog.buffer("q").canonical_shape
+
+
 def kernel_fn(name, prog, mesh):
   """``(q [b,s,h,d], k, v) -> out [b,s,h,d]`` through kernel ``name`` on one whole block."""
   block = registry.lookup(name, prog, mesh)
-  extents = {n: a.extent for n, a in prog.axes.items()}
-  ctx = BlockContext(starts={}, sizes=extents, extents=extents)
-  p = prog.params
-  b, s, h, hk, d = p["batch"], p["q_len"], p["heads"], p["kv_heads"], p["head_dim"]
+  ctx, q_shape = _whole_block(prog)
 
   def run(q, k, v):
-    out, _ = block(ctx, q.reshape(b, s, hk, h // hk, d), k, v)
-    return out.astype(q.dtype).reshape(b, s, h, d)
+    out, _ = block(ctx, q.reshape(q_shape), k, v)
+    return out.astype(q.dtype).reshape(q.shape)
   return jax.jit(run)
 
 
@@ -67,17 +70,13 @@ def backward_fn(name, prog, mesh):
   from jaxmercury.programs import attention_backward as ab
   from jaxmercury.schedules.dual import BACKWARD_KERNELS
   base = name.partition("[")[0]
-  dq_prog, dkv_prog = ab.attention_dq(prog), ab.attention_dkv(prog)
   forward = registry.lookup(name, prog, mesh)
-  dq_block = registry.lookup(BACKWARD_KERNELS["dq"].get(base, "xla"), dq_prog, mesh)
-  dkv_block = registry.lookup(BACKWARD_KERNELS["dkv"].get(base, "xla"), dkv_prog, mesh)
-  extents = {n: a.extent for n, a in prog.axes.items()}
-  ctx = BlockContext(starts={}, sizes=extents, extents=extents)
-  p = prog.params
-  b, s, h, hk, d = p["batch"], p["q_len"], p["heads"], p["kv_heads"], p["head_dim"]
+  dq_block = registry.lookup(BACKWARD_KERNELS["dq"].get(base, "xla"), ab.attention_dq(prog), mesh)
+  dkv_block = registry.lookup(BACKWARD_KERNELS["dkv"].get(base, "xla"), ab.attention_dkv(prog), mesh)
+  ctx, q_shape = _whole_block(prog)
 
   def run(q, k, v, do):
-    q5, do5 = q.reshape(b, s, hk, h // hk, d), do.reshape(b, s, hk, h // hk, d)
+    q5, do5 = q.reshape(q_shape), do.reshape(q_shape)
     out, lse = forward(ctx, q5, k, v)
     o5 = out.astype(q.dtype)
     dq = dq_block(ctx, q5, k, v, o5, do5, lse)
@@ -92,10 +91,6 @@ def grad_of(attend):
     _, vjp = jax.vjp(attend, q, k, v)
     return jnp.concatenate([g.astype(jnp.float32).ravel() for g in vjp(do)])
   return jax.jit(run)
-
-
-def cudnn_fn(causal):
-  return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
 
 
 def contestants(prog, mesh, *, variants: bool, on_gpu: bool, backward: bool = False):

@@ -367,13 +367,8 @@ def test_harness_flags_disagreement_failures_and_the_deadline():
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_local_kernels_smoke(tmp_path, direction):
   """Every attention kernel that runs on the CPU (interpret mode), and its backward, agrees with the reference."""
-  out = tmp_path / "k.json"
   extra = ["--backward"] if direction == "backward" else []
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.local_kernels", "--smoke", "--causal", "yes",
-                         "--iters", "2", "--warmup", "1", "--out", str(out), *extra],
-                        capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  cases = json.loads(out.read_text())["cases"]
+  cases = _smoke("local_kernels", tmp_path, "--causal", "yes", "--iters", "2", "--warmup", "1", *extra)
   assert [c["config"] for c in cases] == ["B1 S128 H4 KV4 D32 causal", "B1 S128 H4 KV2 D32 causal"]
   assert {c["pass"] for c in cases} == {"forward+backward" if extra else "forward"}
   for case in cases:

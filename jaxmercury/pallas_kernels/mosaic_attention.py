@@ -39,9 +39,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import HALF_DTYPES, SMEM_BYTES, hopper_only
-from jaxmercury.pallas_kernels.registry import Kernel, register
+from jaxmercury.pallas_kernels.registry import Kernel, full_params, register
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -241,39 +240,15 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
 # ------------------------------------------------------------------ registration
 
 
-def _checked(params: dict, defaults: dict, name: str) -> dict:
-  """``defaults`` updated by ``params``; raises PreconditionError for unknown names or invalid values."""
-  unknown = sorted(set(params) - set(defaults))
-  if unknown:
-    raise PreconditionError(f"{name}: unknown parameters {unknown}; parameters: {sorted(defaults)}")
-  params = {**{k: v[0] for k, v in defaults.items()}, **params}
-  for key in ("block_q", "block_kv"):
-    if params[key] <= 0 or params[key] % 64:
-      raise PreconditionError(f"{name}: {key}={params[key]} must be a positive multiple of 64")
-  if params.get("max_concurrent_steps", 2) < 2:
-    raise PreconditionError(f"{name}: max_concurrent_steps={params['max_concurrent_steps']} must be at least 2")
-  if params.get("compute_wgs", 1) not in (1, 2):
-    raise PreconditionError(f"{name}: compute_wgs={params['compute_wgs']} must be 1 or 2")
-  return params
-
-
-def _no_interpret(name: str, interpret: bool):
-  if interpret:
-    raise PreconditionError(f"{name} has no interpret mode: attention_mgpu requires CUDA (it checks the CUDA "
-                            "runtime version while tracing)")
-
-
-def _make(program, *, interpret: bool = False, **params):
-  _no_interpret("mosaic_attention", interpret)
-  params = _checked(params, FORWARD_PARAMS, "mosaic_attention")
+def _make(program, **params):
+  params = full_params("mosaic_attention", **params)
   return functools.partial(mosaic_attention_block, causal=program.params["causal"], params=params,
                            fallback=program.body)
 
 
 def _make_backward(part: str):
-  def make(program, *, interpret: bool = False, **params):
-    _no_interpret(f"mosaic_attention_{part}", interpret)
-    params = _checked(params, BACKWARD_PARAMS[part], f"mosaic_attention_{part}")
+  def make(program, **params):
+    params = full_params(f"mosaic_attention_{part}", **params)
     return functools.partial(mosaic_backward_block, causal=program.params["causal"], part=part, params=params,
                              fallback=program.body)
   return make

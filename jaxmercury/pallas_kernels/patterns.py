@@ -82,13 +82,6 @@ def register_pattern(pattern: Pattern) -> Pattern:
   return pattern
 
 
-def pattern(name: str) -> Pattern:
-  if name not in _PATTERNS:
-    from jaxmercury.errors import UnknownNameError
-    raise UnknownNameError(f"no loop-nest pattern {name!r}; known: {sorted(_PATTERNS)}")
-  return _PATTERNS[name]
-
-
 def _bind(template, program) -> dict[str, str]:
   """The axis renaming program -> template that makes their buffers agree; raises if none."""
   if len(template.reads) != len(program.reads):

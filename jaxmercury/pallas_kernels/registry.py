@@ -67,13 +67,6 @@ class Kernel:
       return int(self.workspace(program, sizes))
     return int(program.workspace(sizes)) if program.workspace else 0
 
-  def matches(self, program) -> bool:
-    try:
-      _pattern_match(self, program)
-    except PreconditionError:
-      return False
-    return True
-
   def variants(self) -> list[str]:
     """Every variant's name, the default (``name``) first."""
     keys = list(self.params)
@@ -140,12 +133,17 @@ def _value(k: Kernel, key: str, text: str):
   raise PreconditionError(f"kernel {k.name!r}: {key}={text} is not one of the choices {list(k.params[key])}")
 
 
-def resolve(name: str, **params) -> str:
-  """The variant name of kernel ``name`` with ``params`` set (checked against the choices)."""
+def full_params(name: str, **params) -> dict:
+  """Every parameter of kernel (variant) ``name`` with ``params`` set, checked against the choices."""
   k, full = parse(name)
   for key, value in params.items():
     full[key] = _value(k, key, str(value))
-  return variant_name(k.name, full, k)
+  return full
+
+
+def resolve(name: str, **params) -> str:
+  """The variant name of kernel ``name`` with ``params`` set (checked against the choices)."""
+  return variant_name(kernel(name).name, full_params(name, **params))
 
 
 def candidates(program, mesh, variants: bool = False) -> list[str]:

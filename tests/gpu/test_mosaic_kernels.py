@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from conftest import fresh_key
+from conftest import rel_err as _rel
+from gpu.checks import TOL, check_gradients, check_schedule
+from gpu.checks import gpu_mesh as _mesh
 
 import jaxmercury as jm
 from jaxmercury.pallas_kernels import mosaic_attention as ma
@@ -32,25 +35,10 @@ def _hopper() -> bool:
 pytestmark = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (compute capability 9.x)")
 
 HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
-TOL = 2e-2  # bf16 relative norm error
-GRAD_TOL = 3e-2
-
-
-def _key():
-  return jax.random.key(np.random.randint(1 << 30))
 
 
 def _normal(shape, dtype=jnp.float32, scale=1.0):
-  return (scale * jax.random.normal(_key(), shape, jnp.float32)).astype(dtype)
-
-
-def _rel(y, ref):
-  y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-
-
-def _mesh():
-  return jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Auto,))
+  return (scale * jax.random.normal(fresh_key(), shape, jnp.float32)).astype(dtype)
 
 
 def _f32(*xs):
@@ -212,15 +200,6 @@ def test_backward_ring_offsets_and_variants(part):
 # ------------------------------------------------------------------ attention schedules
 
 
-def _check(schedule, tol=TOL):
-  prog = schedule.program
-  xs = prog.random_inputs(_key())
-  ref = jm.programs.attention(**{**prog.params, "dtype": jnp.float32}).reference(*_f32(*xs))
-  y = schedule.compile()(*xs).astype(jnp.float32)
-  err = _rel(y, ref)
-  assert err < tol, f"rel err {err}\n{schedule}"
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("strategy", ["ring", "context_parallel", "tree", "ulysses"])
 def test_library_with_mosaic(strategy, causal):
@@ -228,13 +207,13 @@ def test_library_with_mosaic(strategy, causal):
   lib = jm.library(prog, _mesh())
   if strategy not in lib:
     pytest.skip(f"{strategy} does not apply")
-  _check(lib[strategy].patch("mosaic_attention"))
+  check_schedule(lib[strategy].patch("mosaic_attention"))
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))
 def test_ring_heads_and_variant(heads):
   prog = _attention(heads, 2048, 64, True)
-  _check(jm.library(prog, _mesh())["ring"].patch("mosaic_attention", block_kv=64))
+  check_schedule(jm.library(prog, _mesh())["ring"].patch("mosaic_attention", block_kv=64))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -244,7 +223,7 @@ def test_ring_with_uneven_blocks_uses_all_paths(causal):
   n = len(jax.devices())
   s = jm.Schedule(prog, _mesh()).tile("i", n).parallelize("i0", "x").tile("j", n).shift("j0", "i0")
   s.tile("j1", 2).patch("mosaic_attention", block_kv=64)
-  _check(s)
+  check_schedule(s)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel"])
@@ -254,16 +233,7 @@ def test_gradients_with_mosaic_backward(strategy, causal):
   lib = jm.library(prog, _mesh())
   if strategy not in lib:
     pytest.skip(f"{strategy} does not apply")
-  s = lib[strategy].patch("mosaic_attention")
-  xs = prog.random_inputs(_key())
-  cot = _normal(prog.writes.shape)
-  ref_prog = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
-  want = jax.grad(lambda *a: jnp.sum(ref_prog.reference(*a) * cot), argnums=(0, 1, 2))(*_f32(*xs))
-  f = s.compile()
-  got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2)))(*xs)
-  for name, g, w in zip("qkv", got, want):
-    err = _rel(g.astype(jnp.float32), w)
-    assert err < GRAD_TOL, f"{strategy} d{name}: rel err {err}"
+  check_gradients(lib[strategy].patch("mosaic_attention"))
 
 
 # ------------------------------------------------------------------ matmul
@@ -320,7 +290,7 @@ def test_matmul_library_with_mosaic(strategy, kernel):
   if strategy not in lib:
     pytest.skip(f"{strategy} does not apply")
   s = lib[strategy].patch(kernel)
-  xs = prog.random_inputs(_key())
+  xs = prog.random_inputs(fresh_key())
   want = jnp.dot(*_f32(*xs), precision="highest")
   f = s.compile()
   assert _count_kernels(f, *xs) > 0, f"no block reached the kernel\n{s}"

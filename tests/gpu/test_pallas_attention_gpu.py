@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from conftest import fresh_key, rel_err
+from gpu.checks import check_gradients, check_schedule, gpu_mesh
 
 import jaxmercury as jm
 from jaxmercury.pallas_kernels import flash_attention as fa
@@ -22,12 +23,8 @@ from jaxmercury.programs import attention_backward as ab
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
 
-def _key():
-  return jax.random.key(np.random.randint(1 << 30))
-
-
 def _inputs(heads, kv_heads, s, d=128, dtype=jnp.bfloat16, b=1):
-  keys = jax.random.split(_key(), 4)
+  keys = jax.random.split(fresh_key(), 4)
   q = jax.random.normal(keys[0], (b, s, kv_heads, heads // kv_heads, d)).astype(dtype)
   k, v = (jax.random.normal(x, (b, s, kv_heads, d)).astype(dtype) for x in keys[1:3])
   do = jax.random.normal(keys[3], q.shape).astype(dtype)
@@ -42,11 +39,6 @@ def _reference(q, k, v, causal):
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   body = jm.programs.attention(1, 1, 1, 4, 4, 4, causal=causal).body
   return jax.jit(lambda *x: body(_ctx(q.shape[1]), *x))(*f32)
-
-
-def _err(x, ref):
-  x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _time(f, *args, reps=10):
@@ -64,7 +56,7 @@ def _check_forward(fn, q, k, v, causal, label):
   f = jax.jit(lambda q, k, v: fn(q, k, v, pos, pos, causal=causal))
   out, lse = f(q, k, v)
   ref_out, ref_lse = _reference(q, k, v, causal)
-  assert _err(out, ref_out) < 2e-2, label
+  assert rel_err(out, ref_out) < 2e-2, label
   assert float(jnp.max(jnp.abs(lse - ref_lse))) < 5e-2, label
   ms = _time(f, q, k, v) * 1e3
   flops = 4 * q.shape[0] * q.shape[2] * q.shape[3] * s * s * q.shape[4] * (0.5 if causal else 1.0)
@@ -98,32 +90,19 @@ def test_pallas_backward(s, causal):
   f32 = [x.astype(jnp.float32) if x.dtype != jnp.float32 else x for x in args]
   ref_dq = jax.jit(lambda *x: ab.dq_block(_ctx(s), *x, causal=causal))(*f32)
   ref_dkv = jax.jit(lambda *x: ab.dkv_block(_ctx(s), *x, causal=causal))(*f32)
-  assert _err(dq, ref_dq) < 3e-2
-  assert _err(dkv[..., 0, :], ref_dkv[..., 0, :]) < 3e-2
-  assert _err(dkv[..., 1, :], ref_dkv[..., 1, :]) < 3e-2
-
-
-def _mesh():
-  return jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Auto,))
+  assert rel_err(dq, ref_dq) < 3e-2
+  assert rel_err(dkv[..., 0, :], ref_dkv[..., 0, :]) < 3e-2
+  assert rel_err(dkv[..., 1, :], ref_dkv[..., 1, :]) < 3e-2
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel"])
 def test_schedule_with_pallas_kernels(strategy):
   """The patched forward and its dual backward (Pallas dq/dkv) on all GPUs, values and gradients."""
   prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=True, dtype=jnp.bfloat16)
-  lib = jm.library(prog, _mesh())
+  lib = jm.library(prog, gpu_mesh())
   if strategy not in lib:
     pytest.skip(f"{strategy} does not apply")
-  f = lib[strategy].patch("pallas_attention").compile()
-  xs = prog.random_inputs(_key())
-  ref_prog = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
-  f32 = [x.astype(jnp.float32) for x in xs]
-  assert _err(f(*xs), ref_prog.reference(*f32)) < 2e-2
-  cot = jax.random.normal(_key(), prog.writes.shape, jnp.float32)
-  want = jax.grad(lambda *a: jnp.sum(ref_prog.reference(*a) * cot), argnums=(0, 1, 2))(*f32)
-  got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2)))(*xs)
-  for g, w in zip(got, want):
-    assert _err(g, w) < 3e-2
+  check_gradients(lib[strategy].patch("pallas_attention"))
 
 
 def _triton_or_skip():
@@ -157,13 +136,10 @@ def test_triton_ring_offsets_and_padding():
     (out, lse), (ref_out, ref_lse) = both(jnp.array(starts, jnp.int32), q, k, v)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     if np.any(ref_out):
-      assert _err(out, ref_out) < 2e-2, starts
+      assert rel_err(out, ref_out) < 2e-2, starts
 
 
 def test_triton_schedule():
   _triton_or_skip()
   prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=True, dtype=jnp.bfloat16)
-  f = jm.library(prog, _mesh())["ring"].patch("triton_attention").compile()
-  xs = prog.random_inputs(_key())
-  ref_prog = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
-  assert _err(f(*xs), ref_prog.reference(*[x.astype(jnp.float32) for x in xs])) < 2e-2
+  check_schedule(jm.library(prog, gpu_mesh())["ring"].patch("triton_attention"))
