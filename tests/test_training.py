@@ -115,3 +115,35 @@ def test_optax_training_step_matches_reference():
   got, want = train(attend), train(prog.reference)
   np.testing.assert_allclose(got, want, rtol=1e-4)
   assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_parallel_backward_is_one_fused_call(causal):
+  """Attention split over heads only: the backward is one kernel call per device, no dual passes."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxmercury.shard_map.local_backward import local_reason
+  from jaxmercury.tuner.tune import with_layouts
+  prog = jm.programs.attention(2, 16, 8, 32, 32, 8, causal=causal)
+  mesh = make_mesh("8")
+  heads = P(None, None, "x", None)
+  schedule = with_layouts(jm.library(prog, mesh)["ulysses"], [heads] * 3, heads)
+  assert local_reason(schedule) is None
+  _check_grads(schedule)
+  xs = prog.random_inputs(fresh_key())
+  f = schedule.compile()
+  text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))).lower(*xs).as_text()
+  for collective in ("all_to_all", "collective_permute", "all_gather", "reduce_scatter", "all_reduce"):
+    assert collective not in text, collective
+
+
+def test_communicating_schedules_keep_the_dual_backward():
+  from jaxmercury.shard_map.local_backward import local_reason
+  prog = jm.programs.attention(1, 4, 4, 32, 32, 8, causal=True)
+  lib = jm.library(prog, make_mesh("8"))
+  assert local_reason(lib["ring"]) == "blocks travel or reduce across devices"
+  assert local_reason(lib["context_parallel"]) == "buffers are resharded around the loop nest"
+  from jaxmercury.pallas_kernels import registry
+  with registry.interpret_mode():
+    lib["ring"].patch("pallas_attention")
+  assert local_reason(lib["ring"]) == "kernel 'pallas_attention' has no fused backward"

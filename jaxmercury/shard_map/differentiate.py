@@ -1,8 +1,10 @@
 """Training: a ``jax.custom_vjp`` whose backward is the schedule's dual.
 
-For attention the backward runs the dual schedules (``schedules.dual``):
-the forward keeps only ``o`` and the log-sum-exp, and the backward programs
-recompute probabilities block by block. Programs without backward programs
+For attention the forward keeps only ``o`` and the log-sum-exp; the backward
+is one fused kernel call per device where the schedule keeps each device's
+attention whole (``local_backward``), and the dual schedules
+(``schedules.dual``) otherwise, whose programs recompute probabilities block
+by block. Programs without backward programs
 are differentiated through their lowered ``shard_map`` program, whose
 collectives JAX transposes into their duals (all-gather and reduce-scatter,
 a ring and the reverse ring, all-to-all and all-to-all).
@@ -16,6 +18,7 @@ import jax
 from jax.sharding import AxisType
 
 from jaxmercury.schedules.dual import attention_duals
+from jaxmercury.shard_map.local_backward import local_backward
 
 
 def differentiable(schedule, forward):
@@ -28,6 +31,9 @@ def differentiable(schedule, forward):
   @functools.cache
   def duals():  # built on the first differentiation, not for forward-only use
     with_lse, dq_s, dkv_s = attention_duals(schedule)
+    fused = local_backward(schedule)
+    if fused is not None:
+      return with_lse.compile(differentiable=False), fused
     return with_lse.compile(differentiable=False), dq_s.compile(), dkv_s.compile()
 
   @jax.custom_vjp
@@ -42,7 +48,11 @@ def differentiable(schedule, forward):
   def bwd(residuals, do):
     q, k, v, o, lse = residuals
     do = do.astype(q.dtype)
-    _, f_dq, f_dkv = duals()
+    _, *backward = duals()
+    if len(backward) == 1:
+      dq, dk, dv = backward[0](q, k, v, o, do, lse)
+      return like(dq, q), like(dk, k), like(dv, v)
+    f_dq, f_dkv = backward
     dq = f_dq(q, k, v, o, do, lse)
     dkv = f_dkv(q, k, v, o, do, lse)
     return like(dq, q), like(dkv[..., 0, :], k), like(dkv[..., 1, :], v)

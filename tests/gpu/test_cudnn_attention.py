@@ -34,3 +34,18 @@ def test_ring_with_uneven_blocks_uses_all_paths(causal):
 def test_gradients_with_cudnn_backward(strategy):
   prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=True, dtype=jnp.bfloat16)
   check_gradients(jm.library(prog, gpu_mesh())[strategy].patch("cudnn_attention"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_parallel_gradients_with_one_fused_cudnn_backward(causal):
+  """Heads split over the devices: the backward is one cuDNN call per device (``local_backward``)."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxmercury.shard_map.local_backward import local_reason
+  from jaxmercury.tuner.tune import with_layouts
+  n = len(jax.devices())
+  prog = jm.programs.attention(1, 8 * n, 2 * n, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
+  heads = P(None, None, "x", None)
+  schedule = with_layouts(jm.library(prog, gpu_mesh())["ulysses"], [heads] * 3, heads).patch("cudnn_attention")
+  assert local_reason(schedule) is None
+  check_gradients(schedule)
