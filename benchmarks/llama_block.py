@@ -10,7 +10,10 @@ with a replicated or a sequence-split residual, and pure sequence
 parallelism (replicated weights). Forward and forward+backward (gradients of
 the input and every parameter) are timed, medians of ``--iters`` runs on
 fresh random inputs, and every output and gradient is compared with the
-block on one device.
+block on one device. Then each operator of the plan is timed alone, beside
+XLA partitioning the same operator in the same layouts (``operator_split``,
+the per-operator split of Mercury's Fig. 12; ``--no_split`` skips it), so the
+block's gap to a baseline can be traced to operators and edges.
 
   python -m benchmarks.llama_block --out results.json [--smoke] [--seq 4096 16384] [--iters 10]
       [--baselines xla_megatron_tp xla_megatron_tp_sp xla_sequence_parallel] [--config llama3_8b]
@@ -45,6 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from jaxmercury import graph as jg  # noqa: E402
+from jaxmercury.graph.dag import OP  # noqa: E402
 from jaxmercury.tuner.cost import Machine  # noqa: E402
 from models import CONFIGS, DecoderBlock  # noqa: E402
 from models import block_graph as bg  # noqa: E402
@@ -101,7 +105,54 @@ def plan_block(config, seq: int, mesh, machines, strategies):
   return plan, time.perf_counter() - t0
 
 
-def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation):
+def _same_op_by_xla(program, implementation):
+  """The operator as one plain function for XLA to partition (attention through ``dot_product_attention``)."""
+  if program.pattern == "attention":
+    causal = program.params["causal"]
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+  return program.reference
+
+
+def operator_split(plan, iters: int, implementation) -> list[dict]:
+  """Each operator of ``plan`` timed alone (Mercury's Fig. 12 split), beside XLA partitioning the same operator.
+
+  Both sides get the same fresh inputs in the layouts the plan gives the
+  operator and the same output layout; forward and forward+backward (the
+  gradients of every input for a random cotangent) are timed.
+  """
+  from jax.sharding import PartitionSpec
+  mesh, rows, seen = plan.graph.mesh, [], {}
+  for node in plan.graph.nodes:
+    if node.kind != OP:
+      continue
+    schedule = plan.choice[node.name].schedule
+    prog = schedule.program
+    key = (str(schedule), prog.name, tuple(b.shape for b in prog.reads))
+    if key in seen:  # e.g. w_gate and w_up: one timing
+      rows.append({**seen[key], "operator": node.name, "same_as": seen[key]["operator"]})
+      continue
+    ins = [NamedSharding(mesh, s if s is not None else PartitionSpec()) for s in schedule.in_shardings]
+    out = NamedSharding(mesh, schedule.out_sharding if schedule.out_sharding is not None else PartitionSpec())
+    keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), len(ins) + 1)
+    xs = [harness.random_array(k, b.shape, b.dtype, sh) for k, b, sh in zip(keys, prog.reads, ins)]
+    cot = harness.random_array(keys[-1], prog.writes.shape, prog.writes.dtype, out)
+    row = {"operator": node.name, "schedule": plan.choice[node.name].name}
+    for side, f in (("jaxmercury", schedule.compile()), ("xla", _same_op_by_xla(prog, implementation))):
+      fwd = jax.jit(f, in_shardings=ins, out_shardings=out)
+      loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * cot.astype(jnp.float32))
+      both = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(xs)))), in_shardings=ins)
+      try:
+        row[f"{side}_forward_ms"] = harness.time_call(fwd, xs, iters=iters, max_s=30.0)
+        row[f"{side}_forward_backward_ms"] = harness.time_call(both, xs, iters=iters, max_s=30.0)
+      except Exception as e:  # noqa: BLE001 - record and go on
+        row[f"{side}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(row), flush=True)
+    seen[key] = row
+    rows.append(row)
+  return rows
+
+
+def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation, split=True):
   plan, search_s = plan_block(config, seq, mesh, machines, strategies)
   print(plan, flush=True)
   seed = random.SystemRandom().randrange(1 << 31)
@@ -156,11 +207,12 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
       best = min(ok, key=lambda r: r[key])
       summary[key] = {"jaxmercury": mine[key], "best_baseline": best["name"], "best_baseline_ms": best[key],
                       "speedup": best[key] / mine[key]}
+  split_rows = operator_split(plan, iters, implementation) if split else []
   return {"config": f"Llama block dim {config.dim} heads {config.heads} kv {config.kv_heads} head_dim "
                     f"{config.head_dim} hidden {config.hidden}, batch 1, seq {seq}, {np.dtype(config.dtype)}",
           "seq": seq, "plan": str(plan), "plan_predicted_ms": plan.seconds * 1e3, "plan_search_s": search_s,
           "plan_choice": {n: c.name for n, c in plan.choice.items()},
-          "contestants": rows, "summary": summary}
+          "contestants": rows, "summary": summary, "operator_split": split_rows}
 
 
 def main(argv=None):
@@ -171,6 +223,7 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--baselines", nargs="*", default=list(BASELINES))
   p.add_argument("--config", default="llama3_8b", choices=sorted(CONFIGS), help="block sizes (without --smoke)")
+  p.add_argument("--no_split", action="store_true", help="skip timing each operator alone")
   args = p.parse_args(argv)
   n = len(jax.devices())
   mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
@@ -183,7 +236,8 @@ def main(argv=None):
     seqs, iters = args.seq, args.iters
     machines, strategies = (H200_MACHINES, GPU_STRATEGIES) if gpu else (CPU_MACHINES, None)
   implementation = "cudnn" if gpu else None
-  cases = [run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation) for s in seqs]
+  cases = [run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation,
+                    split=not args.no_split) for s in seqs]
   out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
          "command": "python -m benchmarks.llama_block " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -195,6 +249,7 @@ def main(argv=None):
   if args.smoke:
     bad = [r for c in cases for r in c["contestants"]
            if "error" in r or r["out_rel_err"] > 5e-2 or r["grad_rel_err"] > 5e-2]
+    bad += [r for c in cases for r in c["operator_split"] if any(k.endswith("_error") for k in r)]
     if bad:
       raise SystemExit(f"smoke run failed: {bad}")
 

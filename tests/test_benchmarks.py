@@ -406,3 +406,8 @@ def test_llama_block_smoke(tmp_path):
   for c in timed:
     assert c["out_rel_err"] < 5e-2 and c["grad_rel_err"] < 5e-2, c
   assert case["summary"]["forward_ms"]["jaxmercury"] > 0
+  split = {r["operator"]: r for r in case["operator_split"]}
+  assert {"wq", "wk", "wv", "attention", "wo", "w_gate", "w_up", "w_down"} <= set(split)
+  for r in split.values():
+    for side in ("jaxmercury", "xla"):
+      assert r[f"{side}_forward_ms"] > 0 and r[f"{side}_forward_backward_ms"] > 0, r
