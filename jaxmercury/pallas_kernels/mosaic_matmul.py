@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.registry import Kernel, register, variant_name
+from jaxmercury.pallas_kernels.registry import Kernel, full_params, register, variant_name
 
 # Shared memory one CTA may allocate on H100/H200 (227 KiB), less 1 KiB for barriers.
 SMEM_BYTES = 227 * 1024 - 1024
@@ -241,11 +241,9 @@ def _jax_smem_bytes(p, itemsize=2) -> int:
           + 2 * 2 * 64 * 64 * itemsize)
 
 
-def _make_jax(program, *, interpret: bool = False, **params):
-  if interpret:
-    raise PreconditionError("jax_mosaic_matmul has no interpret mode: hopper_matmul_mgpu sizes its grid by "
-                            "the default device's core_count, which CPU devices lack")
-  params = {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, **params}
+def _make_jax(program, **params):
+  # no interpret mode (Kernel interpret=False): hopper_matmul_mgpu sizes its grid by the device's core_count
+  params = full_params("jax_mosaic_matmul", **params)
   if _jax_smem_bytes(params) > SMEM_BYTES:
     raise PreconditionError(f"{variant_name('jax_mosaic_matmul', params)}: needs {_jax_smem_bytes(params)} bytes "
                             f"of shared memory, more than {SMEM_BYTES}")
