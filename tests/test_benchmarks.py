@@ -102,8 +102,11 @@ def test_smoke_suite(tmp_path):
   _check_case(cases[ag], ["jaxmercury", "allgather_dot", "xla_auto", "xla_auto_windowed"],
               {"pallas_mgpu": "Hopper"})
   _check_case(cases[rs], ["jaxmercury", "dot_psum_scatter", "xla_auto", "xla_auto_windowed"], {})
-  windowed = _by_name(cases[ag])["xla_auto_windowed"]
-  assert windowed["process"] == "separate" and windowed["agreement_checked_against"]
+  for name in (ag, rs):  # the subprocess had this process's inputs and agrees with this process's reference
+    windowed = _by_name(cases[name])["xla_auto_windowed"]
+    assert windowed["process"] == "separate" and "main process" in windowed["agreement_checked_against"]
+    assert windowed["inputs_match"] is True and windowed["rel_err_vs_main"] < TOLERANCE, windowed
+    assert "output_sketch" in results["windowed_subprocess"]["cases"][name]
   assert results["windowed_subprocess"]["status"] == "exit 0"
   assert "--xla_gpu_threshold_for_windowed_einsum_mib=0" in results["windowed_subprocess"]["flags"]
 
@@ -361,7 +364,8 @@ def test_harness_flags_disagreement_failures_and_the_deadline():
   best = harness.rank(records, floor_ms=None, flops_per_device=2 * 64 ** 3)
   assert best["name"] == "base" and "median_ms" in prep.records["mine"]  # flagged, still timed
   late = harness.prepare(contestants[:2], (x,), warmup=1, iters=3, max_timing_s=1.0, deadline=0.0)
-  assert all(r["skipped"] == "time budget spent" for r in late.records.values()) and not late.ready
+  assert all(r["skipped"] == "time budget spent" and r["out_of_time"] for r in late.records.values())
+  assert not late.ready
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
@@ -385,6 +389,16 @@ def _smoke(module, tmp_path, *extra):
                         capture_output=True, text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(out.read_text())["cases"]
+
+
+def test_fused_gemm_smoke(tmp_path):
+  """The unfused contestants run and agree on the CPU; the Hopper kernels are skipped with a reason."""
+  (case,) = _smoke("fused_gemm", tmp_path)
+  records = {r["name"]: r for r in case["records"]}
+  assert records["xla_allgather_dot"]["median_ms"] > 0 and records["jm_async_tp"]["median_ms"] > 0
+  assert records["jm_async_tp"]["numerics_ok"]
+  fused = [r for name, r in records.items() if name.startswith("fused[")]
+  assert fused and all("Hopper" in r["skipped"] for r in fused)
 
 
 def test_training_check_smoke(tmp_path):

@@ -116,18 +116,22 @@ def _swizzled(minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _accumulate(acc_ref, a_rows, b_cols, tiles: Tiles):
+def _accumulate(acc_ref, a_rows, b_cols, tiles: Tiles, on_step=None):
   """acc += a_rows @ b_cols, streaming k tiles through SMEM; returns the accumulator value.
 
   ``delay_release=1`` lets one wgmma stay in flight: the pipeline refills a
   step's buffers only after the following step, when ``wgmma_wait(1)`` has
-  retired the wgmma that read them.
+  retired the wgmma that read them. ``on_step(k_index, a_smem)``, if given,
+  runs after each step's wgmma is issued (a fused kernel forwards the A tile
+  from there); work it starts on ``a_smem`` must finish within one step.
   """
   tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
 
-  def step(_, a_smem, b_smem):
+  def step(indices, a_smem, b_smem):
     plgpu.wgmma(acc_ref, a_smem, b_smem)
     plgpu.wgmma_wait(1)
+    if on_step is not None:
+      on_step(indices[0], a_smem)
 
   in_specs = [
       plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=_swizzled(tk, a_rows.dtype), delay_release=1),
@@ -142,8 +146,8 @@ def _accumulate(acc_ref, a_rows, b_cols, tiles: Tiles):
 
 
 def _store_tile(acc, out_smem, out_tile):
-  """Epilogue: registers -> SMEM -> GMEM (TMA). A fused kernel would target a peer's ``out_tile``."""
-  out_smem[...] = acc
+  """Epilogue: registers -> SMEM -> GMEM (TMA), in ``out_smem``'s dtype; ``out_tile`` may be a peer's."""
+  out_smem[...] = acc.astype(out_smem.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_tile)
   plgpu.wait_smem_to_gmem(0)

@@ -1,0 +1,126 @@
+"""Fused all-gather GEMM (issue 5) against the unfused programs and JAX's own fused kernel, in one process.
+
+  python -m benchmarks.fused_gemm --out results.json [--iters 20]
+  python -m benchmarks.fused_gemm --smoke --out /tmp/fused.json   # tiny, 8 simulated CPU devices
+
+Contestants per shape, all on the same inputs (x row-sharded, w
+column-sharded, output column-sharded), each output checked against the
+first: ``xla_allgather_dot`` (all_gather + dot in shard_map), ``jm_async_tp``
+(jaxmercury's ``async_tp`` schedule: the shard_map ``ppermute`` ring),
+``pallas_mgpu`` (``collective_matmul_mgpu.all_gather_lhs_matmul``, fastest
+of its configurations) and ``fused[<tiles>]`` (``fused_allgather_matmul``,
+one record per tile variant). The floor is one device's local GEMM of the
+gathered rows (``[M, K] @ [K, N / devices]``), timed alone. Shapes: per-shard
+M 1024 with K = N = 4096 (N per device), and the Llama-3 gate projections at
+global M 8192 (K, N) = (4096, 14336) and (8192, 28672). The Pallas kernels
+need Hopper GPUs; ``--smoke`` runs the rest at a tiny shape on the CPU so the
+harness cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.baselines import gemm as base  # noqa: E402
+
+TILES = ((128, 128, 64, 4), (128, 256, 64, 2), (128, 128, 128, 2))
+
+
+def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:
+  """``(label, global M, K, global N)``."""
+  if smoke:
+    return [("smoke M64 K128 N128 per shard", 64 * devices, 128, 128 * devices)]
+  return [("per-shard M1024 K4096 N4096", 1024 * devices, 4096, 4096 * devices),
+          ("Llama-3 8B gate M8192 K4096 N14336", 8192, 4096, 14336),
+          ("Llama-3 70B gate M8192 K8192 N28672", 8192, 8192, 28672)]
+
+
+def contestants(mesh, m: int, k: int, n: int):
+  import jaxmercury as jm
+  from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
+  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+  from jaxmercury.tuner.tune import with_layouts
+  x_spec, w_spec, out_spec = base.layouts("allgather", "x")
+  out = [harness.Contestant("xla_allgather_dot", "baseline", lambda: base.allgather_dot(mesh, "x"),
+                            "all_gather + dot in shard_map")]
+  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
+  lib = jm.library(prog, mesh)
+  ring = with_layouts(lib["async_tp"], [x_spec, w_spec], out_spec) if "async_tp" in lib else None
+  out.append(harness.Contestant("jm_async_tp", "baseline", lambda: jax.jit(ring.compile()),
+                                "jaxmercury async_tp: shard_map ppermute ring",
+                                skip=None if ring else "async_tp does not apply"))
+  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
+  for i, config in enumerate(base.PALLAS_CONFIGS):
+    out.append(harness.Contestant(f"pallas_mgpu[{i}]", "baseline",
+                                  lambda c=config: base.pallas_allgather_matmul(mesh, "x", c),
+                                  f"JAX all_gather_lhs_matmul {config}", skip=skip))
+  for t in TILES:
+    tiles = Tiles(*t)
+    body = lambda a, b, tiles=tiles: fused_allgather_matmul(a, b, "x", tiles=tiles)
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
+                                                 check_vma=False))
+    out.append(harness.Contestant(f"fused[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn,
+                                  "fused_allgather_matmul", skip=skip))
+  return out
+
+
+def run_shape(mesh, label, m, k, n, iters):
+  devices = mesh.devices.size
+  x_spec, w_spec, _ = base.layouts("allgather", "x")
+  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 2)
+  x = harness.random_array(keys[0], (m, k), jnp.bfloat16, NamedSharding(mesh, x_spec))
+  w = harness.random_array(keys[1], (k, n), jnp.bfloat16, NamedSharding(mesh, w_spec))
+  floor_ms = harness.compute_floor(base.local_share("allgather"), [(m, k), (k, n // devices)], jnp.bfloat16,
+                                   mesh.devices.flat[0], keys[1])
+  prepared = harness.prepare(contestants(mesh, m, k, n), (x, w), warmup=3, iters=iters, max_timing_s=10.0)
+  harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, (x, w)))
+  records = list(prepared.records.values())
+  harness.rank(records, floor_ms, 2 * m * k * n / devices)
+  mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r]
+  best = min(mine, key=lambda r: r["median_ms"], default=None)
+  jax_best = min((r for r in records if r["name"].startswith("pallas_mgpu") and "median_ms" in r),
+                 key=lambda r: r["median_ms"], default=None)
+  summary = {"floor_ms": floor_ms, "fused_best": best and best["name"],
+             "fused_over_jax_kernel": best and jax_best and jax_best["median_ms"] / best["median_ms"],
+             "fused_floor_fraction": best and floor_ms / best["median_ms"]}
+  harness.log(json.dumps({"shape": label, **summary}))
+  return {"shape": label, "m": m, "k": k, "n": n, "records": records, "summary": summary}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--smoke", action="store_true")
+  args = p.parse_args(argv)
+  n = len(jax.devices())
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
+  cases = [run_shape(mesh, *s, 2 if args.smoke else args.iters) for s in shapes(n, args.smoke)]
+  out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "command": "python -m benchmarks.fused_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
+         "cases": cases}
+  with open(args.out, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=1)
+  bad = [r["name"] for c in cases for r in c["records"] if "error" in r or r.get("numerics_ok") is False]
+  if bad:
+    raise SystemExit(f"contestants failed or disagree: {bad}")
+
+
+if __name__ == "__main__":
+  main()
