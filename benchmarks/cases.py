@@ -82,9 +82,10 @@ def tune(env, prog, mesh, family: str, size: int, in_shardings, out_sharding):
   try:
     machine = env.machine(family, size, prog, mesh)
     rec["machine"] = machine.name
+    limit = env.candidate_limit()
     result = jm.autotune(prog, mesh, in_shardings=in_shardings, out_sharding=out_sharding,
                          top_k=env.args.top_k, space=env.args.space, iters=env.args.tune_iters,
-                         time_limit_s=env.candidate_limit(), machine=machine, database=env.database,
+                         time_limit_s=limit, machine=machine, database=env.database,
                          key=jax.random.key(env.args.seed), log=lambda s: harness.log("    " + s))
   except Exception as exc:  # noqa: BLE001 - the tuner failing is jaxmercury failing
     rec["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -98,7 +99,15 @@ def tune(env, prog, mesh, family: str, size: int, in_shardings, out_sharding):
                         "compiled_bytes": c.result.compiled_bytes if c.result else None,
                         "status": c.status, "reason": _short(c.result.reason) if c.result else ""}
                        for c in result.candidates]
-  if result.best is not None:
+  if result.best is None and _timed_out_by_budget(env, result, limit):
+    rec["skipped"] = f"{harness.OUT_OF_TIME}: every tuner candidate timed out at the budget's {limit:.0f} s"
+    rec["out_of_time"] = True
+    harness.log(f"  tuner: {rec['skipped']}")
+    try:  # the stored time-outs would fail them again on --resume
+      env.database.clear_measurements(prog, mesh, (in_shardings, out_sharding))
+    except Exception as exc:  # noqa: BLE001
+      harness.log(f"  (could not clear the tuner's time-outs: {exc})")
+  elif result.best is not None:
     rec["winner"] = result.best.name
     rec["winner_ms"] = result.best.time_ms
     rec["winner_trace"] = result.best.schedule.to_json()
@@ -110,6 +119,13 @@ def tune(env, prog, mesh, family: str, size: int, in_shardings, out_sharding):
     rec["error"] = "no candidate passed: " + "; ".join(reasons)[:300]
     harness.log(f"  tuner: {rec['error']}")
   return result, rec
+
+
+def _timed_out_by_budget(env, result, limit: float) -> bool:
+  """No winner only because the candidates' time limit was cut to the budget's remainder and all timed out."""
+  failed = [c for c in result.candidates if c.result is not None and c.status == "failed"]
+  return (limit < env.args.candidate_time_limit and bool(failed)
+          and all(c.result.reason.startswith("time-out") for c in failed))
 
 
 class _Replayed:
@@ -141,9 +157,11 @@ def _replay(env, prog, mesh, family, rec, in_shardings, out_sharding):
 
 
 def _tune_unless(avoid, env, *args):
-  """``tune(env, *args)``, unless jaxmercury already failed at a smaller size of the sweep."""
+  """``tune(env, *args)``, unless jaxmercury already failed at a smaller size of the sweep or time is up."""
   if "jaxmercury" in avoid:
     return None, {"skipped": avoid["jaxmercury"]}
+  if time.time() > env.deadline:
+    return None, {"skipped": harness.OUT_OF_TIME, "out_of_time": True}
   return tune(env, *args)
 
 
@@ -154,7 +172,9 @@ def _finite(x):
 def jaxmercury_contestant(result, tuned: dict) -> harness.Contestant:
   """The tuner's winner, compiled for the callers' layouts."""
   if "skipped" in tuned:
-    return harness.Contestant("jaxmercury", "jaxmercury", None, "jaxmercury (autotuned)", skip=tuned["skipped"])
+    late = {"out_of_time": True} if tuned.get("out_of_time") else {}
+    return harness.Contestant("jaxmercury", "jaxmercury", None, "jaxmercury (autotuned)", skip=tuned["skipped"],
+                              record=late)
   if result is None or result.best is None:
     return harness.Contestant("jaxmercury", "jaxmercury", None, "jaxmercury (autotuned)",
                               record={"error": "tuner: " + tuned.get("error", "no result")})
@@ -174,8 +194,13 @@ def _contestants_failed_before(contestants, avoid: dict):
   return contestants
 
 
-def _run(env, contestants, inputs, order):
-  """Prepares and cross-checks (in ``order``), then times the contestants of one case."""
+def _run(env, contestants, inputs, order, keep=None):
+  """Prepares and cross-checks (in ``order``), then times the contestants of one case.
+
+  Args:
+    keep: called as ``keep(reference name, reference output)`` before the
+      reference output is freed (None: nothing ran).
+  """
   pre_errors = {c.name: c.record.pop("error") for c in contestants if "error" in c.record}
   for c in contestants:
     if c.name in pre_errors:
@@ -191,6 +216,8 @@ def _run(env, contestants, inputs, order):
     extra["reference_vs_program"] = err
     if err >= harness.BF16_TOLERANCE:
       harness.log(f"  !!! the reference {ref_name} disagrees with the program's own reference: {err:.3e}")
+  if keep is not None:
+    keep(ref_name, prep.reference_output)
   prep.reference_output = None  # free it before timing
   times = harness.time_interleaved(prep.ready, records, inputs)
   harness.summarize(records, times)
@@ -338,19 +365,78 @@ def run_gemm(env, case: GemmCase, avoid: dict) -> dict:
     contestants.append(pallas_contestant(env, mesh, axis, dtype))
   _contestants_failed_before(contestants, avoid)
 
-  keys = jax.random.split(case_key(env.args.seed, case.name), 2)
-  inputs = (harness.random_array(keys[0], (case.m, case.k), dtype, NamedSharding(mesh, x_spec)),
-            harness.random_array(keys[1], (case.k, case.n), dtype, NamedSharding(mesh, w_spec)))
+  inputs = gemm_inputs(env.args.seed, case, mesh)
   env.program_reference = _program_reference(prog) if env.args.smoke else None
   env.current_inputs = inputs
-  records, ref_name, extra = _run(env, contestants, inputs, GEMM_ORDER)
+  windowed = env.windowed_result(case)
+  here = {}
+
+  def keep(ref_name, output):  # what the windowed-einsum subprocess's record is checked against
+    if windowed is not None and "output_sketch" in windowed and output is not None:
+      here.update(inputs=[harness.sketch(x) for x in env.current_inputs], reference=harness.sketch(output),
+                  name=ref_name)
+
+  records, ref_name, extra = _run(env, contestants, inputs, GEMM_ORDER, keep=keep)
   env.current_inputs = None
   del inputs
   out.update(extra)
-  windowed = env.windowed_result(case)
   if windowed is not None:
-    records["xla_auto_windowed"] = windowed
+    records["xla_auto_windowed"] = cross_check_windowed(windowed, here)
   return _finish(out, records, ref_name)
+
+
+def cross_check_windowed(rec: dict, here: dict) -> dict:
+  """The windowed-einsum subprocess's record, checked against this process's inputs and reference.
+
+  The subprocess compares its output with a reference compiled under the
+  same XLA flags. Here its sketches (``harness.sketch``) are compared with
+  those of this process's inputs and of the reference every other contestant
+  of the case was checked against: ``inputs_match`` (the subprocess had the
+  same inputs), ``rel_err_vs_main`` (its output against that reference) and
+  ``reference_rel_err_vs_main`` (its own reference against it), both
+  estimated from the sketches. ``numerics_ok`` holds only when the
+  subprocess's check and this one pass.
+
+  Args:
+    rec: the subprocess's record (``benchmarks.xla_windowed``); its sketches are left out of the
+      returned copy (the results file keeps them under ``windowed_subprocess``).
+    here: ``{"inputs": [sketch, ...], "reference": sketch, "name": reference's name}``; empty when
+      nothing ran here (the record is returned as it is).
+  """
+  rec = dict(rec)
+  sketches = {k: rec.pop(k) for k in ("inputs_sketch", "output_sketch", "reference_sketch") if k in rec}
+  if len(sketches) < 3 or not here:  # they stay in the results' "windowed_subprocess"
+    return rec
+  diffs = [harness.sketch_rel_err(a, b) for a, b in zip(sketches["inputs_sketch"], here["inputs"])]
+  rec["inputs_match"] = len(diffs) == len(here["inputs"]) and max(diffs) < harness.SKETCH_TOLERANCE
+  if not rec["inputs_match"]:
+    rec["numerics_ok"] = False
+    rec["disagreement"] = ("its inputs differ from the main process's (relative difference of the sketches "
+                           f"{', '.join(f'{d:.1e}' for d in diffs)}): a harness bug, the outputs are not comparable")
+  else:
+    err = harness.sketch_rel_err(sketches["output_sketch"], here["reference"])
+    rec["rel_err_vs_main"] = err
+    rec["reference_rel_err_vs_main"] = harness.sketch_rel_err(sketches["reference_sketch"], here["reference"])
+    if not err < harness.BF16_TOLERANCE:
+      rec["disagreement"] = (f"relative error {err:.2e} against {here['name']} of the main process (estimated "
+                             f"from sketches); the subprocess's own reference differs from it by "
+                             f"{rec['reference_rel_err_vs_main']:.1e}")
+    rec["numerics_ok"] = bool(rec.get("numerics_ok", True) and err < harness.BF16_TOLERANCE)
+  rec["agreement_checked_against"] = (f"{rec.get('agreement_checked_against', 'nothing')}; and, by sketches, "
+                                      f"{here['name']} in the main process on the same inputs")
+  harness.log(f"  xla_auto_windowed (subprocess): inputs {'match' if rec['inputs_match'] else 'DIFFER'}"
+              + (f", rel err {rec['rel_err_vs_main']:.1e} against {here['name']} here" if "rel_err_vs_main" in rec
+                 else ""))
+  return rec
+
+
+def gemm_inputs(seed: int, case: GemmCase, mesh):
+  """``(x, w)`` of a GEMM case in the callers' layouts: the same in every process for the same seed and mesh."""
+  x_spec, w_spec, _ = gemm.layouts(case.kind, mesh_axis(mesh))
+  dtype = jnp.dtype(case.dtype)
+  keys = jax.random.split(case_key(seed, case.name), 2)
+  return (harness.random_array(keys[0], (case.m, case.k), dtype, NamedSharding(mesh, x_spec)),
+          harness.random_array(keys[1], (case.k, case.n), dtype, NamedSharding(mesh, w_spec)))
 
 
 def gemm_floor(env, case: GemmCase, mesh) -> dict:
@@ -416,6 +502,14 @@ def _finish(out: dict, records: dict, ref_name) -> dict:
   out["best_baseline_ms"] = best["median_ms"] if best else None
   out["contestants"] = contestants
   timed = [r for r in contestants if "median_ms" in r]
-  out["status"] = "ok" if timed else "failed"
+  late = [r["name"] for r in contestants if harness.out_of_time(r)]
+  if late:  # no failure: the case is left for --resume
+    out["out_of_time"] = late
+  if timed:
+    out["status"] = "ok"
+  elif late:
+    out["status"], out["skipped"] = "skipped", f"{harness.OUT_OF_TIME} before any contestant was timed"
+  else:
+    out["status"] = "failed"
   out["agree"] = all(r.get("numerics_ok", True) for r in timed)
   return out

@@ -13,6 +13,7 @@ the case goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -21,10 +22,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.tuner import measure
+
+from benchmarks.report import OUT_OF_TIME, out_of_time  # noqa: F401  (re-exported for the runners)
 
 BF16_TOLERANCE = 2e-2  # relative Frobenius error allowed between bf16 outputs
 
@@ -110,8 +114,8 @@ def prepare(contestants, inputs, *, warmup: int, iters: int, max_timing_s: float
       log(f"  skip  {c.name}: {c.skip}")
       continue
     if deadline is not None and time.time() > deadline:
-      rec["skipped"] = "time budget spent"
-      log(f"  skip  {c.name}: time budget spent")
+      rec["skipped"], rec["out_of_time"] = OUT_OF_TIME, True
+      log(f"  skip  {c.name}: {OUT_OF_TIME}")
       continue
     try:
       t0 = time.perf_counter()
@@ -196,6 +200,83 @@ def rel_err(a, b):
   """``||a - b|| / ||b||`` (Frobenius), in float32, on the devices."""
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
+# ------------------------------------------------------------ across processes
+
+SKETCH_RANK = 16
+SKETCH_TOLERANCE = 1e-4  # relative difference between sketches of the same array (summation order)
+
+
+@jax.jit
+def _sketch_block(a, y, b):
+  hi = jax.lax.Precision.HIGHEST
+  return jnp.dot(jnp.dot(a, y.astype(jnp.float32), precision=hi), b, precision=hi)
+
+
+def sketch(y, rank: int = SKETCH_RANK) -> list[list[float]]:
+  """A fingerprint of a 2-D global array that another process can compare: ``A @ y @ B``.
+
+  ``A`` (``rank x M``) and ``B`` (``N x rank``) are fixed Gaussian matrices
+  (the same in every process). Each distinct shard is sketched on its own
+  device with its slices of ``A`` and ``B`` and the parts are summed on the
+  host: no collective and no partitioned dot, so XLA flags that change how
+  sharded dots compile (the windowed-einsum ones) do not touch it. For
+  Gaussian ``A`` and ``B``, ``sketch_rel_err`` of two arrays' sketches
+  estimates the relative Frobenius error between the arrays.
+
+  Returns:
+    The ``rank x rank`` sketch as nested lists (float64 values, JSON-ready).
+  """
+  m, n = y.shape
+  rng = np.random.default_rng(20261122)
+  a = rng.standard_normal((rank, m)).astype(np.float32)
+  b = rng.standard_normal((n, rank)).astype(np.float32)
+  total = np.zeros((rank, rank))
+  seen = set()
+  for shard in y.addressable_shards:
+    rows, cols = (range(*s.indices(size)) for s, size in zip(shard.index, (m, n)))
+    where = (rows.start, rows.stop, cols.start, cols.stop)
+    if where in seen:  # a replica of a block already counted
+      continue
+    seen.add(where)
+    dev = shard.device
+    part = _sketch_block(jax.device_put(a[:, rows.start:rows.stop], dev), shard.data,
+                         jax.device_put(b[cols.start:cols.stop], dev))
+    total += np.asarray(part, np.float64)
+  return total.tolist()
+
+
+def sketch_rel_err(got, reference) -> float:
+  """``||got - reference|| / ||reference||`` of two sketches (``sketch``)."""
+  got, reference = np.asarray(got, np.float64), np.asarray(reference, np.float64)
+  return float(np.linalg.norm(got - reference) / np.linalg.norm(reference))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _block_sums(y, ref, blocks):
+  m, n = ref.shape
+  y = y.astype(jnp.float32).reshape(blocks, m // blocks, blocks, n // blocks)
+  ref = ref.astype(jnp.float32).reshape(blocks, m // blocks, blocks, n // blocks)
+  return ((y - ref) ** 2).sum((1, 3)), (y ** 2).sum((1, 3)), (ref ** 2).sum((1, 3))
+
+
+def block_errors(y, ref, blocks: int) -> dict | None:
+  """Where two 2-D outputs differ: per block of a ``blocks x blocks`` grid, rel err and norm ratio.
+
+  A norm ratio of 0 is a block left empty (zeros), 1 with a large error a
+  block holding other values. None when the shape does not split evenly.
+  """
+  m, n = ref.shape
+  if blocks < 1 or m % blocks or n % blocks:
+    return None
+  err, norm_y, norm_ref = (np.asarray(x, np.float64) for x in _block_sums(y, ref, blocks))
+
+  def relative(sq):
+    return np.round(np.sqrt(sq / np.maximum(norm_ref, 1e-30)), 3).tolist()
+
+  return {"grid": f"{blocks} x {blocks} blocks of [{m // blocks}, {n // blocks}] (rows x columns)",
+          "rel_err": relative(err), "norm_ratio": relative(norm_y)}
 
 
 def summarize(records: dict, times: dict):

@@ -26,6 +26,26 @@ from benchmarks.suites import seq_label  # noqa: E402  (no JAX there either)
 
 MIB = 2 ** 20
 TOLERANCE = 2e-2
+OUT_OF_TIME = "time budget spent"  # the skip reason of whatever the run's --time_budget left out
+
+
+def out_of_time(rec: dict) -> bool:
+  """Whether a record (a contestant or a case) was skipped only because the time budget ran out.
+
+  Such a skip is no failure: the case stays for ``--resume``. Records carry
+  ``out_of_time``; those of older results files are known by their reason.
+  """
+  return bool(rec.get("out_of_time")) or str(rec.get("skipped", "")).startswith(OUT_OF_TIME)
+
+
+def late_contestants(case: dict) -> list[str]:
+  """The case's contestants skipped because the time budget ran out."""
+  return [c["name"] for c in case.get("contestants", []) if out_of_time(c)]
+
+
+def finished(case: dict) -> bool:
+  """Whether ``--resume`` keeps the case: it ran, and no contestant was left out for time."""
+  return case.get("status") not in (None, "skipped") and not late_contestants(case)
 
 
 def _fmt(x, spec: str) -> str:
@@ -43,7 +63,8 @@ def status(rec: dict) -> str:
   if "error" in rec:
     return "ERROR: " + rec["error"].splitlines()[0][:160]
   if rec.get("numerics_ok") is False:
-    return f"DISAGREES (rel err {rec.get('rel_err', float('nan')):.2e})"
+    why = f": {rec['disagreement']}" if rec.get("disagreement") else ""
+    return f"DISAGREES (rel err {rec.get('rel_err', float('nan')):.2e}){why}"
   if "median_ms" in rec:
     return "ok"
   return "not timed"
@@ -133,6 +154,10 @@ def notes(results: dict) -> list[str]:
   skipped = [c["name"] for c in results.get("cases", []) if c.get("status") == "skipped"]
   if skipped:
     out.append(f"- not run (time budget): {len(skipped)} cases, from {skipped[0]}")
+  partial = [c["name"] for c in results.get("cases", []) if c.get("status") != "skipped" and late_contestants(c)]
+  if partial:
+    out.append(f"- incomplete (time budget): {len(partial)} cases ran with contestants skipped for time, from "
+               f"{partial[0]}; --resume runs them again")
   for stop in results.get("sweep_stops", []):
     out.append(f"- sweep {stop['family']} stopped: {stop['reason']}")
   if results.get("unfinished"):

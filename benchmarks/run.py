@@ -20,6 +20,9 @@ Sweeps grow the sequence length (attention) or M (GEMM); a contestant that
 fails (out of memory, ...) is skipped at the larger sizes, and a sweep stops
 when every contestant failed. ``--time_budget`` bounds the run: the results
 file is rewritten after every case, and ``--resume`` continues a run from it.
+Whatever the budget left out (a case not started, or contestants of a case
+skipped because time ran out) is no failure: it stops no sweep and marks no
+contestant failed, and ``--resume`` runs such cases again.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
-from benchmarks import suites  # noqa: E402  (no JAX: planning happens before JAX starts)
+from benchmarks import report, suites  # noqa: E402  (no JAX: planning happens before JAX starts)
 
 
 # ------------------------------------------------------------------ flags
@@ -314,13 +317,21 @@ class Env:
     rec = self.windowed.get("cases", {}).get(case.name)
     if rec is None:
       why = self.windowed.get("status", "not run")
-      return {"name": "xla_auto_windowed", "role": "baseline", "skipped": f"windowed-einsum subprocess: {why}"}
+      out = {"name": "xla_auto_windowed", "role": "baseline", "skipped": f"windowed-einsum subprocess: {why}"}
+      if "time budget" in why:  # killed at its budget before this case: --resume runs it
+        out["out_of_time"] = True
+      return out
     return dict(rec)
 
 
 @dataclasses.dataclass
 class Sweep:
-  """A sweep's memory: contestants that failed at a smaller size, and why it stopped."""
+  """A sweep's memory: contestants that failed at a smaller size, and why it stopped.
+
+  Only errors count as failures; a contestant or case skipped because the
+  time budget ran out (``report.out_of_time``) is neither failed nor a reason
+  to stop.
+  """
 
   failed: dict = dataclasses.field(default_factory=dict)
   stopped: str | None = None
@@ -328,9 +339,10 @@ class Sweep:
   def update(self, case, rec: dict):
     label = suites.seq_label(case.size)
     for c in rec.get("contestants", []):
-      if "error" in c:
+      if "error" in c and not report.out_of_time(c):
         self.failed.setdefault(c["name"], f"failed at size {label}: {c['error'][:200]}")
-    if rec.get("status") in ("failed", "error"):
+    late = report.out_of_time(rec) or report.late_contestants(rec)
+    if rec.get("status") in ("failed", "error") and not late:
       self.stopped = f"every contestant failed at size {label}"
 
 
@@ -396,12 +408,13 @@ def main(argv=None) -> int:
 
   gemm_cases = [suites.with_size(f, m) for fams, sizes in sweeps for m in (sizes or []) for f in fams
                 if f.suite == "gemm"]
-  done = {c["name"]: c for c in (previous or {}).get("cases", []) if c.get("status") not in (None, "skipped")}
+  # Kept: cases that ran with nothing left out for time; the rest (not started, or contestants skipped
+  # because the budget ran out) run again.
+  done = {c["name"]: c for c in (previous or {}).get("cases", []) if report.finished(c)}
   windowed = (windowed_subprocess(args, [c for c in gemm_cases if c.name not in done], seed, deadline, previous)
               if gemm_cases else {"status": "no GEMM cases", "cases": {}})
 
   import jax  # noqa: E402 - only now: the subprocess above had the devices to itself
-  from benchmarks import report
   if args.smoke:  # threefry takes ~2.5 s to compile per shape on the CPU backend; rbg ~0.6 s
     jax.config.update("jax_default_prng_impl", "rbg")
   results = header(args, seed)
@@ -439,9 +452,12 @@ def main(argv=None) -> int:
         elif time.time() > deadline:
           out_of_time = out_of_time or case.name
           rec = {"name": case.name, "suite": case.suite, "family": case.family, "size": case.size,
-                 "config": dataclasses.asdict(case), "status": "skipped", "skipped": "time budget spent"}
+                 "config": dataclasses.asdict(case), "status": "skipped", "skipped": report.OUT_OF_TIME,
+                 "out_of_time": True}
         else:
           rec = run_case(env, case, sweep)
+          if not report.finished(rec):  # the budget ran out inside it
+            out_of_time = out_of_time or case.name
         visited.append(rec)
         results["cases"] = foreign + visited
         sweep.update(case, rec)
@@ -452,7 +468,7 @@ def main(argv=None) -> int:
       if out_of_time and sizes is None:
         break
   if out_of_time:
-    results["unfinished"] = f"time budget spent before {out_of_time}; run again with --resume"
+    results["unfinished"] = f"time budget spent before {out_of_time} finished; run again with --resume"
   results["wall_s"] = round(time.time() - start, 1)
   if not args.no_plots:
     results["plots"] = report.plots(results, args.plots)

@@ -8,8 +8,14 @@ then free), with the flags added to ``XLA_FLAGS``, for every GEMM case it
 plans; the results wait in the results file until the main process reaches
 each case and merges them in as the contestant ``xla_auto_windowed``.
 
-Each case gets the same inputs as in the main process (the same key) and its
-output is checked against a ``shard_map`` collective + dot run here.
+Each case gets the same inputs as in the main process (the same key, mesh and
+layouts) and its output is checked against a ``shard_map`` collective + dot
+run here. As that reference is compiled under the same flags, the record also
+carries sketches (``harness.sketch``: small random projections, computed shard
+by shard with no partitioned dot) of the inputs, of the output and of this
+reference; the main process compares them with its own inputs and its own
+reference (``benchmarks.cases.cross_check_windowed``). A disagreement records
+which blocks of the output are wrong (``block_errors``).
 
   python -m benchmarks.xla_windowed --spec spec.json --out windowed.json
 """
@@ -30,6 +36,21 @@ def _write(path, data):
   os.replace(tmp, path)
 
 
+def fingerprints(fn, inputs, reference, blocks: int, agrees: bool) -> dict:
+  """Sketches of the inputs, of ``fn``'s output and of the reference; where they differ if they do."""
+  from benchmarks import harness
+  y = fn(*inputs)
+  out = {"inputs_sketch": [harness.sketch(x) for x in inputs], "output_sketch": harness.sketch(y),
+         "reference_sketch": harness.sketch(reference)}
+  if not agrees:
+    out["block_errors"] = harness.block_errors(y, reference, blocks)
+    if out["block_errors"]:
+      harness.log(f"  xla_auto_windowed against the reference, {out['block_errors']['grid']}:\n"
+                  f"    rel err {out['block_errors']['rel_err']}\n    norm ratio {out['block_errors']['norm_ratio']}")
+  del y
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--spec", required=True, help="JSON: cases, seed, iters, warmup, max_timing_s, deadline")
@@ -45,10 +66,8 @@ def main(argv=None) -> int:
   import jax  # noqa: E402 - after the flags are checked
   if spec.get("prng_impl"):
     jax.config.update("jax_default_prng_impl", spec["prng_impl"])  # as in the main process
-  from jax.sharding import NamedSharding
-
   from benchmarks import harness
-  from benchmarks.cases import case_key, mesh_axis
+  from benchmarks.cases import gemm_inputs, mesh_axis
   from benchmarks.suites import case_from_dict
 
   results = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,
@@ -59,25 +78,24 @@ def main(argv=None) -> int:
     rec = {"name": "xla_auto_windowed", "role": "baseline", "label": label, "process": "separate"}
     results["cases"][case.name] = rec
     if time.time() > spec["deadline"]:
-      rec["skipped"] = "time budget spent (windowed-einsum subprocess)"
+      rec["skipped"], rec["out_of_time"] = f"{harness.OUT_OF_TIME} (windowed-einsum subprocess)", True
       continue
     harness.log(f"\n== [xla_windowed] {case.name}")
     try:
       mesh = harness.make_mesh(case.mesh)
       axis = mesh_axis(mesh)
-      x_spec, w_spec, _ = gemm.layouts(case.kind, axis)
-      dtype = jax.numpy.dtype(case.dtype)
-      keys = jax.random.split(case_key(spec["seed"], case.name), 2)
-      inputs = (harness.random_array(keys[0], (case.m, case.k), dtype, NamedSharding(mesh, x_spec)),
-                harness.random_array(keys[1], (case.k, case.n), dtype, NamedSharding(mesh, w_spec)))
+      inputs = gemm_inputs(spec["seed"], case, mesh)  # as the main process makes them
       ref = gemm.allgather_dot if case.kind == "allgather" else gemm.dot_psum_scatter
       contestants = [harness.Contestant("reference", "baseline", lambda: ref(mesh, axis), "shard_map reference"),
                      harness.Contestant("xla_auto_windowed", "baseline",
                                         lambda: gemm.xla_auto(mesh, axis, case.kind), label)]
       prep = harness.prepare(contestants, inputs, warmup=spec["warmup"], iters=spec["iters"],
                              max_timing_s=spec["max_timing_s"], order=("reference",), deadline=spec["deadline"])
-      prep.reference_output = None
       ready, records = prep.ready, prep.records
+      if "xla_auto_windowed" in ready and prep.reference == "reference":
+        rec.update(fingerprints(ready["xla_auto_windowed"].fn, inputs, prep.reference_output, mesh.devices.size,
+                                records["xla_auto_windowed"].get("numerics_ok", True)))
+      prep.reference_output = None
       times = harness.time_interleaved(ready, records, inputs)
       harness.summarize(records, times)
       rec.update({k: v for k, v in records["xla_auto_windowed"].items() if k not in ("name", "role", "label")})

@@ -4,8 +4,11 @@ Candidates are the library's strategies plus a sample of the design space,
 each with every local kernel that applies. The cost model (calibrated once per
 machine and program, then read from the database) ranks them; candidates over
 the memory budget (default on GPUs: 90% of device memory) are pruned before
-compiling; the library strategies and the best ``top_k`` others are compiled,
-checked against the reference and timed. The winner and every
+compiling. Each library strategy is timed once, with the kernel the cost model
+predicts fastest for it (its anchor); every other candidate, the strategies'
+other kernels included, competes for the ``top_k`` best predicted places, and
+the rest are pruned ("cost model ranks it below the top k"). The timed ones
+are compiled, checked against the reference and timed. The winner and every
 candidate's outcome go to the tuning database.
 
 Reliability: the program, mesh, layouts and every candidate are validated
@@ -162,8 +165,12 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     candidates: (name, Schedule) pairs to choose among; default the library
       plus ``space`` design-space schedules, with every applicable kernel.
     space: how many design-space schedules to add to the library's.
-    top_k: how many candidates besides the library's, best predicted first,
-      to compile and time (library strategies that fit are always timed).
+    top_k: how many candidates besides the anchors, best predicted first, to
+      compile and time. Anchors, always timed when they fit the memory
+      budget: each library strategy with its best-predicted kernel (one per
+      strategy). A strategy's other kernels compete with the design-space
+      schedules for these ``top_k`` places; the rest are pruned with the
+      reason.
     in_shardings: the layouts (``PartitionSpec`` per input) the caller's
       arrays have; every candidate is lowered for them, so that moving the
       inputs into its own layout counts in its time.
@@ -323,6 +330,26 @@ def _candidate(name, schedule, program, mesh, machine, in_shardings, out_shardin
     return Candidate(name, schedule, math.inf, 0, measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
 
 
+def _strategy_of(name: str) -> str:
+  """The strategy part of a candidate's name: ``"ring [cudnn_attention]"`` -> ``"ring"``."""
+  return name.split(" [")[0]
+
+
+def _anchors(fits, library_names) -> dict:
+  """Strategy name -> its best-predicted candidate, for each library strategy among ``fits``.
+
+  Args:
+    fits: candidates within the memory budget, best predicted first.
+    library_names: the library's strategy names.
+  """
+  out = {}
+  for c in fits:
+    base = _strategy_of(c.name)
+    if base in library_names and base not in out:
+      out[base] = c
+  return out
+
+
 def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, store,
           retune, resume, log):
   """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
@@ -338,12 +365,14 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
     else:
       fits.append(c)
   fits.sort(key=lambda c: c.predicted_ms)
-  library_names = set(library(program, mesh))
-  anchors = [c for c in fits if c.name.split(" [")[0] in library_names]
-  ranked = [c for c in fits if c not in anchors]
+  anchors = _anchors(fits, set(library(program, mesh)))
+  anchor_ids = {id(c) for c in anchors.values()}
+  ranked = [c for c in fits if id(c) not in anchor_ids]
   for c in ranked[top_k:]:
-    c.result = measure.Measurement(measure.PRUNED, reason=f"cost model ranks it below the top {top_k}")
-  fits = sorted(anchors + ranked[:top_k], key=lambda c: c.predicted_ms)
+    anchor = anchors.get(_strategy_of(c.name))
+    also = f"; {_strategy_of(c.name)} is timed as {anchor.name}" if anchor is not None else ""
+    c.result = measure.Measurement(measure.PRUNED, reason=f"cost model ranks it below the top {top_k}{also}")
+  fits = sorted([*anchors.values(), *ranked[:top_k]], key=lambda c: c.predicted_ms)
   if retune:
     store.clear()
   stored = store.measurements() if resume and not retune else {}
