@@ -31,7 +31,8 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "eleme
 flags.DEFINE_string("mesh", None, "mesh levels, e.g. gpu=2 or node=2,gpu=4 (default: all devices on one level)",
                     flag_values=FLAGS)
 flags.DEFINE_string("memory_budget", None, "per-device memory budget, e.g. 40GiB or 512MiB", flag_values=FLAGS)
-flags.DEFINE_integer("top", 8, "candidates compiled and timed besides each library strategy with its best-predicted kernel, best predicted first", flag_values=FLAGS)
+flags.DEFINE_integer("top", 8, "candidates compiled and timed besides each library strategy with its "
+                     "best-predicted kernel, best predicted first", flag_values=FLAGS)
 flags.DEFINE_integer("space", 24, "design-space schedules added to the library's", flag_values=FLAGS)
 flags.DEFINE_boolean("kernel_variants", False, "also try every tunable variant (block sizes) of each local kernel",
                      flag_values=FLAGS)
