@@ -361,3 +361,15 @@ def test_kernel_variants_take_their_kernels_measured_rate():
   assert machine.rate("k[block_q=128]") == 450e12
   assert machine.rate("k[block_kv=64]") == 500e12  # not measured: its kernel's rate
   assert machine.rate("other") == 100e12
+
+
+def test_close_candidates_are_ranked_by_a_side_by_side_final_round(monkeypatch):
+  """Candidates within FINAL_MARGIN of the best are re-timed interleaved; the winner is the best of those times."""
+  monkeypatch.setattr(tune_module, "FINAL_MARGIN", 1e9)  # every timed candidate is a finalist
+  lines = []
+  result = jm.autotune(jm.programs.matmul(64, 64, 64), make_mesh("8"), space=0, top_k=0, iters=3, log=lines.append)
+  finalists = [c for c in result.candidates if c.result and c.result.reason.startswith("final round")]
+  assert 2 <= len(finalists) <= tune_module.FINAL_SIZE
+  assert all(len(c.result.times_ms) == 3 for c in finalists)
+  assert result.best in finalists and result.best.time_ms == min(c.time_ms for c in finalists)
+  assert any(line.startswith("  final round (interleaved):") for line in lines)

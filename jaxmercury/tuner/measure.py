@@ -179,6 +179,38 @@ def _timed_runs(compiled, inputs, warmup: int, iters: int) -> list[float]:
   return times
 
 
+def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[float]]:
+  """Times already-checked schedules side by side: per round one run of each, in a rotating order.
+
+  Machine drift (clocks, temperature, other load) then spreads over all of
+  them alike, which separates candidates closer than the spread of one-at-a-
+  time timings.
+
+  Args:
+    schedules: name -> Schedule; each compiles and runs (one untimed run each).
+    inputs: the program's inputs; each schedule gets them in its own layout.
+    iters: rounds.
+
+  Returns:
+    name -> per-run milliseconds.
+  """
+  ready = {}
+  for name, schedule in schedules.items():
+    xs = place_inputs(schedule, inputs)
+    compiled = schedule.compile().lower(*xs).compile()
+    jax.block_until_ready(compiled(*xs))
+    ready[name] = (compiled, xs)
+  names, times = list(ready), {name: [] for name in ready}
+  for r in range(iters):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      compiled, xs = ready[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*xs))
+      times[name].append((time.perf_counter() - t0) * 1e3)
+  return times
+
+
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
             time_limit_s: float | None = None, gather: Callable | None = None,
             on_checked: Callable | None = None) -> Measurement:

@@ -8,8 +8,10 @@ compiling. Each library strategy is timed once, with the kernel the cost model
 predicts fastest for it (its anchor); every other candidate, the strategies'
 other kernels included, competes for the ``top_k`` best predicted places, and
 the rest are pruned ("cost model ranks it below the top k"). The timed ones
-are compiled, checked against the reference and timed. The winner and every
-candidate's outcome go to the tuning database.
+are compiled, checked against the reference and timed; those within 5% of the
+best are timed again side by side, in interleaved rounds, and ranked by those
+times (on one process). The winner and every candidate's outcome go to the
+tuning database.
 
 Reliability: the program, mesh, layouts and every candidate are validated
 before anything is traced (an invalid candidate fails with the reason); each
@@ -27,6 +29,7 @@ import json
 import math
 import random
 import sqlite3
+import statistics
 
 import jax
 
@@ -140,6 +143,8 @@ def with_layouts(schedule, in_shardings, out_sharding):
 
 
 MAX_ATTEMPTS = 2  # a candidate the tuner died in this often is failed, not retried
+FINAL_MARGIN = 0.05  # candidates this close to the best measured time are timed again, side by side
+FINAL_SIZE = 4  # at most this many of them
 
 
 def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
@@ -179,7 +184,9 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       Default: 90% of a GPU's memory, no limit on CPU.
     machine: cost-model figures; default read from ``database`` or measured by
       ``calibrate`` (and stored).
-    iters: timed runs per candidate (the median counts).
+    iters: timed runs per candidate (the median counts), and rounds of the
+      final side-by-side timing of the candidates within ``FINAL_MARGIN`` of
+      the best.
     time_limit_s: seconds a candidate's compile and first run may take; past
       it the candidate is failed ("time-out") and the search goes on.
     key: PRNG key for the random inputs; fresh inputs by default.
@@ -252,6 +259,10 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
           "isolation='process' kills it instead")
 
   ok = [c for c in cands if c.status == measure.OK]
+  if not many and len(ok) > 1:
+    if inputs is None:
+      inputs = program.random_inputs(jax.random.key(seed))
+    _final_round(ok, inputs, iters, log)
   best = min(ok, key=lambda c: c.time_ms) if ok else None
   if many:
     final = agree.broadcast_json(
@@ -263,6 +274,27 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   if best is not None:
     store.winner(best, cands)
   return TuneResult(best, cands, machine=machine, resumed=resumed)
+
+
+def _final_round(ok, inputs, iters: int, log):
+  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side; their times become these.
+
+  One-at-a-time timings of candidates a few percent apart are ordered by the
+  machine's drift as much as by their speed; interleaved rounds are not.
+  """
+  ok = sorted(ok, key=lambda c: c.time_ms)
+  finalists = [c for c in ok if c.time_ms <= ok[0].time_ms * (1 + FINAL_MARGIN)][:FINAL_SIZE]
+  if len(finalists) < 2:
+    return
+  try:
+    times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters)
+  except Exception as e:  # noqa: BLE001 - keep the first timings
+    log(f"  final round skipped: {type(e).__name__}: {e}")
+    return
+  for c in finalists:
+    c.result = dataclasses.replace(c.result, median_ms=statistics.median(times[c.name]), times_ms=times[c.name],
+                                   reason=f"final round: {len(finalists)} within {FINAL_MARGIN:.0%}, interleaved")
+  log("  final round (interleaved): " + ", ".join(f"{c.name} {c.time_ms:.3f} ms" for c in finalists))
 
 
 def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneResult | None:
