@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmercury.pallas_kernels.registry import Kernel, register
+from jaxmercury.pallas_kernels.work import Block, Work, body_share
 
 
 def _cudnn(q, k, v, causal):
@@ -60,9 +61,31 @@ def _make(program):
   return functools.partial(cudnn_attention_block, causal=causal, fallback=program.body)
 
 
+def _dispatch_work(block: Block, causal: bool, whole: bool) -> Work:
+  """The work of the dispatch above (``whole``: the kernel may take the block), statically."""
+  if not whole:
+    return Work(fast=0.0, fallback=body_share(block, causal))
+  if not causal:
+    return Work()
+  case = block.causal_case()
+  if case == "visible":
+    return Work()
+  if case == "hidden":
+    return Work(fast=0.0)
+  if block.sizes["i"] == block.sizes["j"]:  # the diagonal: cuDNN's causal mask skips what it hides
+    return Work(fast=block.causal_share())
+  return Work(fast=0.0, fallback=1.0)
+
+
+def cudnn_work(block: Block, *, causal: bool) -> Work:
+  """``cudnn_attention_block``'s work: what runs on cuDNN and what on the XLA body."""
+  whole = not block.padded("j") and block.contiguous("i") and block.contiguous("j")
+  return _dispatch_work(block, causal, whole)
+
+
 register(Kernel("cudnn_attention", frozenset({"attention"}), _make,
                 dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
-                platforms=frozenset({"gpu"}),
+                platforms=frozenset({"gpu"}), work=cudnn_work,
                 workspace=lambda program, sizes: 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]))
 
 
@@ -101,6 +124,13 @@ def cudnn_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, f
                                lambda *x: pick(*_cudnn_backward_masked(*x, True))], q, k, v, o, do, lse)
 
 
+def cudnn_backward_work(block: Block, *, causal: bool) -> Work:
+  """``cudnn_backward_block``'s work (block pairs of two sizes fall back whole when causal)."""
+  whole = (not block.padded("j") and not block.padded("i") and block.contiguous("i") and block.contiguous("j")
+           and not (causal and block.sizes["i"] != block.sizes["j"]))
+  return _dispatch_work(block, causal, whole)
+
+
 def _make_backward(part):
   def make(program):
     return functools.partial(cudnn_backward_block, causal=program.params["causal"], part=part,
@@ -111,5 +141,5 @@ def _make_backward(part):
 for _part in ("dq", "dkv"):
   register(Kernel(f"cudnn_attention_{_part}", frozenset({f"attention_{_part}"}), _make_backward(_part),
                   dtypes=frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}),
-                  platforms=frozenset({"gpu"}), dtype_of="q",
+                  platforms=frozenset({"gpu"}), dtype_of="q", work=cudnn_backward_work,
                   workspace=lambda program, sizes: 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]))

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from jaxmercury.pallas_kernels.mosaic_matmul import HALF_DTYPES, SMEM_BYTES, hopper_only
 from jaxmercury.pallas_kernels.registry import Kernel, full_params, register
+from jaxmercury.pallas_kernels.work import Block, Work, body_share
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,16 +62,22 @@ def _mgpu():
 # ------------------------------------------------------------------ configurations
 
 
-def _forward_config(tq: int, tk: int, d: int, params: dict):
-  """attention_mgpu's TuningConfig for a [tq] x [tk] block pair of head dim ``d``, or None if it cannot run."""
+def _forward_fits(tq: int, tk: int, d: int, params: dict) -> bool:
+  """Whether the forward kernel takes a [tq] x [tk] block pair of head dim ``d``."""
   bq, bkv, steps = params["block_q"], params["block_kv"], params["max_concurrent_steps"]
   if d % 64 or tq % (2 * bq) or tk % bkv:  # two compute warpgroups of block_q rows each
-    return None
+    return False
   steps = min(steps, tk // bkv)
   smem = 2 * bq * d * 2 + 2 * steps * bkv * d * 2 + 2 * bq * 4  # q/o, k and v buffers, lse
-  if smem > SMEM_BYTES:
+  return smem <= SMEM_BYTES
+
+
+def _forward_config(tq: int, tk: int, d: int, params: dict):
+  """attention_mgpu's TuningConfig for a [tq] x [tk] block pair of head dim ``d``, or None if it cannot run."""
+  if not _forward_fits(tq, tk, d, params):
     return None
-  return _mgpu().TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=params["max_concurrent_steps"])
+  return _mgpu().TuningConfig(block_q=params["block_q"], block_kv=params["block_kv"],
+                              max_concurrent_steps=params["max_concurrent_steps"])
 
 
 def _backward_blocks(part: str, params: dict) -> dict:
@@ -93,11 +100,11 @@ def _backward_smem(d: int, wgs: int, steps: int, b: dict) -> int:
   return max(dq, dkv)
 
 
-def _backward_config(tq: int, tk: int, d: int, part: str, params: dict):
-  """attention_mgpu's TuningConfig for the backward of a block pair, or None if it cannot run.
+def _backward_warpgroups(tq: int, tk: int, d: int, part: str, params: dict) -> int | None:
+  """The compute warpgroups the backward of a block pair runs with, or None if it cannot run.
 
-  Uses ``params["compute_wgs"]`` compute warpgroups, or one where that many
-  do not divide the block or fit in shared memory.
+  ``params["compute_wgs"]``, or one where that many do not divide the block
+  or fit in shared memory.
   """
   b, steps = _backward_blocks(part, params), BACKWARD_STEPS
   if d % 64 or tq % b["block_q_dkv"] or tk % b["block_kv_dq"]:
@@ -105,9 +112,18 @@ def _backward_config(tq: int, tk: int, d: int, part: str, params: dict):
   for wgs in dict.fromkeys((params["compute_wgs"], 1)):
     if tq % (b["block_q_dq"] * wgs) or tk % (b["block_kv_dkv"] * wgs) or _backward_smem(d, wgs, steps, b) > SMEM_BYTES:
       continue
-    return _mgpu().TuningConfig(block_q=b["block_q_dq"], block_kv=b["block_kv_dq"], max_concurrent_steps=steps,
-                                compute_wgs_bwd=wgs, **b)
+    return wgs
   return None
+
+
+def _backward_config(tq: int, tk: int, d: int, part: str, params: dict):
+  """attention_mgpu's TuningConfig for the backward of a block pair, or None if it cannot run."""
+  wgs = _backward_warpgroups(tq, tk, d, part, params)
+  if wgs is None:
+    return None
+  b = _backward_blocks(part, params)
+  return _mgpu().TuningConfig(block_q=b["block_q_dq"], block_kv=b["block_kv_dq"], max_concurrent_steps=BACKWARD_STEPS,
+                              compute_wgs_bwd=wgs, **b)
 
 
 # ------------------------------------------------------------------ the kernels, in their conventions
@@ -237,6 +253,45 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
                                               functools.partial(fallback, ctx)], q, k, v, o, do, lse)
 
 
+# ------------------------------------------------------------------ work, for the cost model
+
+
+def _whole_block(block: Block) -> bool:
+  """``_whole`` before tracing."""
+  return not block.padded("j") and block.contiguous("i") and block.contiguous("j")
+
+
+def mosaic_work(block: Block, *, causal: bool, **params) -> Work:
+  """``mosaic_attention_block``'s work: what runs on attention_mgpu and what on the XLA body."""
+  tq, tk = block.sizes["i"], block.sizes["j"]
+  if not (_forward_fits(tq, tk, block.sizes["d"], params) and _whole_block(block)):
+    return Work(fast=0.0, fallback=body_share(block, causal))
+  if not causal:
+    return Work()
+  case = block.causal_case()
+  if case == "hidden":
+    return Work(fast=0.0)
+  if case == "visible":
+    return Work()
+  if tq == tk:  # the diagonal: the causal kernel skips what it hides
+    return Work(fast=block.causal_share())
+  return Work(fast=0.0, fallback=1.0)
+
+
+def _backward_work(part: str):
+  def work(block: Block, *, causal: bool, **params) -> Work:
+    """``mosaic_backward_block``'s work: visible pairs on the kernel, diagonal ones on the XLA body."""
+    tq, tk = block.sizes["i"], block.sizes["j"]
+    fits = _backward_warpgroups(tq, tk, block.sizes["d"], part, params) is not None
+    if not (fits and not block.padded("i") and _whole_block(block)):
+      return Work(fast=0.0, fallback=body_share(block, causal))
+    if not causal:
+      return Work()
+    case = block.causal_case()
+    return {"visible": Work(), "hidden": Work(fast=0.0), "partial": Work(fast=0.0, fallback=1.0)}[case]
+  return work
+
+
 # ------------------------------------------------------------------ registration
 
 
@@ -273,9 +328,10 @@ def _backward_workspace(program, sizes) -> int:
 
 register(Kernel("mosaic_attention", frozenset({"attention"}), _make, dtypes=HALF_DTYPES,
                 platforms=frozenset({"gpu"}), supports=hopper_only, params=FORWARD_PARAMS, interpret=False,
-                workspace=_forward_workspace))
+                workspace=_forward_workspace, work=mosaic_work))
 
 for _part in ("dq", "dkv"):
   register(Kernel(f"mosaic_attention_{_part}", frozenset({f"attention_{_part}"}), _make_backward(_part),
                   dtypes=HALF_DTYPES, platforms=frozenset({"gpu"}), dtype_of="q", supports=hopper_only,
-                  params=BACKWARD_PARAMS[_part], interpret=False, workspace=_backward_workspace))
+                  params=BACKWARD_PARAMS[_part], interpret=False, workspace=_backward_workspace,
+                  work=_backward_work(_part)))

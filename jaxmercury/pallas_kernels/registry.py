@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxmercury.errors import PreconditionError, UnknownNameError
 from jaxmercury.pallas_kernels import patterns
+from jaxmercury.pallas_kernels.work import Block, Work, body_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,11 @@ class Kernel:
     params: tunable parameters and their choices, the default first.
     interpret: ``make(..., interpret=True)`` runs on CPUs in Pallas interpret
       mode.
+    work: ``work(block, causal=..., **params) -> Work`` of one body call, on
+      the pattern's axis names (for the cost model; no tracing). None: the
+      program's own body (``make`` None) computes every block densely unless
+      causal masking hides all of it; another kernel is taken to compute only
+      the pairs the mask keeps.
   """
 
   name: str
@@ -58,6 +64,26 @@ class Kernel:
   supports: Callable | None = None
   params: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   interpret: bool = False
+  work: Callable | None = None
+
+  def block_work(self, program, block: Block, **params) -> Work:
+    """Where one body call of ``program`` runs (``Work``), from the block alone.
+
+    Args:
+      program: the program the kernel replaces the body of.
+      block: the call's block, on the program's axis names.
+      params: the variant's parameters (``parse``); defaults where left out.
+    """
+    m = _pattern_match(self, program)
+    causal = bool({**program.params, **(m.params if m else {})}.get("causal", False))
+    if m is not None and m.renames:
+      block = block.renamed(m.to_pattern)
+    if self.work is not None:
+      return self.work(block, causal=causal, **{**{p: c[0] for p, c in self.params.items()}, **params})
+    causal = causal and {"i", "j"} <= set(block.sizes)  # a query and a key axis to mask
+    if self.make is None:
+      return Work(fast=body_share(block, causal))
+    return Work(fast=block.causal_share() if causal else 1.0)
 
   def workspace_bytes(self, program, sizes) -> int:
     if self.workspace is not None:

@@ -2,7 +2,11 @@
 
 Each applicable local kernel runs on one device on blocks of the program's
 own shape at two sizes, repeated inside one jitted loop so that dispatch does
-not count: the two times give its rate and its fixed cost per call. A ring
+not count: the two times give its rate (in the flops it executes: the
+kernel's ``Work`` says how much of a block that is) and its fixed cost per
+call. Block offsets are traced, as in the nest (a constant causal mask would
+let XLA compile another body); a causal program's blocks are diagonal, query
+and key blocks of one size, which the kernels take on their own path. A ring
 ``ppermute`` over each mesh level at two sizes gives the level's bandwidth
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an
@@ -21,8 +25,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmercury.pallas_kernels import registry
+from jaxmercury.pallas_kernels.work import Block
 from jaxmercury.program import BlockContext
-from jaxmercury.tuner.cost import Machine
+from jaxmercury.tuner.cost import Machine, dense_flops, masked_axes
 
 REPEATS = 8
 
@@ -42,8 +47,11 @@ def _per_repeat(make, *args) -> float:
   return max((_time(make(REPEATS), *args) - _time(make(1), *args)) / (REPEATS - 1), 1e-9)
 
 
-def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1) -> dict[str, int]:
-  """Per-axis block sizes that fit the budget, then ``shrink`` times fewer loop points."""
+def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bool = True) -> dict[str, int]:
+  """Per-axis block sizes that fit the budget, then ``shrink`` times fewer loop points.
+
+  ``square``: a causal program's query and key blocks take the smaller of their sizes.
+  """
   sizes = {a: ax.extent for a, ax in program.axes.items()}
   loops = [a.name for a in program.loops]
 
@@ -62,23 +70,40 @@ def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1) -> dict[st
     pass
   while shrink > 1 and halve():
     shrink //= 2
+  masked = masked_axes(program)
+  if square and len(masked) == 2:  # diagonal blocks of one size: the kernels' own causal path
+    for a in masked:
+      sizes[a] = min(sizes[b] for b in masked)
   return sizes
 
 
+def executed_flops(program, kernel_name: str, sizes) -> float:
+  """Flops ``kernel_name`` executes on one block of ``sizes`` at the origin (masked work it skips not counted)."""
+  kernel, params = registry.parse(kernel_name)
+  extents = {a: ax.extent for a, ax in program.axes.items()}
+  work = kernel.block_work(program, Block(sizes, extents), **params)
+  return dense_flops(program) * math.prod(sizes[a] / extents[a] for a in program.kinds) * (work.fast + work.fallback)
+
+
 def _kernel_call_seconds(program, fn, sizes, device) -> float:
-  ctx = BlockContext(starts={}, sizes=sizes, extents={a: ax.extent for a, ax in program.axes.items()})
+  """Seconds of one call on blocks at the origin, given as traced offsets (as the nest gives them)."""
+  extents = {a: ax.extent for a, ax in program.axes.items()}
   keys = jax.random.split(jax.random.key(0), len(program.reads))
   blocks = tuple(jax.device_put(jax.random.normal(k, [sizes[a] for a in b.axes], jnp.float32).astype(b.dtype),
                                 device) for k, b in zip(keys, program.reads))
 
   def make(repeats):
-    def step(_, xs):
-      out = jax.tree.leaves(fn(ctx, *xs))[0]
-      nudge = (out.reshape(-1)[0] * 0).astype(xs[0].dtype)  # a data dependency between repeats
-      return (xs[0] + nudge,) + xs[1:]
-    return jax.jit(lambda *xs: jax.lax.fori_loop(0, repeats, step, xs))
+    def run(origin, *xs):
+      ctx = BlockContext(starts={a: origin for a in program.kinds}, sizes=sizes, extents=extents)
 
-  return _per_repeat(make, *blocks)
+      def step(_, xs):
+        out = jax.tree.leaves(fn(ctx, *xs))[0]
+        nudge = (out.reshape(-1)[0] * 0).astype(xs[0].dtype)  # a data dependency between repeats
+        return (xs[0] + nudge,) + xs[1:]
+      return jax.lax.fori_loop(0, repeats, step, xs)
+    return jax.jit(run)
+
+  return _per_repeat(make, jax.device_put(jnp.int32(0), device), *blocks)
 
 
 def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int) -> tuple[float, float]:
@@ -89,9 +114,10 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int) -> tuple[
   points = {}
   for shrink in (1, 8):
     sizes = _block_sizes(program, kernel, budget_bytes, shrink)
-    flops = program.flops * math.prod(sizes[a.name] / a.extent for a in program.loops)
+    flops = executed_flops(program, kernel_name, sizes)
     points[flops] = _kernel_call_seconds(program, fn, sizes, device)
-  (f_small, t_small), (f_big, t_big) = sorted(points.items())
+  ordered = sorted(points.items())  # one point when both sizes do the same work
+  (f_small, t_small), (f_big, t_big) = ordered[0], ordered[-1]
   if f_big <= f_small or t_big <= t_small:
     return f_big / t_big, 0.0
   rate = (f_big - f_small) / (t_big - t_small)

@@ -1,12 +1,22 @@
 """An analytic cost model: a schedule's time from machine figures.
 
-Per device: compute time is the flops its blocks do over the rate of the
-local kernel (measured by ``calibrate``);
-each collective moves bytes over the link bandwidth of its mesh level plus a
+Per device: compute time is the work its blocks do over the local kernel's
+rate (measured by ``calibrate``, in flops the kernel executes per second).
+The kernel says, per block, which share of the block's dense work runs on its
+own path and which share falls back to the program's XLA body (``Kernel.work``:
+causal blocks it cannot take, padded keys, blocks spanning zigzag chunks);
+the fallback runs at the ``xla`` rate. Causal blocks that are wholly masked
+are skipped, so devices may do unequal work; the busiest one sets the time
+(a contiguous ring gives the device with the last queries the most, a zigzag
+order or a split of heads none).
+Each collective moves bytes over the link bandwidth of its mesh level plus a
 fixed latency; ring transfers overlap the compute of the step they precede,
 so a ring costs the larger of the two plus the part of the smaller that the
 machine does not hide (``overlap``). Gathers, all-to-alls and reductions
-before and after the nest do not overlap.
+before and after the nest do not overlap, nor does putting zigzag-ordered
+buffers in and out of their order (on whole arrays: an all-gather of each
+input, an all-reduce of the output).
+The computation is static: no tracing.
 """
 
 from __future__ import annotations
@@ -14,9 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.pallas_kernels.work import Block
+from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR
 from jaxmercury.shard_map import reshard
 from jaxmercury.shard_map.plan import make_plan
-from jaxmercury.tuner.memory import local_elements
+from jaxmercury.tuner.memory import block_sizes, local_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +45,9 @@ class Machine:
       ``"*"`` is the default for levels not named.
     latency_s: fixed cost of one collective or ring step.
     kernel_flops_per_s: per local kernel name, its measured rate on the
-      program's blocks (overrides ``flops_per_s``).
+      program's blocks in flops it executes per second (overrides
+      ``flops_per_s``); ``"xla"``'s also prices work that a kernel leaves to
+      the program's body.
     gather_factor: time of an all-gather or all-to-all relative to moving
       the same bytes point to point.
     call_overhead_s: fixed cost of one body call (one block of a serial loop).
@@ -82,9 +99,8 @@ def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
   prog, plan = schedule.program, make_plan(schedule)
   levels = schedule.levels
-  parallel = math.prod(levels[lp.level] for lp in schedule.loops if lp.role == "parallel")
-  calls = math.prod(lp.extent for lp in schedule.loops if lp.role == "serial")
-  compute = prog.flops / parallel / machine.rate(schedule.kernel or "xla") + calls * machine.call_overhead_s
+  calls = math.prod(lp.extent for lp in schedule.loops if lp.role == SERIAL)
+  compute = compute_seconds(schedule, machine, plan) + calls * machine.call_overhead_s
   if calls > 1:  # each block's partial state is combined with, or placed into, the accumulated one
     compute += calls * 3 * _state_block_bytes(schedule) / machine.memory_bytes_per_s
   exposed = 0.0
@@ -106,6 +122,7 @@ def predict(schedule, machine: Machine) -> float:
     nbytes = local_elements(schedule, out, layout) * out.dtype.itemsize
     exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
     _apply(layout, st)
+  exposed += _zigzag_seconds(schedule, machine)
   ring = 0.0
   for r in plan.rings.values():
     nbytes = sum(local_elements(schedule, prog.buffer(b), plan.resident[b]) * prog.buffer(b).dtype.itemsize
@@ -116,8 +133,95 @@ def predict(schedule, machine: Machine) -> float:
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
 
 
+def dense_flops(program) -> float:
+  """The program's flops with every loop point computed (programs count a causal mask's half only)."""
+  return program.flops / (0.5 if program.params.get("causal") else 1.0)
+
+
+def masked_axes(program) -> tuple[str, ...]:
+  """The loop axes whose block positions change a block's work: a causal program's query and key axes."""
+  if not program.params.get("causal"):
+    return ()
+  return tuple(a for a in ("i", "j") if a in program.kinds)
+
+
+def compute_seconds(schedule, machine: Machine, plan=None) -> float:
+  """Seconds of local compute on the busiest device, without call overheads.
+
+  Every body call's work is split by the kernel (``Kernel.block_work``)
+  into its own share, at its rate, and the share its fallback (the program's
+  body) computes, at the ``xla`` rate; wholly masked causal blocks cost
+  nothing. A device's time is its calls' sum; the busiest device sets the
+  time: a ring lets no device run more than a step ahead of its neighbour,
+  and the collectives after the nest wait for all.
+  """
+  prog = schedule.program
+  plan = plan or make_plan(schedule)
+  name = schedule.kernel or "xla"
+  kernel, params = registry.parse(name)
+  sizes = block_sizes(schedule)
+  extents = {a: ax.extent for a, ax in prog.axes.items()}
+  dense = dense_flops(prog) * math.prod(sizes[a] / extents[a] for a in prog.kinds)
+  fast_s, slow_s = dense / machine.rate(name), dense / machine.rate("xla")
+
+  def seconds(starts) -> float:
+    w = kernel.block_work(prog, Block(sizes, extents, starts, schedule.zigzags), **params)
+    return w.fast * fast_s + w.fallback * slow_s
+
+  serial = [lp for lp in schedule.loops if lp.role == SERIAL]
+  masked = masked_axes(prog)
+  kept = [lp for lp in serial if lp.axis in masked]
+  repeat = math.prod(lp.extent for lp in serial if lp not in kept)  # loops whose blocks all cost the same
+  if not masked:
+    return seconds({}) * repeat
+  level_names = list(schedule.levels)
+  shape = [schedule.levels[lv] for lv in level_names] + [lp.extent for lp in kept]
+  grid = np.indices(shape).reshape(len(shape), -1)
+  rank = dict(zip(level_names, grid))
+  step = {lp.name: grid[len(level_names) + n] for n, lp in enumerate(kept)}
+
+  def index(lp):
+    if lp.role == PARALLEL:
+      return rank[lp.level]
+    if lp.shifted_by:  # as the nest's ring: rank r visits (t + r + offset) % size
+      ring = plan.rings[lp.name]
+      return (step[lp.name] + rank[ring.level] + ring.offset) % lp.extent
+    return step[lp.name]
+
+  starts = []
+  for a in masked:  # each call's first stored position, as the nest computes it
+    start, stride = np.zeros(grid.shape[1], np.int64), 1
+    for f in reversed(schedule.factors[a]):
+      lp = schedule.loop(f)
+      if lp.role != VECTOR:
+        start = start + index(lp) * stride
+      stride *= lp.extent
+    starts.append(start)
+  pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
+  cost = np.array([seconds(dict(zip(masked, map(int, col)))) for col in pairs.T])
+  per_device = cost[np.reshape(inverse, -1)].reshape(math.prod(shape[:len(level_names)]), -1).sum(axis=1)
+  return repeat * float(per_device.max())
+
+
+def _zigzag_seconds(schedule, machine: Machine) -> float:
+  """Putting zigzag-ordered buffers in and out of their order, as XLA partitions it: on whole arrays.
+
+  Each input is all-gathered, reordered and sliced; the output is placed into
+  zeros and all-reduced (twice an all-gather's bytes).
+  """
+  prog = schedule.program
+  devices = math.prod(schedule.levels.values())
+  total = 0.0
+  for b in prog.reads + (prog.writes,):
+    if schedule.zigzags.keys() & set(b.axes):
+      nbytes = math.prod(b.canonical_shape) * b.dtype.itemsize
+      moved = (2 if b is prog.writes else 1) * nbytes * (devices - 1) / devices
+      total += machine.gather_factor * moved / machine.bandwidth("*")
+      total += machine.latency_s + 2 * nbytes / machine.memory_bytes_per_s
+  return total
+
+
 def _state_block_bytes(schedule) -> int:
-  from jaxmercury.tuner.memory import block_sizes
   prog, sizes = schedule.program, block_sizes(schedule)
   return sum(4 * math.prod(sizes[a] for a in leaf) for leaf in prog.state_axes())
 

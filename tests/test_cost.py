@@ -1,0 +1,322 @@
+"""The cost model's view of kernel work: fast path, XLA fallback and causal imbalance.
+
+- ``Block``'s positions, causal cases and kept-pair shares against brute force;
+- each attention kernel's declared ``work`` against what its block function
+  really runs, on CPU with the kernels stood in by markers: for every block
+  pair of small schedules (sizes equal and not, zigzag chunks whole and split,
+  padded keys), the path taken is the one ``work`` names;
+- ``cost.predict``: fallback work at the ``xla`` rate, the busiest device's
+  work under a contiguous ring against zigzag and head-parallel strategies,
+  non-causal programs as before.
+"""
+
+import itertools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+import jaxmercury as jm
+from jaxmercury.pallas_kernels import cudnn_attention as ca
+from jaxmercury.pallas_kernels import mosaic_attention as ma
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.pallas_kernels.work import Block, Work, body_share
+from jaxmercury.program import BlockContext
+from jaxmercury.programs import attention_backward as ab
+from jaxmercury.schedules import orders
+from jaxmercury.tuner import calibrate, cost
+
+FAST, SLOW = 500e12, 100e12
+MACHINE = cost.Machine("H200-like", FAST, {"*": 200e9}, 20e-6, call_overhead_s=0.0, memory_bytes_per_s=1e30,
+                       kernel_flops_per_s={"xla": SLOW, "cudnn_attention": FAST, "mosaic_attention": FAST,
+                                           "pallas_attention": FAST / 4})
+
+
+def _abstract(*sizes):
+  names = ("x",) if len(sizes) == 1 else ("node", "gpu")
+  return AbstractMesh(tuple(sizes), names, axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def _true_positions(axis, start, size, extent, zigzag):
+  stored = np.arange(start, start + size)
+  return orders.permutation(extent, zigzag[axis])[stored] if axis in zigzag else stored
+
+
+# ------------------------------------------------------------------ Block
+@pytest.mark.parametrize("zigzag", [{}, {"i": 4, "j": 4}, {"i": 8, "j": 8}], ids=["plain", "chunks4", "chunks8"])
+def test_block_positions_cases_and_shares_match_brute_force(zigzag):
+  extent = 32
+  for tq, tk in [(8, 8), (8, 16), (16, 8), (4, 8)]:
+    for qs, ks in itertools.product(range(0, extent, tq), range(0, extent, tk)):
+      block = Block({"i": tq, "j": tk}, {"i": extent, "j": extent}, {"i": qs, "j": ks}, zigzag)
+      qpos = _true_positions("i", qs, tq, extent, zigzag)
+      kpos = _true_positions("j", ks, tk, extent, zigzag)
+      assert sorted(p for lo, hi in block.ranges("i") for p in range(lo, hi)) == sorted(qpos)
+      ctx = BlockContext({"i": qs, "j": ks}, {"i": tq, "j": tk}, {"i": extent, "j": extent}, zigzag)
+      assert block.contiguous("i") == ctx.contiguous("i") and block.contiguous("j") == ctx.contiguous("j")
+      kept = kpos[None, :] <= qpos[:, None]
+      want = "visible" if kept.all() else ("hidden" if not kept.any() else "partial")
+      assert block.causal_case() == want
+      assert block.causal_share() == pytest.approx(kept.mean())
+
+
+def test_padded_keys_are_not_kept():
+  block = Block({"i": 8, "j": 8}, {"i": 30, "j": 30}, {"i": 24, "j": 24})
+  assert block.padded("j") and block.causal_share() == pytest.approx((1 + 2 + 3 + 4 + 5 + 6 + 6 + 6) / 64)
+
+
+# ------------------------------------------------------------------ work against the block functions
+MARKS = {"kernel": 1.0, "kernel_causal": 2.0, "fallback": 3.0}  # masked blocks give 0
+
+
+def _forward_fallback(ctx, q, k, v):
+  return jnp.full(q.shape, MARKS["fallback"], jnp.float32), jnp.zeros(q.shape[:4])
+
+
+def _dq_fallback(ctx, q, *rest):
+  return jnp.full(q.shape, MARKS["fallback"], jnp.float32)
+
+
+def _forward_stub(q, k, v, causal):
+  return jnp.full(q.shape, MARKS["kernel_causal" if causal else "kernel"], jnp.float32), jnp.zeros(q.shape[:4])
+
+
+def _backward_stub(q, k, v, o, do, lse, causal):
+  mark = MARKS["kernel_causal" if causal else "kernel"]
+  return jnp.full(q.shape, mark), jnp.full(k.shape, mark), jnp.full(k.shape, mark)
+
+
+def _taken(value) -> str:
+  value = float(np.asarray(value).reshape(-1)[0])
+  return {0.0: "masked", **{v: k for k, v in MARKS.items()}}[value]
+
+
+def _expect(work: Work, block: Block, causal: bool) -> str:
+  if work.fallback:
+    return "fallback"
+  if work.fast == 0:
+    return "masked or fallback"  # a hidden block: skipped by the kernel or by the body alike
+  return "kernel_causal" if work.fast < 1 else "kernel"
+
+
+def _blocks(extent, sizes, d, zigzags, padded_extent=None):
+  """Every block pair of an [extent] x [extent] causal attention at ``sizes`` (and a padded variant)."""
+  for (tq, tk), zigzag in itertools.product(sizes, zigzags):
+    for true_extent in filter(None, {extent, padded_extent}):
+      if zigzag and true_extent != extent:
+        continue  # zigzag needs an unpadded axis
+      extents = {"b": 1, "hk": 1, "g": 1, "i": true_extent, "j": true_extent, "d": d}
+      for qs, ks in itertools.product(range(0, extent, tq), range(0, extent, tk)):
+        yield Block({"b": 1, "hk": 1, "g": 1, "i": tq, "j": tk, "d": d}, extents, {"i": qs, "j": ks}, zigzag)
+
+
+def _check_dispatch(run, work, blocks, causal):
+  seen = set()
+  for block in blocks:
+    ctx = BlockContext(dict(block.starts), dict(block.sizes), dict(block.extents), dict(block.zigzag))
+    taken = _taken(run(ctx, block))
+    expected = _expect(work(block), block, causal)
+    assert taken in expected.split(" or "), (block, taken, work(block))
+    if taken == "fallback":  # the body runs densely unless the block is hidden
+      assert work(block).fallback == body_share(block, causal)
+    if taken == "kernel_causal":
+      assert work(block).fast == pytest.approx(block.causal_share())
+    seen.add(taken)
+  return seen
+
+
+def _inputs(block, backward=False):
+  s = block.sizes
+  q = jnp.zeros((1, s["i"], 1, 1, s["d"]), jnp.bfloat16)
+  k = jnp.zeros((1, s["j"], 1, s["d"]), jnp.bfloat16)
+  if not backward:
+    return q, k, k
+  return q, k, k, q, q, jnp.zeros((1, s["i"], 1, 1), jnp.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_work_is_what_its_blocks_run(monkeypatch, causal):
+  monkeypatch.setattr(ca, "_cudnn", _forward_stub)
+  monkeypatch.setattr(ca, "_cudnn_backward_masked", _backward_stub)
+  kernel = registry.kernel("cudnn_attention")
+  prog = jm.programs.attention(1, 1, 1, 32, 32, 8, causal=causal, dtype=jnp.bfloat16)
+  blocks = list(_blocks(32, [(8, 8), (8, 16), (16, 8)], 8, [{}, {"i": 4, "j": 4}, {"i": 8, "j": 8}], 30))
+
+  def forward(ctx, block):
+    return ca.cudnn_attention_block(ctx, *_inputs(block), causal=causal, fallback=_forward_fallback)[0]
+
+  seen = _check_dispatch(forward, lambda b: kernel.block_work(prog, b), blocks, causal)
+  assert seen == ({"kernel", "kernel_causal", "masked", "fallback"} if causal else {"kernel", "fallback"})
+
+  dq_prog = ab.attention_dq(prog)
+  dq_kernel = registry.kernel("cudnn_attention_dq")
+
+  def backward(ctx, block):
+    return ca.cudnn_backward_block(ctx, *_inputs(block, backward=True), causal=causal, part="dq",
+                                   fallback=_dq_fallback)
+
+  _check_dispatch(backward, lambda b: dq_kernel.block_work(dq_prog, b), blocks, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mosaic_work_is_what_its_blocks_run(monkeypatch, causal):
+  monkeypatch.setattr(ma, "forward", lambda q, k, v, config: _forward_stub(q, k, v, config.causal))
+  monkeypatch.setattr(ma, "backward", lambda *x: _backward_stub(*x[:6], False))
+  prog = jm.programs.attention(1, 1, 1, 512, 512, 64, causal=causal, dtype=jnp.bfloat16)
+  blocks = list(_blocks(512, [(256, 256), (256, 128), (128, 256)], 64, [{}, {"i": 2, "j": 2}, {"i": 8, "j": 8}],
+                        500))
+  blocks += list(_blocks(512, [(256, 256)], 32, [{}]))  # a head dim the kernels do not take
+  params = registry.parse("mosaic_attention")[1]
+
+  def forward(ctx, block):
+    return ma.mosaic_attention_block(ctx, *_inputs(block), causal=causal, params=params,
+                                     fallback=_forward_fallback)[0]
+
+  kernel = registry.kernel("mosaic_attention")
+  seen = _check_dispatch(forward, lambda b: kernel.block_work(prog, b), blocks, causal)
+  assert seen == ({"kernel", "kernel_causal", "masked", "fallback"} if causal else {"kernel", "fallback"})
+
+  dq_prog = ab.attention_dq(prog)
+  dq_params = registry.parse("mosaic_attention_dq")[1]
+
+  def backward(ctx, block):
+    return ma.mosaic_backward_block(ctx, *_inputs(block, backward=True), causal=causal, part="dq",
+                                    params=dq_params, fallback=_dq_fallback)
+
+  dq_kernel = registry.kernel("mosaic_attention_dq")
+  _check_dispatch(backward, lambda b: dq_kernel.block_work(dq_prog, b), blocks, causal)
+
+
+def test_kernels_without_declared_work():
+  prog = jm.programs.attention(1, 1, 1, 32, 32, 8, causal=True)
+  diagonal = Block({"i": 8, "j": 8}, {"i": 32, "j": 32}, {"i": 8, "j": 8})
+  hidden = Block({"i": 8, "j": 8}, {"i": 32, "j": 32}, {"i": 0, "j": 8})
+  xla, pallas = registry.kernel("xla"), registry.kernel("pallas_attention")
+  assert xla.block_work(prog, diagonal) == Work(fast=1.0) and xla.block_work(prog, hidden) == Work(fast=0.0)
+  assert pallas.block_work(prog, diagonal) == Work(fast=diagonal.causal_share())  # skips masked tiles
+  plain = jm.programs.attention(1, 1, 1, 32, 32, 8)
+  assert xla.block_work(plain, hidden) == pallas.block_work(plain, hidden) == Work()
+
+
+# ------------------------------------------------------------------ predict
+def _causal(seq=8192, heads=32, kv_heads=32):
+  return jm.programs.attention(1, heads, kv_heads, seq, seq, 128, causal=True, dtype=jnp.bfloat16)
+
+
+def _patched(schedule, kernel):
+  return schedule.copy().patch(kernel) if kernel != "xla" else schedule
+
+
+def test_blocks_cudnn_cannot_take_cost_the_xla_rate():
+  """Causal context_parallel: query blocks of S/2, key blocks of S, all partly visible: the XLA body."""
+  prog, mesh = _causal(), _abstract(2)
+  cp = jm.library(prog, mesh)["context_parallel"]
+  dense_per_device = 2 * prog.flops / 2
+  fast = cost.compute_seconds(_patched(cp, "cudnn_attention"), MACHINE)
+  assert fast == pytest.approx(dense_per_device / SLOW)
+  assert cost.predict(_patched(cp, "cudnn_attention"), MACHINE) >= dense_per_device / SLOW
+  assert cost.predict(_patched(cp, "cudnn_attention"), MACHINE) == pytest.approx(cost.predict(cp, MACHINE))
+  # Heads over the devices and every block square: cuDNN takes everything, at its rate.
+  ulysses = _patched(jm.library(prog, mesh)["ulysses"], "cudnn_attention")
+  assert cost.compute_seconds(ulysses, MACHINE) == pytest.approx(prog.flops / 2 / FAST, rel=1e-3)
+
+
+def test_uneven_causal_blocks_fall_back_in_the_prediction():
+  prog, mesh = _causal(), _abstract(2)
+  even = jm.Schedule(prog, mesh).tile("i", 2, names=("i0", "i_in")).parallelize("i0", "x")
+  even.tile("j", 2, names=("j0", "j_in")).shift("j0", "i0")
+  uneven = even.copy().tile("i_in", 2)  # query blocks half the key blocks: partly visible ones fall back
+  assert cost.compute_seconds(_patched(uneven, "cudnn_attention"), MACHINE) > \
+      2 * cost.compute_seconds(_patched(even, "cudnn_attention"), MACHINE)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_contiguous_ring_is_set_by_its_busiest_device(devices):
+  prog, mesh = _causal(), _abstract(devices)
+  lib = jm.library(prog, mesh)
+  for kernel in ("cudnn_attention", "pallas_attention"):
+    t = {name: cost.compute_seconds(_patched(lib[name], kernel), MACHINE) for name in ("ring", "ring_zigzag",
+                                                                                        "ulysses")}
+    balanced = prog.flops / devices / MACHINE.rate(kernel)
+    assert t["ulysses"] == pytest.approx(balanced, rel=1e-3)
+    # Rank r holds queries [r S/n, (r+1) S/n): the last rank keeps (2n - 1) / n times the mean.
+    assert t["ring"] == pytest.approx(balanced * (2 * devices - 1) / devices, rel=1e-3)
+    assert t["ring_zigzag"] == pytest.approx(balanced, rel=1e-3)
+
+
+def test_two_level_ring_imbalance():
+  prog, mesh = _causal(32768), _abstract(2, 2)
+  lib = jm.library(prog, mesh)
+  t = {name: cost.compute_seconds(_patched(lib[name], "cudnn_attention"), MACHINE) for name in ("ring", "usp",
+                                                                                                 "ring_zigzag")}
+  balanced = prog.flops / 4 / FAST
+  assert t["ring"] == pytest.approx(balanced * 7 / 4, rel=1e-3)
+  assert t["usp"] == pytest.approx(balanced * 3 / 2, rel=1e-3)  # heads over gpu, a contiguous ring over node
+  assert t["ring_zigzag"] == pytest.approx(balanced, rel=1e-3)
+
+
+def test_zigzag_order_costs_whole_array_collectives():
+  prog, mesh = _causal(), _abstract(2)
+  zz = jm.library(prog, mesh)["ring_zigzag"]
+  nbytes = math.prod(prog.writes.shape) * 2
+  assert cost._zigzag_seconds(zz, MACHINE) >= 5 * nbytes / 2 / MACHINE.bandwidth("*")  # 3 gathers, 1 all-reduce
+  assert cost._zigzag_seconds(jm.library(prog, mesh)["ring"], MACHINE) == 0.0
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cudnn_attention", "mosaic_attention"])
+def test_non_causal_compute_is_flops_over_rate(kernel):
+  prog = jm.programs.attention(1, 32, 8, 8192, 8192, 128, dtype=jnp.bfloat16)
+  mesh = _abstract(2, 2)
+  for name, s in jm.library(prog, mesh).items():
+    s = _patched(s, kernel)
+    parallel = math.prod(s.levels[lp.level] for lp in s.loops if lp.role == "parallel")
+    assert cost.compute_seconds(s, MACHINE) == pytest.approx(prog.flops / parallel / MACHINE.rate(kernel)), name
+
+
+def test_padded_keys_fall_back_for_cudnn():
+  prog = jm.programs.attention(1, 8, 8, 1001, 1001, 64, dtype=jnp.bfloat16)
+  ring = jm.library(prog, _abstract(8))["ring"]
+  assert ring.padded["j"] == 1008
+  assert cost.compute_seconds(_patched(ring, "cudnn_attention"), MACHINE) == pytest.approx(
+      cost.compute_seconds(ring, MACHINE))
+
+
+def test_prediction_is_cheap():
+  import time
+  prog, mesh = _causal(32768), _abstract(4, 4)
+  schedules = [_patched(s, k) for s in jm.library(prog, mesh).values() for k in ("xla", "cudnn_attention")]
+  t0 = time.perf_counter()
+  for s in schedules:
+    cost.predict(s, MACHINE)
+  assert (time.perf_counter() - t0) / len(schedules) < 0.05
+
+
+# ------------------------------------------------------------------ calibration's flops
+def test_calibration_counts_executed_flops():
+  prog = _causal()
+  sizes = {"b": 1, "hk": 32, "g": 1, "i": 4096, "j": 4096, "d": 128}
+  counted = prog.flops / 4
+  assert calibrate.executed_flops(prog, "xla", sizes) == pytest.approx(2 * counted)  # dense on the diagonal
+  assert calibrate.executed_flops(prog, "cudnn_attention", sizes) == pytest.approx(counted, rel=1e-3)
+  kernel = registry.kernel("cudnn_attention")
+  for shrink in (1, 8):
+    square = calibrate._block_sizes(prog, kernel, 1 << 30, shrink)
+    assert square["i"] == square["j"]
+
+
+# ------------------------------------------------------------------ benchmarks.model_check's statistics
+def test_model_check_statistics(tmp_path):
+  from benchmarks import model_check
+  assert list(model_check.ranks([3.0, 1.0, 3.0, 2.0])) == [2.5, 0.0, 2.5, 1.0]
+  assert model_check.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert model_check.spearman([1, 1, 2, 3], [3, 2, 1, 0]) == pytest.approx(-0.9486833)  # ties share ranks
+  assert model_check.median_abs_log_error([2.0, 1.0, 1.0], [1.0, 1.0, 2.0]) == pytest.approx(math.log(2))
+  log = tmp_path / "suite.log"
+  log.write_text("== attention MHA B1 S8K H32 KV32 D128 causal  (407 s of the budget left)\n"
+                 "      [1/2] ring [cudnn_attention]                   predicted     0.738 ms  ok         1.603 ms\n"
+                 "      [2/2] par(i_gpu,gpu) tile(i,2) [cudnn_attention] predicted     0.892 ms  ok   5.862 ms\n")
+  assert model_check.log_predictions(str(log)) == {
+      "attention MHA B1 S8K H32 KV32 D128 causal": {"ring [cudnn_attention]": 0.738,
+                                                    "par(i_gpu,gpu) tile(i,2) [cudnn_attention]": 0.892}}
