@@ -72,10 +72,13 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     chunks = 2 * math.prod(s.levels.values())
     s.zigzag("i", chunks).zigzag("j", chunks)
     par = split(s, "i", levels)
-    for p, j in zip(par, split(s, "j", levels, parallel=False)):
+    rings = split(s, "j", levels, parallel=False)
+    for p, j in zip(par, rings):
       s.shift(j, p)
     s.tile("i_in", 2, names=("i_half", "i_chunk")).tile("j_in", 2, names=("j_half", "j_chunk"))
-    return s  # each block is one chunk: contiguous, so whole-block kernels apply
+    # each block is one chunk (contiguous, so whole-block kernels apply); both query halves
+    # meet each travelling key block, so K/V go around the ring once
+    return s.reorder(*rings, "i_half")
 
   def tree():
     s = Schedule(program, mesh)
