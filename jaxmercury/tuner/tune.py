@@ -262,7 +262,8 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   if not many and len(ok) > 1:
     if inputs is None:
       inputs = program.random_inputs(jax.random.key(seed))
-    _final_round(ok, inputs, iters, log)
+    for c in _final_round(ok, inputs, iters, log):
+      store.measured(c)
   best = min(ok, key=lambda c: c.time_ms) if ok else None
   if many:
     final = agree.broadcast_json(
@@ -276,8 +277,10 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   return TuneResult(best, cands, machine=machine, resumed=resumed)
 
 
-def _final_round(ok, inputs, iters: int, log):
-  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side; their times become these.
+def _final_round(ok, inputs, iters: int, log) -> list:
+  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side; returns those re-timed.
+
+  Their times become the side-by-side ones.
 
   One-at-a-time timings of candidates a few percent apart are ordered by the
   machine's drift as much as by their speed; interleaved rounds are not.
@@ -285,16 +288,17 @@ def _final_round(ok, inputs, iters: int, log):
   ok = sorted(ok, key=lambda c: c.time_ms)
   finalists = [c for c in ok if c.time_ms <= ok[0].time_ms * (1 + FINAL_MARGIN)][:FINAL_SIZE]
   if len(finalists) < 2:
-    return
+    return []
   try:
     times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters)
   except Exception as e:  # noqa: BLE001 - keep the first timings
     log(f"  final round skipped: {type(e).__name__}: {e}")
-    return
+    return []
   for c in finalists:
     c.result = dataclasses.replace(c.result, median_ms=statistics.median(times[c.name]), times_ms=times[c.name],
                                    reason=f"final round: {len(finalists)} within {FINAL_MARGIN:.0%}, interleaved")
   log("  final round (interleaved): " + ", ".join(f"{c.name} {c.time_ms:.3f} ms" for c in finalists))
+  return finalists
 
 
 def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneResult | None:
