@@ -109,7 +109,7 @@ def record_from_data(program, mesh, data: dict) -> Record:
     for r in data["candidates"]:
       if r["schedule"] == trace and r["name"] == name:
         winner.predicted_ms, winner.result.rel_err = r["predicted_ms"], r["rel_err"]
-        winner.result.compiled_bytes = r.get("compiled_bytes")
+        winner.result.compiled_bytes, winner.result.reason = r.get("compiled_bytes"), r.get("reason", "")
         cands.append(winner)
         continue
       result = measure.Measurement.from_dict({"status": r["status"], "median_ms": r["time_ms"], "rel_err": r["rel_err"],
