@@ -47,6 +47,7 @@ _preconfigure(sys.argv)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -61,6 +62,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
 from jaxmercury.pallas_kernels import registry  # noqa: E402
+from jaxmercury.tuner import measure  # noqa: E402
 
 from benchmarks.baselines import xla as base  # noqa: E402
 
@@ -308,23 +310,13 @@ def time_interleaved(ready, records, iters=ITERS):
   Returns:
     name -> list of per-call times in ms.
   """
-  times = {name: [] for name in ready}
-  names = list(ready)
-  for r in range(iters):
-    k = r % len(names) if names else 0
-    for name in names[k:] + names[:k]:
-      if name not in ready:
-        continue
-      fn, args = ready[name]
-      try:
-        t0 = time.perf_counter()
-        _call(fn, args)
-        times[name].append((time.perf_counter() - t0) * 1e3)
-      except Exception as exc:  # pylint: disable=broad-except
-        records[name]["error"] = _error(exc)
-        print(f"  ERROR while timing {name}: {_error(exc)}", flush=True)
-        del ready[name]
-  return {n: t for n, t in times.items() if n in ready}
+  def dropped(name, exc):
+    records[name]["error"] = _error(exc)
+    print(f"  ERROR while timing {name}: {_error(exc)}", flush=True)
+    del ready[name]
+
+  return measure.rounds({name: functools.partial(fn, *args) for name, (fn, args) in ready.items()}, iters,
+                        on_error=dropped)
 
 
 def check_numerics(entries, ready, records, baseline):

@@ -176,23 +176,13 @@ def time_interleaved(ready: dict, records: dict, inputs) -> dict[str, list[float
   A contestant stops when it has its own count of runs; one that fails is
   dropped with its error recorded.
   """
-  times = {name: [] for name in ready}
-  names = list(ready)
-  rounds = max((r.iters for r in ready.values()), default=0)
-  for r in range(rounds):
-    k = r % len(names)
-    for name in names[k:] + names[:k]:
-      if name not in ready or len(times[name]) >= ready[name].iters:
-        continue
-      try:
-        t0 = time.perf_counter()
-        jax.block_until_ready(ready[name].fn(*inputs))
-        times[name].append((time.perf_counter() - t0) * 1e3)
-      except Exception as exc:  # noqa: BLE001
-        records[name]["error"] = error_text(exc)
-        log(f"  ERROR while timing {name}: {records[name]['error']}")
-        del ready[name]
-  return {n: t for n, t in times.items() if n in ready}
+  def dropped(name, exc):
+    records[name]["error"] = error_text(exc)
+    log(f"  ERROR while timing {name}: {records[name]['error']}")
+    del ready[name]
+
+  return measure.rounds({name: functools.partial(r.fn, *inputs) for name, r in ready.items()},
+                        {name: r.iters for name, r in ready.items()}, on_error=dropped)
 
 
 @jax.jit

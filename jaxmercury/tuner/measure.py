@@ -11,6 +11,7 @@ timed run counts as long as the slowest process took.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Callable
@@ -179,12 +180,45 @@ def _timed_runs(compiled, inputs, warmup: int, iters: int) -> list[float]:
   return times
 
 
-def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[float]]:
-  """Times already-checked schedules side by side: per round one run of each, in a rotating order.
+def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
+  """Times calls side by side: per round one run of each, in an order that rotates every round.
 
   Machine drift (clocks, temperature, other load) then spreads over all of
-  them alike, which separates candidates closer than the spread of one-at-a-
-  time timings.
+  them alike, which separates calls closer than the spread of one-at-a-time
+  timings.
+
+  Args:
+    calls: name -> a callable of no arguments (its result is waited for).
+    counts: runs per name (an int: the same for every name); a name stops
+      once it has its count.
+    on_error: ``on_error(name, exception)`` for a run that raises; that name
+      is then dropped. None: the exception propagates.
+
+  Returns:
+    name -> per-run milliseconds, for the names not dropped.
+  """
+  counts = counts if isinstance(counts, dict) else dict.fromkeys(calls, counts)
+  names, live = list(calls), dict(calls)
+  times = {name: [] for name in calls}
+  for r in range(max(counts.values(), default=0)):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
+      if name not in live or len(times[name]) >= counts[name]:
+        continue
+      try:
+        t0 = time.perf_counter()
+        jax.block_until_ready(live[name]())
+        times[name].append((time.perf_counter() - t0) * 1e3)
+      except Exception as exc:  # noqa: BLE001 - the caller decides
+        if on_error is None:
+          raise
+        on_error(name, exc)
+        del live[name]
+  return {name: t for name, t in times.items() if name in live}
+
+
+def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[float]]:
+  """Times already-checked schedules side by side (``rounds``).
 
   Args:
     schedules: name -> Schedule; each compiles and runs (one untimed run each).
@@ -199,16 +233,8 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[f
     xs = place_inputs(schedule, inputs)
     compiled = schedule.compile().lower(*xs).compile()
     jax.block_until_ready(compiled(*xs))
-    ready[name] = (compiled, xs)
-  names, times = list(ready), {name: [] for name in ready}
-  for r in range(iters):
-    k = r % len(names)
-    for name in names[k:] + names[:k]:
-      compiled, xs = ready[name]
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(*xs))
-      times[name].append((time.perf_counter() - t0) * 1e3)
-  return times
+    ready[name] = functools.partial(compiled, *xs)
+  return rounds(ready, iters)
 
 
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
