@@ -93,14 +93,22 @@ def _cudnn_backward(q, k, v, o, do, lse):
   return _cudnn_backward_masked(q, k, v, o, do, lse, False)
 
 
-def _cudnn_backward_masked(q, k, v, o, do, lse, causal):
-  """(dq, dk, dv) of one block pair from the merged output and lse, float32, through cuDNN."""
+def cudnn_backward(q, k, v, o, do, lse, causal: bool):
+  """(dq, dk, dv) through cuDNN's flash backward from a given output and log-sum-exp.
+
+  Layouts: q, o, do [b, i, heads, d]; k, v [b, j, kv heads, d]; lse [b, i,
+  heads] (natural log, as ``_cudnn`` returns it). Gradients in the inputs' dtype.
+  """
   from jaxmercury import _compat
+  stats = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
+  return _compat.cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
+
+
+def _cudnn_backward_masked(q, k, v, o, do, lse, causal):
+  """(dq, dk, dv) of one block pair ([b, i, hk, g, d] queries) from the merged output and lse, float32."""
   b, i, hk, g, d = q.shape
   flat = lambda x: x.reshape(b, i, hk * g, d)
-  stats = jnp.transpose(lse.reshape(b, i, hk * g), (0, 2, 1)).astype(jnp.float32)
-  dq, dk, dv = _compat.cudnn_attention_backward(flat(q), k, v, flat(o), flat(do), stats,
-                                                scale=1.0 / math.sqrt(d), causal=causal)
+  dq, dk, dv = cudnn_backward(flat(q), k, v, flat(o), flat(do), lse.reshape(b, i, hk * g), causal)
   return dq.reshape(q.shape).astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 

@@ -32,9 +32,8 @@ def differentiable(schedule, forward):
   def duals():  # built on the first differentiation, not for forward-only use
     with_lse, dq_s, dkv_s = attention_duals(schedule)
     fused = local_backward(schedule)
-    if fused is not None:
-      return with_lse.compile(differentiable=False), fused
-    return with_lse.compile(differentiable=False), dq_s.compile(), dkv_s.compile()
+    backward = (fused,) if fused is not None else (dq_s.compile(), dkv_s.compile())
+    return (with_lse.compile(differentiable=False), *backward)
 
   @jax.custom_vjp
   def attention(q, k, v):

@@ -14,21 +14,14 @@ derivative of the plain attention). Other kernels keep the dual schedules.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxmercury.pallas_kernels.cudnn_attention import cudnn_backward
+
 BUFFERS = ("q", "k", "v", "o")
-
-
-def _cudnn(q, k, v, o, do, lse, causal):
-  from jaxmercury import _compat
-  stats = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)  # [b, i, heads] -> [b, heads, i]
-  return _compat.cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]),
-                                          causal=causal)
 
 
 def _xla(q, k, v, o, do, lse, causal):
@@ -38,7 +31,7 @@ def _xla(q, k, v, o, do, lse, causal):
   return vjp(do.astype(q.dtype))
 
 
-FUSED_BACKWARD = {"cudnn_attention": _cudnn, "xla": _xla}
+FUSED_BACKWARD = {"cudnn_attention": cudnn_backward, "xla": _xla}
 
 
 def _split_axes(plan, prog) -> dict | None:
