@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from conftest import fresh_key, rel_err
 from jax.sharding import AxisType
 
@@ -14,6 +15,17 @@ GRAD_TOL = 3e-2  # and of gradients
 def gpu_mesh():
   """One level over every local device."""
   return jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(AxisType.Auto,))
+
+
+def library_with(program, strategy: str, kernel: str, mesh=None):
+  """The library's ``strategy`` for ``program`` on ``mesh`` (default every GPU), patched with ``kernel``.
+
+  Skips the calling test when the strategy does not apply.
+  """
+  lib = jm.library(program, mesh or gpu_mesh())
+  if strategy not in lib:
+    pytest.skip(f"{strategy} does not apply")
+  return lib[strategy].patch(kernel)
 
 
 def _float32(schedule):

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu.checks import check_gradients, check_schedule, gpu_mesh
+from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
 
 import jaxmercury as jm
 
@@ -14,10 +14,7 @@ pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="need
 @pytest.mark.parametrize("strategy", ["ring", "context_parallel", "tree", "ulysses"])
 def test_library_with_cudnn(strategy, causal):
   prog = jm.programs.attention(2, 8, 2, 1024, 1024, 128, causal=causal, dtype=jnp.bfloat16)
-  lib = jm.library(prog, gpu_mesh())
-  if strategy not in lib:
-    pytest.skip(f"{strategy} does not apply")
-  check_schedule(lib[strategy].patch("cudnn_attention"))
+  check_schedule(library_with(prog, strategy, "cudnn_attention"))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import fresh_key
 from conftest import rel_err as _rel
-from gpu.checks import TOL, check_gradients, check_schedule
+from gpu.checks import TOL, check_gradients, check_schedule, library_with
 from gpu.checks import gpu_mesh as _mesh
 
 import jaxmercury as jm
@@ -204,10 +204,7 @@ def test_backward_ring_offsets_and_variants(part):
 @pytest.mark.parametrize("strategy", ["ring", "context_parallel", "tree", "ulysses"])
 def test_library_with_mosaic(strategy, causal):
   prog = jm.programs.attention(2, 8, 2, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
-  lib = jm.library(prog, _mesh())
-  if strategy not in lib:
-    pytest.skip(f"{strategy} does not apply")
-  check_schedule(lib[strategy].patch("mosaic_attention"))
+  check_schedule(library_with(prog, strategy, "mosaic_attention"))
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))
@@ -230,10 +227,7 @@ def test_ring_with_uneven_blocks_uses_all_paths(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_with_mosaic_backward(strategy, causal):
   prog = jm.programs.attention(1, 8, 2, 4096, 4096, 128, causal=causal, dtype=jnp.bfloat16)
-  lib = jm.library(prog, _mesh())
-  if strategy not in lib:
-    pytest.skip(f"{strategy} does not apply")
-  check_gradients(lib[strategy].patch("mosaic_attention"))
+  check_gradients(library_with(prog, strategy, "mosaic_attention"))
 
 
 # ------------------------------------------------------------------ matmul
@@ -286,10 +280,7 @@ def test_matmul_blocks_on_and_off_the_tiles(kernel, shape):
 @pytest.mark.parametrize("strategy", ["allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter"])
 def test_matmul_library_with_mosaic(strategy, kernel):
   prog = jm.programs.matmul(4096, 4096, 4096, jnp.bfloat16)
-  lib = jm.library(prog, _mesh())
-  if strategy not in lib:
-    pytest.skip(f"{strategy} does not apply")
-  s = lib[strategy].patch(kernel)
+  s = library_with(prog, strategy, kernel)
   xs = prog.random_inputs(fresh_key())
   want = jnp.dot(*_f32(*xs), precision="highest")
   f = s.compile()

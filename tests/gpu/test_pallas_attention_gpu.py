@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_key, rel_err
-from gpu.checks import check_gradients, check_schedule, gpu_mesh
+from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
 
 import jaxmercury as jm
 from jaxmercury.pallas_kernels import flash_attention as fa
@@ -99,10 +99,7 @@ def test_pallas_backward(s, causal):
 def test_schedule_with_pallas_kernels(strategy):
   """The patched forward and its dual backward (Pallas dq/dkv) on all GPUs, values and gradients."""
   prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=True, dtype=jnp.bfloat16)
-  lib = jm.library(prog, gpu_mesh())
-  if strategy not in lib:
-    pytest.skip(f"{strategy} does not apply")
-  check_gradients(lib[strategy].patch("pallas_attention"))
+  check_gradients(library_with(prog, strategy, "pallas_attention"))
 
 
 def _triton_or_skip():
