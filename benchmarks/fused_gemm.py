@@ -38,7 +38,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.baselines import gemm as base  # noqa: E402
 
-TILES = ((128, 128, 64, 4), (128, 256, 64, 2), (128, 128, 128, 2))
+TILES = ((128, 128, 64, 4), (128, 128, 64, 5), (64, 256, 64, 4), (128, 128, 128, 2))
 
 
 def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:

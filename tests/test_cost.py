@@ -306,6 +306,16 @@ def test_calibration_counts_executed_flops():
     assert square["i"] == square["j"]
 
 
+def test_calibration_blocks_stay_under_the_flops_cap():
+  """A long sequence calibrates on blocks no larger than the cap, not on the whole sequence."""
+  prog = jm.programs.attention(1, 32, 8, 131072, 131072, 128)
+  kernel = registry.kernel("cudnn_attention")
+  uncapped = calibrate._block_sizes(prog, kernel, 8 << 30)
+  capped = calibrate._block_sizes(prog, kernel, 8 << 30, max_flops=calibrate.GPU_BLOCK_FLOPS)
+  flops = lambda sizes: cost.dense_flops(prog) * math.prod(sizes[a] / ax.extent for a, ax in prog.axes.items())
+  assert flops(uncapped) > calibrate.GPU_BLOCK_FLOPS >= flops(capped) > calibrate.GPU_BLOCK_FLOPS / 2
+
+
 # ------------------------------------------------------------------ benchmarks.model_check's statistics
 def test_model_check_statistics(tmp_path):
   from benchmarks import model_check

@@ -30,6 +30,7 @@ from jaxmercury.program import BlockContext
 from jaxmercury.tuner.cost import Machine, dense_flops, masked_axes
 
 REPEATS = 8
+GPU_BLOCK_FLOPS = 1e13  # kernel rates level off well below this (about 15 ms at cuDNN's rate)
 
 
 def _time(fn, *args, iters: int = 3) -> float:
@@ -47,8 +48,9 @@ def _per_repeat(make, *args) -> float:
   return max((_time(make(REPEATS), *args) - _time(make(1), *args)) / (REPEATS - 1), 1e-9)
 
 
-def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bool = True) -> dict[str, int]:
-  """Per-axis block sizes that fit the budget, then ``shrink`` times fewer loop points.
+def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bool = True,
+                 max_flops: float | None = None) -> dict[str, int]:
+  """Per-axis block sizes that fit the budget and ``max_flops``, then ``shrink`` times fewer loop points.
 
   ``square``: a causal program's query and key blocks take the smaller of their sizes.
   """
@@ -66,7 +68,10 @@ def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bo
     sizes[axis] = max(1, sizes[axis] // 2)
     return True
 
-  while nbytes() > budget_bytes and halve():
+  def flops():
+    return dense_flops(program) * math.prod(sizes[a] / ax.extent for a, ax in program.axes.items())
+
+  while (nbytes() > budget_bytes or (max_flops is not None and flops() > max_flops)) and halve():
     pass
   while shrink > 1 and halve():
     shrink //= 2
@@ -106,14 +111,15 @@ def _kernel_call_seconds(program, fn, sizes, device) -> float:
   return _per_repeat(make, jax.device_put(jnp.int32(0), device), *blocks)
 
 
-def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int) -> tuple[float, float]:
-  """(flops per second, fixed seconds per call) of a kernel on one device."""
+def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
+                   max_flops: float | None = None) -> tuple[float, float]:
+  """(flops per second, fixed seconds per call) of a kernel on one device, on blocks of at most ``max_flops``."""
   kernel = registry.kernel(kernel_name)
   fn = registry.lookup(kernel_name, program, mesh)
   device = mesh.devices.flat[0]
   points = {}
   for shrink in (1, 8):
-    sizes = _block_sizes(program, kernel, budget_bytes, shrink)
+    sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
     flops = executed_flops(program, kernel_name, sizes)
     points[flops] = _kernel_call_seconds(program, fn, sizes, device)
   ordered = sorted(points.items())  # one point when both sizes do the same work
@@ -194,7 +200,7 @@ def calibrate(program, mesh, *, kernels=None) -> Machine:
   link_bytes = (64 << 20) if gpu else (4 << 20)
   rates, overheads = {}, []
   for name in kernels or registry.candidates(program, mesh):
-    rates[name], overhead = kernel_figures(program, name, mesh, budget)
+    rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
     overheads.append(overhead)
   links, latencies, factors, overlaps = {}, [], [], []
   for level in mesh.axis_names:
