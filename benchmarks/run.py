@@ -19,7 +19,9 @@ a subprocess (``benchmarks.xla_windowed``), and its results are merged in.
 Sweeps grow the sequence length (attention) or M (GEMM); a contestant that
 fails (out of memory, ...) is skipped at the larger sizes, and a sweep stops
 when every contestant failed. ``--time_budget`` bounds the run: the results
-file is rewritten after every case, and ``--resume`` continues a run from it.
+file is rewritten after every case, a case is not started when the last one
+suggests it would not finish in the time left (``expected_seconds``), and
+``--resume`` continues a run from it.
 Whatever the budget left out (a case not started, or contestants of a case
 skipped because time ran out) is no failure: it stops no sweep and marks no
 contestant failed, and ``--resume`` runs such cases again.
@@ -83,7 +85,7 @@ def parse_args(argv):
   p.add_argument("--layers", nargs="*", choices=("qkv", "gate_up", "o", "down"),
                  default=["qkv", "gate_up", "o", "down"])
   p.add_argument("--time_budget", type=float, default=540.0,
-                 help="seconds for the whole run; cases not started in time are left for --resume")
+                 help="seconds for the whole run; cases not expected to finish in time are left for --resume")
   p.add_argument("--resume", action="store_true", help="keep the finished cases of --out and run the rest")
   p.add_argument("--iters", type=int, default=None, help="timed runs per contestant (default 20; smoke 3)")
   p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 3; smoke 1)")
@@ -346,6 +348,22 @@ class Sweep:
       self.stopped = f"every contestant failed at size {label}"
 
 
+def expected_seconds(case, history: list[dict]) -> float:
+  """A guess at ``case``'s wall time from the last case of its suite that ran (0 when none did).
+
+  The last case's seconds, scaled by the square root of the flops ratio when
+  ``case`` does more work (compiles and fixed costs do not grow with it): a
+  case that would not finish inside the budget is left for ``--resume``
+  rather than started and cut off by an outer time limit.
+  """
+  ran = [r for r in history if r.get("suite") == case.suite and r.get("wall_s") and not r.get("out_of_time")]
+  if not ran:
+    return 0.0
+  last = ran[-1]
+  ratio = case.flops / max(suites.case_from_dict(last["config"]).flops, 1.0)
+  return last["wall_s"] * max(1.0, ratio) ** 0.5
+
+
 def run_case(env, case, sweep: Sweep) -> dict:
   from benchmarks import cases
   import jax
@@ -449,8 +467,10 @@ def main(argv=None) -> int:
           print(f"\n== {case.name}: kept from {args.out}", flush=True)
           if rec.get("tuner", {}).get("winner_trace") and not rec["tuner"].get("replayed"):
             env.winners[case.family] = (case.size, rec["tuner"]["winner"], rec["tuner"]["winner_trace"])
-        elif time.time() > deadline:
+        elif (expected := expected_seconds(case, visited)) > deadline - time.time():
           out_of_time = out_of_time or case.name
+          print(f"\n== {case.name}: not started, expected to take {expected:.0f} s with "
+                f"{max(deadline - time.time(), 0):.0f} s of the budget left (--resume runs it)", flush=True)
           rec = {"name": case.name, "suite": case.suite, "family": case.family, "size": case.size,
                  "config": dataclasses.asdict(case), "status": "skipped", "skipped": report.OUT_OF_TIME,
                  "out_of_time": True}

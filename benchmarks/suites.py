@@ -74,6 +74,12 @@ class AttentionCase:
   def size(self) -> int:
     return self.seq
 
+  @property
+  def flops(self) -> float:
+    """Attention's matrix flops (a causal mask's visible half)."""
+    dense = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+    return dense / 2 if self.causal else dense
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmCase:
@@ -103,6 +109,10 @@ class GemmCase:
   @property
   def size(self) -> int:
     return self.m
+
+  @property
+  def flops(self) -> float:
+    return 2.0 * self.m * self.n * self.k
 
 
 def _mesh_suffix(mesh: str) -> str:

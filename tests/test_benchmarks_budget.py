@@ -7,6 +7,7 @@ runs in this process with ``run_case`` replaced by records as
 ``cases._finish`` builds them, so nothing is compiled.
 """
 
+import dataclasses
 import json
 import types
 
@@ -145,3 +146,17 @@ def test_report_names_cases_that_ran_with_contestants_skipped_for_time():
   results = {"cases": [_record(case, "partial")]}
   notes = "\n".join(report.notes(results))
   assert "incomplete (time budget): 1 cases" in notes and case.name in notes and "--resume" in notes
+
+
+def test_a_case_expected_to_outlast_the_budget_is_left_for_resume():
+  """On 2 x H200 a 128K case started with 64 s left ran past the command's limit; now it is not started."""
+  s32k = suites.AttentionCase(1, 32, 8, 128, 32768, False, "")
+  s128k = dataclasses.replace(s32k, seq=131072)
+  ran = {"suite": "attention", "wall_s": 30.0, "config": dataclasses.asdict(s32k)}
+  assert run.expected_seconds(s128k, []) == 0.0  # nothing ran yet: no guess
+  assert run.expected_seconds(s128k, [ran]) == pytest.approx(30.0 * 4)  # 16x the flops: 4x the seconds
+  assert run.expected_seconds(s32k, [{**ran, "config": dataclasses.asdict(s128k)}]) == 30.0  # never less
+  late = {**ran, "wall_s": 500.0, "out_of_time": True}
+  assert run.expected_seconds(s128k, [ran, late]) == pytest.approx(120.0)  # cut-off cases tell nothing
+  gemm = suites.GemmCase("allgather", 8192, 4096, 6144, "")
+  assert run.expected_seconds(gemm, [ran]) == 0.0  # another suite's cases tell nothing either
