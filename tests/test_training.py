@@ -1,6 +1,7 @@
 """Gradients of distributed schedules equal jax.grad of the plain reference."""
 
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,20 @@ def test_matmul_library_gradients(mesh_name):
   prog = jm.programs.matmul(32, 24, 40)
   for schedule in jm.library(prog, make_mesh(mesh_name)).values():
     _check_grads(schedule)
+
+
+def test_bf16_matmul_gradients_are_bf16_gemms():
+  """The backward GEMMs take bf16 operands (float32 accumulation), not operands upcast to float32."""
+  prog = jm.programs.matmul(64, 48, 32, dtype=jnp.bfloat16)
+  xs = prog.random_inputs(fresh_key())
+  for name, schedule in jm.library(prog, make_mesh("8")).items():
+    _check_grads(schedule, tol=2e-2)
+    f = schedule.compile()
+    text = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b).astype(jnp.float32)), argnums=(0, 1))).lower(*xs).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots, name
+    operand_types = [re.findall(r"tensor<(?:\d+x)*(\w+)>", d.split(":")[-1].split("->")[0]) for d in dots]
+    assert all(types == ["bf16", "bf16"] for types in operand_types), (name, dots)
 
 
 @pytest.mark.parametrize("program", ["attention", "matmul"])

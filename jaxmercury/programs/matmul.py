@@ -1,5 +1,6 @@
 """GEMM: C[m, n] += A[m, k] * B[k, n]."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -7,9 +8,36 @@ from jaxmercury.dsl import Axis, grid, match_buffer
 from jaxmercury.reductions import Sum
 
 
+@jax.custom_vjp
+def _dot_f32(a, b):
+  """``a @ b`` accumulated in float32, whose gradients are GEMMs in the inputs' own dtype.
+
+  JAX's own transpose of ``dot(preferred_element_type=float32)`` multiplies
+  the float32 cotangent by the bf16 operand upcast to float32: a float32
+  (TF32 on Hopper) GEMM at half the bf16 rate, plus the upcasts. Here the
+  cotangent is rounded to the inputs' dtype first, as in ordinary
+  mixed-precision training, and both gradient GEMMs accumulate in float32.
+  """
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_f32_fwd(a, b):
+  return _dot_f32(a, b), (a, b)
+
+
+def _dot_f32_bwd(residuals, g):
+  a, b = residuals
+  da = jnp.dot(g.astype(b.dtype), b.T, preferred_element_type=jnp.float32).astype(a.dtype)
+  db = jnp.dot(a.T, g.astype(a.dtype), preferred_element_type=jnp.float32).astype(b.dtype)
+  return da, db
+
+
+_dot_f32.defvjp(_dot_f32_fwd, _dot_f32_bwd)
+
+
 def _matmul_body(ctx, a, b):
   del ctx  # zero padding of k contributes nothing to the sum
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+  return _dot_f32(a, b)
 
 
 def matmul(m: int, n: int, k: int, dtype=jnp.float32):
