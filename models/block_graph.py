@@ -113,8 +113,14 @@ def planned_block(plan):
   return f, dict(compiled.param_specs)
 
 
-def block_apply(params: dict, x, config: LlamaConfig, *, implementation: str | None = None):
-  """The block as one plain function of its parameters (what XLA partitions by itself in baselines)."""
+def block_apply(params: dict, x, config: LlamaConfig, *, implementation: str | None = None,
+                attention_sharding=None):
+  """The block as one plain function of its parameters (what XLA partitions by itself in baselines).
+
+  ``attention_sharding``: a sharding that q, k and v are constrained to before
+  attention (cuDNN's partitioner takes batch or head splits only, never a
+  sequence split), or None to leave them to XLA.
+  """
   c = config
   b, s, _ = x.shape
   positions = jnp.arange(s)
@@ -122,6 +128,8 @@ def block_apply(params: dict, x, config: LlamaConfig, *, implementation: str | N
   q = rotary((h @ params["wq"]).reshape(b, s, c.heads, c.head_dim), positions, c.rope_theta)
   k = rotary((h @ params["wk"]).reshape(b, s, c.kv_heads, c.head_dim), positions, c.rope_theta)
   v = (h @ params["wv"]).reshape(b, s, c.kv_heads, c.head_dim)
+  if attention_sharding is not None:
+    q, k, v = (jax.lax.with_sharding_constraint(t, attention_sharding) for t in (q, k, v))
   o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
   x = x + o.reshape(b, s, c.heads * c.head_dim) @ params["wo"]
   h = rms_norm(x, params["mlp_norm"], c.norm_eps)
