@@ -1,6 +1,6 @@
-"""Fused all-gather GEMM (issue 5) against the unfused programs and JAX's own fused kernel, in one process.
+"""Fused all-gather GEMM and GEMM + reduce-scatter (issue 5) against the unfused programs, in one process.
 
-  python -m benchmarks.fused_gemm --out results.json [--iters 20]
+  python -m benchmarks.fused_gemm --out results.json [--iters 20] [--kind allgather|reducescatter|both]
   python -m benchmarks.fused_gemm --smoke --out /tmp/fused.json   # tiny, 8 simulated CPU devices
 
 Contestants per shape, all on the same inputs (x row-sharded, w
@@ -12,9 +12,21 @@ of its configurations) and ``fused[<tiles>]`` (``fused_allgather_matmul``,
 one record per tile variant). The floor is one device's local GEMM of the
 gathered rows (``[M, K] @ [K, N / devices]``), timed alone. Shapes: per-shard
 M 1024 with K = N = 4096 (N per device), and the Llama-3 gate projections at
-global M 8192 (K, N) = (4096, 14336) and (8192, 28672). The Pallas kernels
-need Hopper GPUs; ``--smoke`` runs the rest at a tiny shape on the CPU so the
-harness cannot rot.
+global M 8192 (K, N) = (4096, 14336) and (8192, 28672). These are
+``cases`` in the results.
+
+The reduce-scatter table (``reducescatter_cases``; x column-sharded, so each
+device holds a K shard, w row-sharded, output row-sharded): the baseline
+``xla_dot_psum_scatter`` (dot then float32 ``psum_scatter`` in shard_map),
+``jm_async_tp_rs`` (jaxmercury's ``async_tp_reducescatter`` schedule) and
+``fused_rs[<tiles>]`` (``fused_matmul_reducescatter``, one record per tile
+variant). The floor is one device's local GEMM ``[M, K / devices] @
+[K / devices, N]``, timed alone. Shapes: global M 4096 with K = N = 4096, and
+the Llama-3 down projections at global M 8192 (N, K) = (4096, 14336) and
+(8192, 28672), K split over the devices.
+
+The Pallas kernels need Hopper GPUs; ``--smoke`` runs the rest at a tiny
+shape on the CPU so the harness cannot rot.
 """
 
 from __future__ import annotations
@@ -48,6 +60,15 @@ def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]
   return [("per-shard M1024 K4096 N4096", 1024 * devices, 4096, 4096 * devices),
           ("Llama-3 8B gate M8192 K4096 N14336", 8192, 4096, 14336),
           ("Llama-3 70B gate M8192 K8192 N28672", 8192, 8192, 28672)]
+
+
+def rs_shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:
+  """``(label, global M, global K, N)`` of the reduce-scatter table (K is split over the devices)."""
+  if smoke:
+    return [("smoke M64 per device K128 per shard N128", 64 * devices, 128 * devices, 128)]
+  return [("M4096 K4096 N4096", 4096, 4096, 4096),
+          ("Llama-3 8B down M8192 K14336 N4096", 8192, 14336, 4096),
+          ("Llama-3 70B down M8192 K28672 N8192", 8192, 28672, 8192)]
 
 
 def contestants(mesh, m: int, k: int, n: int):
@@ -102,22 +123,80 @@ def run_shape(mesh, label, m, k, n, iters):
   return {"shape": label, "m": m, "k": k, "n": n, "records": records, "summary": summary}
 
 
+def rs_contestants(mesh, m: int, k: int, n: int):
+  import jaxmercury as jm
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
+  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+  from jaxmercury.tuner.tune import with_layouts
+  x_spec, w_spec, out_spec = base.layouts("reducescatter", "x")
+  out = [harness.Contestant("xla_dot_psum_scatter", "baseline", lambda: base.dot_psum_scatter(mesh, "x"),
+                            "dot (float32) + psum_scatter in shard_map")]
+  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
+  lib = jm.library(prog, mesh)
+  ring = (with_layouts(lib["async_tp_reducescatter"], [x_spec, w_spec], out_spec)
+          if "async_tp_reducescatter" in lib else None)
+  out.append(harness.Contestant("jm_async_tp_rs", "baseline", lambda: jax.jit(ring.compile()),
+                                "jaxmercury async_tp_reducescatter: shard_map ppermute ring of partial sums",
+                                skip=None if ring else "async_tp_reducescatter does not apply"))
+  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
+  for t in TILES:
+    tiles = Tiles(*t)
+    body = lambda a, b, tiles=tiles: fused_matmul_reducescatter(a, b, "x", tiles=tiles)
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
+                                                 check_vma=False))
+    out.append(harness.Contestant(f"fused_rs[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn,
+                                  "fused_matmul_reducescatter", skip=skip))
+  return out
+
+
+def run_rs_shape(mesh, label, m, k, n, iters):
+  """One row of the reduce-scatter table: global ``x [m, k]`` (K-sharded) times ``w [k, n]`` (row-sharded)."""
+  devices = mesh.devices.size
+  x_spec, w_spec, _ = base.layouts("reducescatter", "x")
+  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 2)
+  x = harness.random_array(keys[0], (m, k), jnp.bfloat16, NamedSharding(mesh, x_spec))
+  w = harness.random_array(keys[1], (k, n), jnp.bfloat16, NamedSharding(mesh, w_spec))
+  floor_ms = harness.compute_floor(base.local_share("reducescatter"), [(m, k // devices), (k // devices, n)],
+                                   jnp.bfloat16, mesh.devices.flat[0], keys[1])
+  prepared = harness.prepare(rs_contestants(mesh, m, k, n), (x, w), warmup=3, iters=iters, max_timing_s=10.0)
+  harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, (x, w)))
+  records = list(prepared.records.values())
+  harness.rank(records, floor_ms, 2 * m * k * n / devices)
+  mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r]
+  best = min(mine, key=lambda r: r["median_ms"], default=None)
+  unfused = prepared.records["xla_dot_psum_scatter"]
+  summary = {"floor_ms": floor_ms, "fused_best": best and best["name"],
+             "fused_over_dot_psum_scatter": (unfused["median_ms"] / best["median_ms"]
+                                             if best and "median_ms" in unfused else None),
+             "fused_floor_fraction": best and floor_ms / best["median_ms"]}
+  harness.log(json.dumps({"shape": label, **summary}))
+  return {"shape": label, "m": m, "k": k, "k_per_device": k // devices, "n": n, "records": records,
+          "summary": summary}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--smoke", action="store_true")
+  p.add_argument("--kind", choices=("both", "allgather", "reducescatter"), default="both",
+                 help="which table(s) to run")
   args = p.parse_args(argv)
   n = len(jax.devices())
   mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
-  cases = [run_shape(mesh, *s, 2 if args.smoke else args.iters) for s in shapes(n, args.smoke)]
+  iters = 2 if args.smoke else args.iters
+  cases = ([run_shape(mesh, *s, iters) for s in shapes(n, args.smoke)]
+           if args.kind in ("both", "allgather") else [])
+  rs_cases = ([run_rs_shape(mesh, *s, iters) for s in rs_shapes(n, args.smoke)]
+              if args.kind in ("both", "reducescatter") else [])
   out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "command": "python -m benchmarks.fused_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
-         "cases": cases}
+         "cases": cases, "reducescatter_cases": rs_cases}
   with open(args.out, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=1)
-  bad = [r["name"] for c in cases for r in c["records"] if "error" in r or r.get("numerics_ok") is False]
+  bad = [r["name"] for c in cases + rs_cases for r in c["records"]
+         if "error" in r or r.get("numerics_ok") is False]
   if bad:
     raise SystemExit(f"contestants failed or disagree: {bad}")
 
