@@ -12,20 +12,7 @@ from jaxmercury.schedules import orders
 from jaxmercury.shard_map.nest import Nest
 from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.shard_map.reshard import reshard
-
-
-def _to_storage_order(x, axes, zigzags):
-  for dim, a in enumerate(axes):
-    if a in zigzags:
-      x = jnp.take(x, orders.permutation(x.shape[dim], zigzags[a]), axis=dim)
-  return x
-
-
-def _to_true_order(y, axes, zigzags):
-  for dim, a in enumerate(axes):
-    if a in zigzags:
-      y = jnp.take(y, np.argsort(orders.permutation(y.shape[dim], zigzags[a])), axis=dim)
-  return y
+from jaxmercury.shard_map.storage_order import reorder
 
 
 def lower(schedule, *, jit: bool = True):
@@ -73,6 +60,17 @@ def lower(schedule, *, jit: bool = True):
   def whole(x):  # explicit sharding types cannot gather along a split dimension
     return constrain(x, PartitionSpec()) if explicit else x
 
+  def reordered(x, axes, spec, to_storage: bool):
+    """Zigzag axes moved to storage order (or back): chunk by chunk between devices where they are split."""
+    for dim, a in enumerate(axes):
+      if a in schedule.zigzags:
+        moved = reorder(constrain(x, spec), mesh, spec, dim, schedule.zigzags[a], to_storage)
+        if moved is None:  # not split in whole chunks: permute the whole array
+          perm = orders.permutation(x.shape[dim], schedule.zigzags[a])
+          moved = jnp.take(whole(x), perm if to_storage else np.argsort(perm), axis=dim)
+        x = moved
+    return x
+
   def run(*inputs):
     prog.check_inputs(inputs)
     canon = []
@@ -81,12 +79,9 @@ def lower(schedule, *, jit: bool = True):
       pads = [(0, schedule.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
       if any(p for _, p in pads):
         x = jnp.pad(x, pads)
-      if schedule.zigzags.keys() & set(b.axes):
-        x = _to_storage_order(whole(x), b.axes, schedule.zigzags)
+      x = reordered(x, b.axes, plan.spec(b.name), to_storage=True)
       canon.append(constrain(x, plan.spec(b.name)))
-    y = mapped(*canon)
-    if schedule.zigzags.keys() & set(out.axes):
-      y = _to_true_order(whole(y), out.axes, schedule.zigzags)
+    y = reordered(mapped(*canon), out.axes, plan.spec(out.name), to_storage=False)
     crop = tuple(slice(0, e) for e in out.canonical_shape)
     y = jnp.reshape(y[crop], out.shape)
     return y
