@@ -14,8 +14,7 @@ fixed latency; ring transfers overlap the compute of the step they precede,
 so a ring costs the larger of the two plus the part of the smaller that the
 machine does not hide (``overlap``). Gathers, all-to-alls and reductions
 before and after the nest do not overlap, nor does putting zigzag-ordered
-buffers in and out of their order (on whole arrays: an all-gather of each
-input, an all-reduce of the output).
+buffers in and out of their order (chunks sent straight to their devices).
 The computation is static: no tracing.
 """
 
@@ -29,7 +28,7 @@ import numpy as np
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.pallas_kernels.work import Block
 from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR
-from jaxmercury.shard_map import reshard
+from jaxmercury.shard_map import reshard, storage_order
 from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.tuner.memory import block_sizes, local_elements
 
@@ -122,7 +121,7 @@ def predict(schedule, machine: Machine) -> float:
     nbytes = local_elements(schedule, out, layout) * out.dtype.itemsize
     exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
     _apply(layout, st)
-  exposed += _zigzag_seconds(schedule, machine)
+  exposed += _zigzag_seconds(schedule, machine, plan)
   ring = 0.0
   for r in plan.rings.values():
     nbytes = sum(local_elements(schedule, prog.buffer(b), plan.resident[b]) * prog.buffer(b).dtype.itemsize
@@ -203,21 +202,33 @@ def compute_seconds(schedule, machine: Machine, plan=None) -> float:
   return repeat * float(per_device.max())
 
 
-def _zigzag_seconds(schedule, machine: Machine) -> float:
-  """Putting zigzag-ordered buffers in and out of their order, as XLA partitions it: on whole arrays.
+def _zigzag_seconds(schedule, machine: Machine, plan) -> float:
+  """Putting zigzag-ordered buffers in and out of their order.
 
-  Each input is all-gathered, reordered and sliced; the output is placed into
-  zeros and all-reduced (twice an all-gather's bytes).
+  Where the axis is split over devices in whole chunks, each device sends
+  its chunks straight to their new devices, ``k`` rounds of one
+  ``ppermute`` of a ``1/k`` share of its block (``storage_order``);
+  otherwise the whole array is permuted: each input all-gathered, the
+  output all-reduced (twice an all-gather's bytes).
   """
   prog = schedule.program
   devices = math.prod(schedule.levels.values())
   total = 0.0
   for b in prog.reads + (prog.writes,):
-    if schedule.zigzags.keys() & set(b.axes):
-      nbytes = math.prod(b.canonical_shape) * b.dtype.itemsize
-      moved = (2 if b is prog.writes else 1) * nbytes * (devices - 1) / devices
-      total += machine.gather_factor * moved / machine.bandwidth("*")
-      total += machine.latency_s + 2 * nbytes / machine.memory_bytes_per_s
+    nbytes = math.prod(b.canonical_shape) * b.dtype.itemsize
+    for dim, a in enumerate(b.axes):
+      if a not in schedule.zigzags:
+        continue
+      split = storage_order.sharded_levels(plan.spec(b.name), dim)
+      parts = math.prod(schedule.levels[lv] for lv in split)
+      if split and storage_order.routes(storage_order.zigzag_moves(schedule.zigzags[a], True), parts):
+        rounds = schedule.zigzags[a] // parts
+        block = nbytes / parts
+        total += rounds * machine.latency_s + block / min(machine.bandwidth(lv) for lv in split)
+      else:
+        moved = (2 if b is prog.writes else 1) * nbytes * (devices - 1) / devices
+        total += machine.gather_factor * moved / machine.bandwidth("*") + machine.latency_s
+      total += 2 * nbytes / devices / machine.memory_bytes_per_s
   return total
 
 
