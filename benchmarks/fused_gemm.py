@@ -100,27 +100,35 @@ def contestants(mesh, m: int, k: int, n: int):
   return out
 
 
-def run_shape(mesh, label, m, k, n, iters):
+def _measure(mesh, kind: str, m: int, k: int, n: int, iters: int, contestants_of, local_shapes):
+  """Inputs in ``kind``'s layouts, the local GEMM floor, then every contestant checked and timed side by side.
+
+  Returns ``(records by name, this floor in ms, our fastest record or None)``.
+  """
   devices = mesh.devices.size
-  x_spec, w_spec, _ = base.layouts("allgather", "x")
+  x_spec, w_spec, _ = base.layouts(kind, "x")
   keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 2)
   x = harness.random_array(keys[0], (m, k), jnp.bfloat16, NamedSharding(mesh, x_spec))
   w = harness.random_array(keys[1], (k, n), jnp.bfloat16, NamedSharding(mesh, w_spec))
-  floor_ms = harness.compute_floor(base.local_share("allgather"), [(m, k), (k, n // devices)], jnp.bfloat16,
-                                   mesh.devices.flat[0], keys[1])
-  prepared = harness.prepare(contestants(mesh, m, k, n), (x, w), warmup=3, iters=iters, max_timing_s=10.0)
+  floor_ms = harness.compute_floor(base.local_share(kind), local_shapes, jnp.bfloat16, mesh.devices.flat[0], keys[1])
+  prepared = harness.prepare(contestants_of(mesh, m, k, n), (x, w), warmup=3, iters=iters, max_timing_s=10.0)
   harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, (x, w)))
-  records = list(prepared.records.values())
-  harness.rank(records, floor_ms, 2 * m * k * n / devices)
-  mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r]
-  best = min(mine, key=lambda r: r["median_ms"], default=None)
-  jax_best = min((r for r in records if r["name"].startswith("pallas_mgpu") and "median_ms" in r),
+  harness.rank(list(prepared.records.values()), floor_ms, 2 * m * k * n / devices)
+  mine = [r for r in prepared.records.values() if r["role"] == "jaxmercury" and "median_ms" in r]
+  return prepared.records, floor_ms, min(mine, key=lambda r: r["median_ms"], default=None)
+
+
+def run_shape(mesh, label, m, k, n, iters):
+  """One row of the all-gather table: global ``x [m, k]`` (row-sharded) times ``w [k, n]`` (column-sharded)."""
+  records, floor_ms, best = _measure(mesh, "allgather", m, k, n, iters, contestants,
+                                     [(m, k), (k, n // mesh.devices.size)])
+  jax_best = min((r for r in records.values() if r["name"].startswith("pallas_mgpu") and "median_ms" in r),
                  key=lambda r: r["median_ms"], default=None)
   summary = {"floor_ms": floor_ms, "fused_best": best and best["name"],
              "fused_over_jax_kernel": best and jax_best and jax_best["median_ms"] / best["median_ms"],
              "fused_floor_fraction": best and floor_ms / best["median_ms"]}
   harness.log(json.dumps({"shape": label, **summary}))
-  return {"shape": label, "m": m, "k": k, "n": n, "records": records, "summary": summary}
+  return {"shape": label, "m": m, "k": k, "n": n, "records": list(records.values()), "summary": summary}
 
 
 def rs_contestants(mesh, m: int, k: int, n: int):
@@ -152,25 +160,15 @@ def rs_contestants(mesh, m: int, k: int, n: int):
 def run_rs_shape(mesh, label, m, k, n, iters):
   """One row of the reduce-scatter table: global ``x [m, k]`` (K-sharded) times ``w [k, n]`` (row-sharded)."""
   devices = mesh.devices.size
-  x_spec, w_spec, _ = base.layouts("reducescatter", "x")
-  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 2)
-  x = harness.random_array(keys[0], (m, k), jnp.bfloat16, NamedSharding(mesh, x_spec))
-  w = harness.random_array(keys[1], (k, n), jnp.bfloat16, NamedSharding(mesh, w_spec))
-  floor_ms = harness.compute_floor(base.local_share("reducescatter"), [(m, k // devices), (k // devices, n)],
-                                   jnp.bfloat16, mesh.devices.flat[0], keys[1])
-  prepared = harness.prepare(rs_contestants(mesh, m, k, n), (x, w), warmup=3, iters=iters, max_timing_s=10.0)
-  harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, (x, w)))
-  records = list(prepared.records.values())
-  harness.rank(records, floor_ms, 2 * m * k * n / devices)
-  mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r]
-  best = min(mine, key=lambda r: r["median_ms"], default=None)
-  unfused = prepared.records["xla_dot_psum_scatter"]
+  records, floor_ms, best = _measure(mesh, "reducescatter", m, k, n, iters, rs_contestants,
+                                     [(m, k // devices), (k // devices, n)])
+  unfused = records["xla_dot_psum_scatter"]
   summary = {"floor_ms": floor_ms, "fused_best": best and best["name"],
              "fused_over_dot_psum_scatter": (unfused["median_ms"] / best["median_ms"]
                                              if best and "median_ms" in unfused else None),
              "fused_floor_fraction": best and floor_ms / best["median_ms"]}
   harness.log(json.dumps({"shape": label, **summary}))
-  return {"shape": label, "m": m, "k": k, "k_per_device": k // devices, "n": n, "records": records,
+  return {"shape": label, "m": m, "k": k, "k_per_device": k // devices, "n": n, "records": list(records.values()),
           "summary": summary}
 
 

@@ -32,16 +32,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def _pad(x, rows: int, cols: int):
-  return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up
 
 
 def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -62,23 +54,11 @@ def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_
   Returns:
     ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``.
   """
-  if a.dtype != b.dtype or a.dtype not in (jnp.bfloat16, jnp.float16):
-    raise PreconditionError(f"fused_allgather_matmul: a and b must both be bf16 or fp16, got {a.dtype}, {b.dtype}")
-  if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-    raise PreconditionError(f"fused_allgather_matmul: a [m, k] and b [k, n] expected, got {a.shape}, {b.shape}")
-  if reason := tiles.problem(a.dtype.itemsize):
-    raise PreconditionError(f"fused_allgather_matmul: {reason}")
-  n_dev = lax.axis_size(axis_name)
-  if interpret and n_dev > 1:
-    raise PreconditionError(f"fused_allgather_matmul: interpret mode runs one device, axis {axis_name!r} has "
-                            f"{n_dev}: Mosaic GPU's interpreter has no peer memory or remote semaphores")
-  if n_dev > 1 and n_dev != jax.device_count():
-    raise PreconditionError(f"fused_allgather_matmul: axis {axis_name!r} has {n_dev} devices, but the process "
-                            f"has {jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
+  n_dev = check_operands("fused_allgather_matmul", a, b, axis_name, tiles, interpret)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   (m, k), n = a.shape, b.shape[1]
-  mp, kp, np_ = _round_up(m, tiles.tile_m), _round_up(k, tiles.tile_k), _round_up(n, tiles.tile_n)
-  out = _kernel(_pad(a, mp, kp), _pad(b, kp, np_), axis_name, n_dev, tiles, out_dtype,
+  mp, kp, np_ = round_up(m, tiles.tile_m), round_up(k, tiles.tile_k), round_up(n, tiles.tile_n)
+  out = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype,
                 num_ctas or jax.devices()[0].core_count, interpret)
   if (mp, np_) == (m, n):
     return out

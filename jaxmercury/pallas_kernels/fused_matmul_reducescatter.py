@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_allgather_matmul import _pad, _round_up
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up
 
 
 def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -67,29 +67,18 @@ def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), 
   Returns:
     ``[M / n, N]``: row block ``r`` (this device's index) of ``sum_j x_j @ w_j``.
   """
-  if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
-    raise PreconditionError(f"fused_matmul_reducescatter: x and w must both be bf16 or fp16, got {x.dtype}, {w.dtype}")
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-    raise PreconditionError(f"fused_matmul_reducescatter: x [m, k] and w [k, n] expected, got {x.shape}, {w.shape}")
-  if reason := tiles.problem(x.dtype.itemsize):
-    raise PreconditionError(f"fused_matmul_reducescatter: {reason}")
   n_dev = lax.axis_size(axis_name)
-  if x.shape[0] % n_dev:
+  if x.ndim == 2 and x.shape[0] % n_dev:
     raise PreconditionError(f"fused_matmul_reducescatter: x has {x.shape[0]} rows, which axis {axis_name!r} "
                             f"({n_dev} devices) cannot scatter evenly")
-  if interpret and n_dev > 1:
-    raise PreconditionError(f"fused_matmul_reducescatter: interpret mode runs one device, axis {axis_name!r} has "
-                            f"{n_dev}: Mosaic GPU's interpreter has no peer memory or remote semaphores")
-  if n_dev > 1 and n_dev != jax.device_count():
-    raise PreconditionError(f"fused_matmul_reducescatter: axis {axis_name!r} has {n_dev} devices, but the process "
-                            f"has {jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
+  check_operands("fused_matmul_reducescatter", x, w, axis_name, tiles, interpret, names=("x", "w"))
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   (m, k), n = x.shape, w.shape[1]
   mb = m // n_dev
-  mbp, kp, np_ = _round_up(mb, tiles.tile_m), _round_up(k, tiles.tile_k), _round_up(n, tiles.tile_n)
+  mbp, kp, np_ = round_up(mb, tiles.tile_m), round_up(k, tiles.tile_k), round_up(n, tiles.tile_n)
   if (mbp, kp) != (mb, k):  # pad every row block, so that block b starts at row b * mbp
     x = jnp.pad(x.reshape(n_dev, mb, k), ((0, 0), (0, mbp - mb), (0, kp - k))).reshape(n_dev * mbp, kp)
-  out = _kernel(x, _pad(w, kp, np_), axis_name, n_dev, tiles, out_dtype,
+  out = _kernel(x, pad_to(w, kp, np_), axis_name, n_dev, tiles, out_dtype,
                 num_ctas or jax.devices()[0].core_count, interpret)
   return out if (mbp, np_) == (mb, n) else out[:mb, :n]
 

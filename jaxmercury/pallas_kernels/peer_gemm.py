@@ -1,0 +1,44 @@
+"""What the fused GEMM kernels that store into peer GPUs share: argument checks and padding to tiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+
+
+def round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def pad_to(x, rows: int, cols: int):
+  """``x`` padded with zeros at the end to ``[rows, cols]``."""
+  return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+
+def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles, interpret: bool,
+                   names: tuple[str, str] = ("a", "b")) -> int:
+  """Raises ``PreconditionError`` naming what ``kernel`` cannot take; returns the axis's device count.
+
+  ``a [m, k]`` and ``b [k, n]`` must both be bf16 or fp16, the tiles must
+  compile, interpret mode runs one device only, and the axis must span the
+  process's devices (Mosaic GPU addresses peers by their index in the whole
+  mesh). ``names`` are the operands' names in the messages. Call inside ``shard_map``.
+  """
+  if a.dtype != b.dtype or a.dtype not in (jnp.bfloat16, jnp.float16):
+    raise PreconditionError(f"{kernel}: {names[0]} and {names[1]} must both be bf16 or fp16, got {a.dtype}, {b.dtype}")
+  if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+    raise PreconditionError(f"{kernel}: {names[0]} [m, k] and {names[1]} [k, n] expected, got {a.shape}, {b.shape}")
+  if reason := tiles.problem(a.dtype.itemsize):
+    raise PreconditionError(f"{kernel}: {reason}")
+  n_dev = lax.axis_size(axis_name)
+  if interpret and n_dev > 1:
+    raise PreconditionError(f"{kernel}: interpret mode runs one device, axis {axis_name!r} has {n_dev}: "
+                            "Mosaic GPU's interpreter has no peer memory or remote semaphores")
+  if n_dev > 1 and n_dev != jax.device_count():
+    raise PreconditionError(f"{kernel}: axis {axis_name!r} has {n_dev} devices, but the process has "
+                            f"{jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
+  return n_dev
