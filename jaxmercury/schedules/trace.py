@@ -9,8 +9,7 @@ from jax.sharding import PartitionSpec
 from jaxmercury.errors import TraceError
 
 FORMAT = 1
-PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate",
-              "lower_with")
+PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate")
 
 
 def _spec_to_data(spec):
