@@ -191,7 +191,11 @@ def check_schedule(schedule, program=None, mesh=None):
   registry.lookup(schedule.kernel or "xla", schedule.program, mesh)
   check_layouts(schedule.program, here, schedule.in_shardings, schedule.out_sharding)
   check_trace(schedule)
-  return make_plan(schedule)
+  plan = make_plan(schedule)
+  if getattr(schedule, "lowering", None) is not None:  # a fused lowering, checked again after later primitives
+    from jaxmercury.shard_map import fused
+    fused.check(schedule)
+  return plan
 
 
 def check_trace(schedule):
@@ -210,7 +214,7 @@ def check_trace(schedule):
     raise
   except ScheduleError as e:
     raise TraceError(f"the schedule's trace does not replay: {e}") from None
-  for attr in ("loops", "factors", "padded", "zigzags", "placements", "kernel"):
+  for attr in ("loops", "factors", "padded", "zigzags", "placements", "kernel", "lowering", "lowering_params"):
     if getattr(fresh, attr) != getattr(schedule, attr):
       raise TraceError(
           f"schedule and its trace disagree on {attr}: replaying the trace gives {_short(getattr(fresh, attr))}, "

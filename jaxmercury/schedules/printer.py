@@ -85,4 +85,7 @@ def render(schedule) -> str:
   kernel = schedule.kernel or "xla"
   block = " ".join(vector) or "scalar"
   out.append("  " * depth + f"block {block}: {prog.statement or prog.name}  [kernel {kernel}]")
+  if schedule.lowering is not None:
+    from jaxmercury.shard_map import fused
+    out.append(fused.summary(schedule))
   return "\n".join(out)

@@ -22,7 +22,8 @@ class Schedule:
 
   Computation primitives (``tile``, ``join``, ``reorder``, ``patch``, and
   ``pad`` and ``zigzag``) rewrite the nest; communication primitives (``parallelize``,
-  ``shift``, ``shard``, ``replicate``) annotate it. Every call checks its
+  ``shift``, ``shard``, ``replicate``) annotate it; ``lower_with`` picks a
+  fused kernel to run the whole nest. Every call checks its
   preconditions, raises ``ScheduleError`` naming the problem, and is recorded
   in ``trace`` (see ``to_json`` / ``from_json``). ``compile()`` lowers the
   schedule to a ``jax.shard_map`` program.
@@ -56,6 +57,8 @@ class Schedule:
     self.zigzags: dict[str, int] = {}
     self.placements: dict[tuple[str, str], tuple] = {}
     self.kernel: str | None = None
+    self.lowering: str | None = None  # a fused lowering (``lower_with``); None: the loop nest
+    self.lowering_params: dict = {}
     self.in_shardings, self.out_sharding = checks.check_layouts(program, self.levels, in_shardings, out_sharding)
     self.trace: list[dict] = []
 
@@ -113,6 +116,7 @@ class Schedule:
     new.padded = dict(self.padded)
     new.zigzags = dict(self.zigzags)
     new.placements = dict(self.placements)
+    new.lowering_params = dict(self.lowering_params)
     new.trace = copy.deepcopy(self.trace)
     return new
 
@@ -301,6 +305,52 @@ class Schedule:
     self._record("patch", name)
     return self
 
+  def lower_with(self, lowering: str, **params) -> "Schedule":
+    """Runs the whole nest as one fused kernel per device instead of the ``shard_map`` loop nest.
+
+    The fused lowerings (``jaxmercury.shard_map.fused``) are all-gather GEMM
+    kernels whose ring runs inside the kernel: ``fused_allgather_matmul``
+    (ours; ``params`` are its ``Tiles``: ``tile_m``, ``tile_n``, ``tile_k``,
+    ``max_concurrent_steps``) and ``jax_allgather_lhs_matmul`` (JAX's
+    ``collective_matmul_mgpu``; ``params`` are its ``TuningConfig`` fields,
+    the enums as ``"M"`` / ``"N"``). ``compile()`` runs the kernel under the
+    same ``shard_map`` layouts, padding and global signature; gradients come
+    from the ordinary lowering of this schedule.
+
+    Preconditions (the error gives the lowering's ``why_not``): the program
+    is a GEMM (loop-nest pattern ``matmul``), its block is not patched and no
+    axis is zigzagged; the plan stores A's rows, B's columns and C's columns
+    split over one mesh level L, nothing else split (as ``allgather_matmul``
+    and ``async_tp`` do); L holds every device of the mesh and, over several
+    devices, is the mesh's only level and spans every device of the process;
+    A, B and C are all bf16 or all fp16; the devices are Hopper GPUs (our
+    kernel also runs in Mosaic GPU interpret mode on a CPU mesh of one
+    device); ``params`` are the lowering's and valid. Primitives applied
+    later are checked again when compiling.
+
+    Before / after (``lower_with("fused_allgather_matmul")`` on ``async_tp``)::
+
+      parallel n0 in 8 @ x:                     parallel n0 in 8 @ x:  # one kernel per device
+        for m0 in 8 shift(n0):  # ring of A       fused_allgather_matmul(A[m@x], B[k, n@x]):
+          block: C[m, n] += A[m, k] * B[k, n]       for s in 8: rows (rank + s) % 8 of C = A_s @ B
+                                                      # A_s stored into rank - 1 by the kernel
+
+    Args:
+      lowering: a registered fused lowering's name.
+      **params: its parameters (default: its defaults).
+
+    Raises:
+      UnknownNameError: no such lowering or parameter (the message lists the known ones).
+      PreconditionError: the lowering does not apply; the message says why.
+    """
+    from jaxmercury.shard_map import fused
+    chosen = fused.lowering(lowering)
+    params = {k: v for k, v in params.items() if v is not None}  # as the trace records them
+    chosen.check(self, params)
+    self.lowering, self.lowering_params = chosen.name, dict(params)
+    self._record("lower_with", chosen.name, **params)
+    return self
+
   def kernel_candidates(self, variants: bool = False) -> list[str]:
     """The kernels ``patch`` accepts for this schedule's block on its mesh (the tuner's choices).
 
@@ -482,12 +532,19 @@ class Schedule:
     ``validate(program, mesh, inputs=...)`` also checks arrays and the devices
     they are committed to.
 
+    A schedule given ``lower_with`` runs its fused kernel under the same
+    ``shard_map`` layouts; its backward is always attached (the vjp of the
+    ordinary lowering), since the kernel has no autodiff.
+
     Returns:
       ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
     """
     from jaxmercury.shard_map.differentiate import differentiable as with_backward
     from jaxmercury.shard_map.lower import lower
     checks.validate(self.program, self.mesh, schedule=self, compiling=True)
+    if self.lowering is not None:
+      from jaxmercury.shard_map.fused import compile_fused
+      return compile_fused(self)
     forward = lower(self)
     return with_backward(self, forward) if differentiable else forward
 

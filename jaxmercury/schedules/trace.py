@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec
 from jaxmercury.errors import TraceError
 
 FORMAT = 1
-PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate")
+PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate",
+              "lower_with")
 
 
 def _spec_to_data(spec):

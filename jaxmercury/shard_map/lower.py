@@ -15,7 +15,7 @@ from jaxmercury.shard_map.reshard import reshard
 from jaxmercury.shard_map.storage_order import reorder
 
 
-def lower(schedule, *, jit: bool = True):
+def lower(schedule, *, jit: bool = True, per_device=None):
   """Builds ``f(*inputs) -> output`` for a schedule.
 
   Inputs and the output are global arrays with the program's own shapes. The
@@ -26,27 +26,16 @@ def lower(schedule, *, jit: bool = True):
   Args:
     schedule: the ``Schedule`` to lower.
     jit: wrap the result in ``jax.jit``.
+    per_device: a function of the inputs' stored blocks returning the
+      output's stored block, run in place of the loop nest (a fused
+      lowering); default the nest, with its collectives and reductions.
   """
   prog, mesh = schedule.program, schedule.mesh
   plan = make_plan(schedule)
-  kernel = registry.lookup(schedule.kernel or "xla", prog, mesh)
-  nest = Nest(schedule, plan, kernel)
   out = prog.writes
   reads = prog.reads
-
-  def per_device(*local):
-    arrays = {b.name: reshard(x, plan.storage[b.name], plan.resident[b.name])
-              for b, x in zip(reads, local)}
-    state = nest.run(arrays)
-    for red in plan.reductions:
-      if red.scatter_axis is None:
-        state = prog.reduction.all_reduce(state, red.level)
-      else:
-        dims = [axes.index(red.scatter_axis) for axes in prog.state_axes()]
-        state = prog.reduction.reduce_scatter(state, red.level, dims)
-    y = prog.finalize(state)
-    return reshard(y, plan.result, plan.storage[out.name])
-
+  if per_device is None:
+    per_device = _nest_per_device(schedule, plan)
   mapped = jax.shard_map(
       per_device, mesh=mesh,
       in_specs=tuple(plan.spec(b.name) for b in reads),
@@ -88,3 +77,25 @@ def lower(schedule, *, jit: bool = True):
 
   run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
   return jax.jit(run) if jit else run
+
+
+def _nest_per_device(schedule, plan):
+  """The loop nest on one device: stored input blocks -> the output's stored block."""
+  prog = schedule.program
+  kernel = registry.lookup(schedule.kernel or "xla", prog, schedule.mesh)
+  nest = Nest(schedule, plan, kernel)
+
+  def per_device(*local):
+    arrays = {b.name: reshard(x, plan.storage[b.name], plan.resident[b.name])
+              for b, x in zip(prog.reads, local)}
+    state = nest.run(arrays)
+    for red in plan.reductions:
+      if red.scatter_axis is None:
+        state = prog.reduction.all_reduce(state, red.level)
+      else:
+        dims = [axes.index(red.scatter_axis) for axes in prog.state_axes()]
+        state = prog.reduction.reduce_scatter(state, red.level, dims)
+    y = prog.finalize(state)
+    return reshard(y, plan.result, plan.storage[prog.writes.name])
+
+  return per_device

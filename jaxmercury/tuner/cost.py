@@ -15,6 +15,9 @@ so a ring costs the larger of the two plus the part of the smaller that the
 machine does not hide (``overlap``). Gathers, all-to-alls and reductions
 before and after the nest do not overlap, nor does putting zigzag-ordered
 buffers in and out of their order (chunks sent straight to their devices).
+A schedule lowered with a fused kernel (``Schedule.lower_with``) costs the
+larger of its local GEMM and its ring transfers, which the kernel overlaps
+fully, plus one latency (``fused_seconds``).
 The computation is static: no tracing.
 """
 
@@ -96,6 +99,8 @@ def _collective_bytes(op: str, local_bytes: int, n: int) -> float:
 
 def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
+  if getattr(schedule, "lowering", None) is not None:
+    return fused_seconds(schedule, machine)
   prog, plan = schedule.program, make_plan(schedule)
   levels = schedule.levels
   calls = math.prod(lp.extent for lp in schedule.loops if lp.role == SERIAL)
@@ -130,6 +135,26 @@ def predict(schedule, machine: Machine) -> float:
       nbytes += state_bytes
     ring += (r.size - 1) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
+
+
+def fused_seconds(schedule, machine: Machine) -> float:
+  """A fused all-gather GEMM: ``max(local GEMM, ring transfers) + latency``.
+
+  One device multiplies all ``L`` row shards of A by its columns of B (the
+  shapes padded to the kernel's tiles) at the measured rate of the local
+  kernel sharing its GEMM (``mosaic_matmul`` for ours, ``jax_mosaic_matmul``
+  for JAX's; ``flops_per_s`` where not measured), and passes ``L - 1`` shards
+  of A to its neighbour over the level's link. The kernel forwards each tile
+  as it computes with it, so the two overlap fully.
+  """
+  from jaxmercury.shard_map import fused
+  low = fused.lowering(schedule.lowering)
+  level = fused.placement(schedule).level
+  size, m, k, n = fused.gemm_shape(schedule)
+  gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
+  item = np.dtype(schedule.program.reads[0].dtype).itemsize
+  ring = (size - 1) * m * k * item / machine.bandwidth(level)
+  return max(gemm, ring) + machine.latency_s
 
 
 def dense_flops(program) -> float:

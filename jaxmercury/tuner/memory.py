@@ -4,7 +4,8 @@ Counts what each device holds at once: every input's stored block and, when
 the nest needs another layout, its gathered copy; a second block per ring
 buffer (the one in flight); the output's float32 partial state and its stored
 block; whole arrays put in or out of zigzag order; and the workspace of one
-body call (the patched kernel's, else the program's).
+body call (the patched kernel's, else the program's). A fused lowering holds
+its stored blocks, the A shards it receives and copies padded to its tiles.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def block_sizes(schedule) -> dict[str, int]:
 
 def memory_per_device(schedule) -> int:
   """Estimated peak bytes one device holds while running the schedule."""
+  if getattr(schedule, "lowering", None) is not None:
+    from jaxmercury.shard_map import fused
+    return fused.memory_bytes(schedule)
   plan = make_plan(schedule)
   prog = schedule.program
   ring_buffers = {b for r in plan.rings.values() for b in r.buffers}

@@ -1,14 +1,18 @@
 """``autotune``: pick the fastest correct schedule of a program on a mesh.
 
 Candidates are the library's strategies plus a sample of the design space,
-each with every local kernel that applies. The cost model (calibrated once per
+each with every local kernel that applies, and each with every fused lowering
+that applies (``Schedule.lower_with``: the whole nest as one fused kernel, on
+Hopper GPUs for the all-gather GEMMs). The cost model (calibrated once per
 machine and program, then read from the database) ranks them; candidates over
 the memory budget (default on GPUs: 90% of device memory) are pruned before
 compiling. Each library strategy is timed once, with the kernel the cost model
 predicts fastest for it (its anchor); every other candidate, the strategies'
 other kernels included, competes for the ``top_k`` best predicted places, and
 the rest are pruned ("cost model ranks it below the top k"). The timed ones
-are compiled, checked against the reference and timed; those within 5% of the
+are compiled, checked against the reference and timed (a fused lowering of a
+library strategy is timed once too, so it meets the ``shard_map`` lowering of
+the same schedule); those within 5% of the
 best are timed again side by side, in interleaved rounds, and ranked by those
 times (on one process). The winner and every candidate's outcome go to the
 tuning database.
@@ -37,6 +41,7 @@ from jaxmercury.errors import ScheduleError
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.shard_map import fused
 from jaxmercury.tuner import agree, cost, measure, watchdog
 from jaxmercury.tuner.calibrate import calibrate
 from jaxmercury.tuner.database import record_from_data
@@ -113,20 +118,49 @@ def describe(schedule) -> str:
   return " ".join(parts) or "local"
 
 
-def default_candidates(program, mesh, *, space: int = 24, seed: int = 0,
-                       kernels=None) -> list[tuple[str, object]]:
-  """The library strategies, then a sample of the design space, each with every applicable kernel."""
+def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels=None,
+                       in_shardings=None, out_sharding=None) -> list[tuple[str, object]]:
+  """The library strategies, then a sample of the design space, each with every applicable kernel.
+
+  Each schedule is also offered with every fused lowering that applies to it
+  (``"async_tp {fused_allgather_matmul}"``): ``why_not`` is None for the
+  schedule with the caller's layouts (``in_shardings``, ``out_sharding``),
+  and it would not run in interpret mode (unless ``registry.interpret_mode()``
+  is on). A design-space schedule's fused lowering that runs the same kernel
+  on the same blocks as an earlier candidate's is left out (the library's
+  strategies keep theirs: their backward passes differ).
+  """
   base = list(library(program, mesh).items())
+  strategies = len(base)
   seen = {s.to_json() for _, s in base}
   rest = [s for s in enumerate_schedules(program, mesh, tile_factors=(2, 4)) if s.to_json() not in seen]
   base += [(describe(s), s) for s in random.Random(seed).sample(rest, min(space, len(rest)))]
   kernels = kernels if kernels is not None else registry.candidates(program, mesh)
-  out = []
-  for name, s in base:
+  out, kernels_seen = [], set()
+  for n, (name, s) in enumerate(base):
     for k in kernels:
       patched = s.copy() if k == "xla" else s.copy().patch(k)
       out.append((name if k == "xla" else f"{name} [{k}]", patched))
+    for lowering in _fused_lowerings(s, in_shardings, out_sharding):
+      lowered = s.copy().lower_with(lowering)
+      key = fused.signature(lowered)
+      if n < strategies or key not in kernels_seen:
+        kernels_seen.add(key)
+        out.append((f"{name} {{{lowering}}}", lowered))
   return out
+
+
+def _fused_lowerings(schedule, in_shardings, out_sharding) -> list[str]:
+  """The fused lowerings the tuner offers for ``schedule`` (compiled for the caller's layouts)."""
+  names = [n for n in fused.applicable(schedule)
+           if registry.interpreting() or not fused.lowering(n).interprets(schedule)]
+  if names and (in_shardings is not None or out_sharding is not None):
+    try:
+      laid = with_layouts(schedule, in_shardings, out_sharding)
+    except ScheduleError:
+      return []
+    names = [n for n in names if fused.why_not(n, laid) is None]
+  return names
 
 
 def _device_budget(mesh) -> int | None:
@@ -173,7 +207,7 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     top_k: how many candidates besides the anchors, best predicted first, to
       compile and time. Anchors, always timed when they fit the memory
       budget: each library strategy with its best-predicted kernel (one per
-      strategy). A strategy's other kernels compete with the design-space
+      strategy), and each fused lowering of a library strategy. A strategy's other kernels compete with the design-space
       schedules for these ``top_k`` places; the rest are pruned with the
       reason.
     in_shardings: the layouts (``PartitionSpec`` per input) the caller's
@@ -367,12 +401,18 @@ def _candidate(name, schedule, program, mesh, machine, in_shardings, out_shardin
 
 
 def _strategy_of(name: str) -> str:
-  """The strategy part of a candidate's name: ``"ring [cudnn_attention]"`` -> ``"ring"``."""
+  """The strategy part of a candidate's name: ``"ring [cudnn_attention]"`` -> ``"ring"``.
+
+  A fused lowering is a strategy of its own: ``"async_tp {fused_allgather_matmul}"``.
+  """
   return name.split(" [")[0]
 
 
 def _anchors(fits, library_names) -> dict:
   """Strategy name -> its best-predicted candidate, for each library strategy among ``fits``.
+
+  A fused lowering of a library strategy (``"async_tp {jax_allgather_lhs_matmul}"``)
+  is an anchor of its own, so it is timed beside the strategy's ``shard_map`` lowering.
 
   Args:
     fits: candidates within the memory budget, best predicted first.
@@ -381,7 +421,7 @@ def _anchors(fits, library_names) -> dict:
   out = {}
   for c in fits:
     base = _strategy_of(c.name)
-    if base in library_names and base not in out:
+    if base.split(" {")[0] in library_names and base not in out:
       out[base] = c
   return out
 
@@ -390,7 +430,8 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
           retune, resume, log):
   """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
   memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
-  pairs = candidates if candidates is not None else default_candidates(program, mesh, space=space)
+  pairs = candidates if candidates is not None else default_candidates(
+      program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding)
   cands = [_candidate(name, s, program, mesh, machine, in_shardings, out_sharding) for name, s in pairs]
   fits = []
   for c in cands:
@@ -503,7 +544,8 @@ def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24,
   caller's layouts, when given, are fixed as in ``autotune``.
   """
   kernels = sorted(machine.kernel_flops_per_s) or ["xla"]
-  pairs = default_candidates(program, mesh, space=space, kernels=kernels)
+  pairs = default_candidates(program, mesh, space=space, kernels=kernels, in_shardings=in_shardings,
+                             out_sharding=out_sharding)
   if in_shardings is not None or out_sharding is not None:
     pairs = [(n, with_layouts(s, in_shardings, out_sharding)) for n, s in pairs]
   cands = [Candidate(name, s, cost.predict(s, machine) * 1e3, memory_per_device(s)) for name, s in pairs]

@@ -1,0 +1,91 @@
+"""Fused lowerings on real GPUs (skipped on CPU): every GEMM strategy they apply to, with each fused kernel.
+
+``async_tp`` and ``allgather_matmul`` lowered with ``fused_allgather_matmul``
+(ours) and ``jax_allgather_lhs_matmul`` (JAX's) over every local GPU: the
+output and both gradients against the float32 reference, the gradients
+against the ordinary schedule's, and the tuner offering and timing them.
+
+Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_fused_lowering.py -x -q``
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import fresh_key, rel_err
+from gpu.checks import GRAD_TOL, TOL, gpu_mesh
+from jax.sharding import AxisType
+
+import jaxmercury as jm
+from jaxmercury.shard_map import fused
+from jaxmercury.tuner import cost, measure
+from jaxmercury.tuner import tune as tune_module
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
+
+STRATEGIES = ("async_tp", "allgather_matmul")
+LOWERINGS = tuple(fused.LOWERINGS)
+
+
+def _shape(kind: str):
+  n = len(jax.devices())
+  # tiled: multiples of every tile; ragged: m that the mesh does not divide (the schedule pads it), and
+  # per-device shapes off the kernels' tiles (they pad them)
+  return {"tiled": (n * 512, n * 512, 1024), "ragged": (1001, n * 200, 1000)}[kind]
+
+
+def _check(schedule, plain):
+  prog = schedule.program
+  a, b = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(prog.writes.dtype)
+  out, vjp = jax.vjp(schedule.compile(), a, b)
+  ref_out, ref_vjp = jax.vjp(jnp.dot, a.astype(jnp.float32), b.astype(jnp.float32))
+  assert out.shape == ref_out.shape and out.dtype == prog.writes.dtype
+  err = rel_err(out.astype(jnp.float32), ref_out)
+  assert err < TOL, f"output: rel err {err}\n{schedule}"
+  _, plain_vjp = jax.vjp(plain.compile(), a, b)
+  for name, g, w, p in zip("AB", vjp(cot), ref_vjp(cot.astype(jnp.float32)), plain_vjp(cot)):
+    assert g.dtype == prog.reads[0].dtype
+    err = rel_err(g.astype(jnp.float32), w)
+    assert err < GRAD_TOL, f"d{name}: rel err {err}\n{schedule}"
+    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < 1e-3, f"d{name} differs from the ordinary one"
+
+
+@pytest.mark.parametrize("kind", ["tiled", "ragged"])
+@pytest.mark.parametrize("lowering", LOWERINGS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_gpu(strategy, lowering, kind):
+  m, n, k = _shape(kind)
+  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
+  plain = jm.library(prog, gpu_mesh())[strategy]
+  assert fused.why_not(lowering, plain) is None
+  _check(plain.copy().lower_with(lowering), plain)
+
+
+def test_one_gpu_of_several():
+  """Ours runs on a one-device level (no ring); JAX's kernel needs the level to span every device."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(512, 512, 256, dtype=jnp.bfloat16)
+  plain = jm.library(prog, mesh)["async_tp"]
+  _check(plain.copy().lower_with("fused_allgather_matmul"), plain)
+  reason = fused.why_not("jax_allgather_lhs_matmul", plain)
+  assert (reason is None) == (len(jax.devices()) == 1), reason
+
+
+def test_the_tuner_offers_and_times_them():
+  m, n, k = _shape("tiled")
+  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
+  mesh = gpu_mesh()
+  names = {name for name, _ in tune_module.default_candidates(prog, mesh, space=2)}
+  offered = {f"{s} {{{low}}}" for s in STRATEGIES for low in LOWERINGS}
+  assert offered <= names, names
+  machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
+  lib = jm.library(prog, mesh)
+  candidates = [(s, lib[s]) for s in STRATEGIES] + [
+      (f"{s} {{{low}}}", lib[s].copy().lower_with(low)) for s in STRATEGIES for low in LOWERINGS]
+  result = jm.autotune(prog, mesh, candidates=candidates, machine=machine, iters=5, key=fresh_key(), top_k=8,
+                       log=lambda _: None)
+  print("\n" + result.table())
+  by_name = {c.name: c for c in result.candidates}
+  for name in offered:
+    assert by_name[name].status == measure.OK, (name, by_name[name].result.reason)
+  assert result.best is not None

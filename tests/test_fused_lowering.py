@@ -1,0 +1,173 @@
+"""Fused lowerings (``Schedule.lower_with``) on CPU: preconditions, trace, printer, tuner, cost model.
+
+On the simulated 8-device mesh no fused lowering applies (no Hopper GPUs);
+on a one-device CPU mesh our kernel runs in Mosaic GPU interpret mode, which
+checks the numerics and the backward. Rings of several GPUs run in
+tests/gpu/test_fused_lowering.py.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_key, make_mesh, rel_err
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxmercury as jm
+from jaxmercury.pallas_kernels import registry
+from jaxmercury.shard_map import fused
+from jaxmercury.tuner import cost, memory
+from jaxmercury.tuner import tune as tune_module
+
+OURS, JAXS = "fused_allgather_matmul", "jax_allgather_lhs_matmul"
+SMALL = dict(tile_m=64, max_concurrent_steps=2)  # fewer interpreted steps
+
+
+def _one_device_mesh():
+  return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+
+
+def _bf16(m=256, n=256, k=128):
+  return jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
+
+
+# ------------------------------------------------------------------ preconditions
+def test_why_not_names_the_problem_on_the_simulated_mesh():
+  mesh = make_mesh("8")
+  lib = jm.library(_bf16(), mesh)
+  for strategy in ("async_tp", "allgather_matmul"):
+    ours = fused.why_not(OURS, lib[strategy])
+    assert "Hopper" in ours and "cpu" in ours and "interpret mode" in ours and "level 'x'" in ours, ours
+    assert "Hopper" in fused.why_not(JAXS, lib[strategy])
+  for strategy in ("matmul_reducescatter", "async_tp_reducescatter"):  # A split along k, not its rows
+    for name in (OURS, JAXS):
+      reason = fused.why_not(name, lib[strategy])
+      assert reason.startswith("buffer A is stored A[m, k@x]: its rows (m) are not split") and "B[k, n@L]" in reason
+  f32 = jm.library(jm.programs.matmul(256, 256, 128), mesh)["async_tp"]
+  assert "float32" in fused.why_not(OURS, f32) and "bf16 or fp16" in fused.why_not(OURS, f32)
+  two_levels = jm.library(_bf16(), make_mesh("2x4"))["async_tp"]
+  assert "split over 2 levels" in fused.why_not(OURS, two_levels)
+  attention = jm.library(jm.programs.attention(1, 4, 2, 64, 64, 16, dtype=jnp.bfloat16), mesh)["ring"]
+  assert "pattern 'matmul'" in fused.why_not(OURS, attention)
+  assert fused.applicable(lib["async_tp"]) == []
+
+
+def test_why_not_reads_the_callers_layouts():
+  mesh = _one_device_mesh()
+  prog = _bf16(128, 128, 64)
+  s = jm.library(prog, mesh)["async_tp"]
+  assert fused.why_not(OURS, s) is None
+  # the same trace for a caller whose C is split by rows: C's layout is not the kernel's
+  laid = tune_module.with_layouts(s, None, P("x", None))
+  assert fused.why_not(OURS, laid).startswith("buffer C is stored C[m@x, n], not C[m, n@x]")
+  assert "device" in fused.why_not(JAXS, s)  # one of the process's 8 devices: JAX's kernel spans them all
+
+
+def test_lower_with_raises_before_anything_runs():
+  mesh = make_mesh("8")
+  s = jm.library(_bf16(), mesh)["async_tp"]
+  before = s.to_json()
+  with pytest.raises(jm.PreconditionError, match=r"lower_with\('fused_allgather_matmul'\): .*Hopper"):
+    s.lower_with(OURS)
+  with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'jax_allgather_lhs_matmul'"):
+    s.lower_with("fused_gemm")
+  assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
+
+  one = jm.library(_bf16(128, 128, 64), _one_device_mesh())["async_tp"]
+  with pytest.raises(jm.UnknownNameError, match="no parameter 'tile_q'; parameters: .*'tile_m'"):
+    one.lower_with(OURS, tile_q=64)
+  with pytest.raises(jm.PreconditionError, match="tile_m=96 must be a multiple of 64"):
+    one.lower_with(OURS, tile_m=96)
+  assert one.lowering is None and all(step["primitive"] != "lower_with" for step in one.trace)
+
+  # A primitive after lower_with that breaks its preconditions: compile() refuses before tracing.
+  later = jm.library(_bf16(128, 128, 64), _one_device_mesh())["allgather_matmul"].lower_with(OURS)
+  later.replicate("A", "n0")
+  with pytest.raises(jm.PreconditionError, match="buffer A is stored A\\[m, k\\]"):
+    later.compile()
+
+
+def test_trace_round_trip_and_printer_keep_the_lowering():
+  mesh = _one_device_mesh()
+  prog = _bf16(128, 128, 64)
+  s = jm.library(prog, mesh)["async_tp"].lower_with(OURS, **SMALL)
+  assert s.trace[-1] == {"primitive": "lower_with", "args": [OURS], "kwargs": SMALL}
+  again = jm.Schedule.from_json(prog, mesh, s.to_json())
+  assert (again.lowering, again.lowering_params) == (OURS, SMALL) and again.to_json() == s.to_json()
+  jm.validate.validate(prog, mesh, schedule=again)
+  text = str(again)
+  assert "lowered with fused_allgather_matmul(tile_m=64, max_concurrent_steps=2) (Mosaic GPU interpret mode): " \
+         "the whole nest runs as one fused kernel per device" in text
+  assert "lowered with" not in str(jm.library(prog, mesh)["async_tp"])
+  copied = s.copy()
+  copied.lowering_params["tile_m"] = 128
+  assert s.lowering_params == SMALL
+
+
+# ------------------------------------------------------------------ numerics (interpret mode, one device)
+@pytest.mark.parametrize("strategy,shape", [("async_tp", (128, 128, 64)), ("allgather_matmul", (128, 128, 64)),
+                                            ("async_tp", (72, 136, 40))], ids=["async_tp", "allgather", "ragged"])
+def test_interpreted_kernel_matches_the_reference_and_the_ordinary_gradients(strategy, shape):
+  mesh = _one_device_mesh()
+  prog = _bf16(*shape)
+  plain = jm.library(prog, mesh)[strategy]
+  s = plain.copy().lower_with(OURS, **SMALL)
+  a, b = prog.random_inputs(fresh_key())
+  f = s.compile()
+  y = f(a, b)
+  assert y.shape == prog.writes.shape and y.dtype == jnp.bfloat16
+  ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+  assert rel_err(y.astype(jnp.float32), ref) < 2e-2
+  assert "wgmma" in str(jax.make_jaxpr(f)(a, b))  # the Mosaic GPU kernel ran, not the nest
+
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(f, a, b)
+  _, vjp_plain = jax.vjp(plain.compile(), a, b)
+  for got, want in zip(vjp(cot), vjp_plain(cot)):
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ tuner and cost model
+def test_the_tuner_offers_no_fused_candidates_on_the_cpu_mesh():
+  for mesh in (make_mesh("8"), make_mesh("2x4"), _one_device_mesh()):
+    names = [n for n, _ in tune_module.default_candidates(_bf16(), mesh, space=4)]
+    assert not any("{" in n for n in names), names
+  with registry.interpret_mode():  # interpret mode is offered only when asked for, as for kernels
+    names = [n for n, _ in tune_module.default_candidates(_bf16(128, 128, 64), _one_device_mesh(), space=4)]
+  assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{OURS}}}"} <= set(names)
+  assert not any(JAXS in n for n in names)
+
+
+def test_fused_variants_of_library_strategies_are_anchors():
+  class C:  # only names matter
+    def __init__(self, name):
+      self.name = name
+  fits = [C(n) for n in ("async_tp {fused_allgather_matmul}", "async_tp [mosaic_matmul]", "async_tp",
+                         "par(n) {fused_allgather_matmul}")]
+  anchors = tune_module._anchors(fits, {"async_tp"})
+  assert {k: c.name for k, c in anchors.items()} == {
+      "async_tp {fused_allgather_matmul}": "async_tp {fused_allgather_matmul}", "async_tp": "async_tp [mosaic_matmul]"}
+
+
+def test_cost_model_overlaps_the_ring_with_the_gemm():
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))  # plans: devices are not checked
+  prog = _bf16(8192, 8192, 8192)
+  machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6,
+                         kernel_flops_per_s={"xla": 600e12, "mosaic_matmul": 500e12, "jax_mosaic_matmul": 650e12})
+  lib = jm.library(prog, mesh)
+  for name, rate in ((OURS, 500e12), (JAXS, 650e12)):
+    s = lib["async_tp"].copy().lower_with(name)
+    gemm = 2 * 8192 * 8192 * 1024 / rate
+    ring = 7 * 1024 * 8192 * 2 / 150e9
+    assert cost.predict(s, machine) == pytest.approx(max(gemm, ring) + 20e-6)
+    fast = machine.with_links(x=1e13)
+    assert cost.predict(s, fast) == pytest.approx(gemm + 20e-6)
+    assert memory.memory_per_device(s) == (1024 * 8192 * 8 + 8192 * 1024 + 8192 * 1024) * 2
+  cands = {c.name: c for c in tune_module.predict_candidates(prog, mesh, machine, space=2)}
+  assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{JAXS}}}"} <= set(cands)
+  assert cands[f"async_tp {{{OURS}}}"].predicted_ms < cands["async_tp"].predicted_ms
+  assert all(math.isfinite(c.predicted_ms) for c in cands.values())
