@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from jaxmercury import graph as jg  # noqa: E402
 from jaxmercury.graph.dag import OP  # noqa: E402
+from jaxmercury.graph.layouts import Layout  # noqa: E402
 from jaxmercury.tuner.cost import Machine  # noqa: E402
 from models import CONFIGS, DecoderBlock  # noqa: E402
 from models import block_graph as bg  # noqa: E402
@@ -99,10 +100,20 @@ def place(tree: dict, mesh, specs: dict):
   return {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in tree.items()}
 
 
-def plan_block(config, seq: int, mesh, machines, strategies):
-  """The searched plan of one block (batch 1) and the seconds the search took."""
+# The residual stream's layouts the plan is searched for: tokens split (sequence parallel), or replicated
+# (what Megatron tensor parallelism keeps between blocks); the block's input and output take it.
+RESIDUALS = {"jaxmercury_plan": ("sequence", P(None, "x", None)), "jaxmercury_plan_replicated": ("replicated", P())}
+
+
+def residual_layout(kind: str, mesh) -> Layout:
+  return bg.sequence_parallel(mesh) if kind == "sequence" else Layout.replicated(2)
+
+
+def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "sequence"):
+  """The searched plan of one block (batch 1) for a residual layout kind, and the seconds the search took."""
   t0 = time.perf_counter()
-  graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies)
+  graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies,
+                         residual=residual_layout(residual, mesh))
   plan = jg.search(graph, machines)
   return plan, time.perf_counter() - t0
 
@@ -115,15 +126,17 @@ def _same_op_by_xla(program, implementation):
   return program.reference
 
 
-def operator_split(plan, iters: int, implementation) -> list[dict]:
+def operator_split(plan, iters: int, implementation, rows: list | None = None, saved=lambda: None) -> list[dict]:
   """Each operator of ``plan`` timed alone (Mercury's Fig. 12 split), beside XLA partitioning the same operator.
 
   Both sides get the same fresh inputs in the layouts the plan gives the
   operator and the same output layout; forward and forward+backward (the
-  gradients of every input for a random cotangent) are timed.
+  gradients of every input for a random cotangent) are timed. Rows are
+  appended to ``rows`` as they come, and ``saved()`` is called after each.
   """
   from jax.sharding import PartitionSpec
-  mesh, rows, seen = plan.graph.mesh, [], {}
+  mesh, seen = plan.graph.mesh, {}
+  rows = [] if rows is None else rows
   for node in plan.graph.nodes:
     if node.kind != OP:
       continue
@@ -132,6 +145,7 @@ def operator_split(plan, iters: int, implementation) -> list[dict]:
     key = (str(schedule), prog.name, tuple(b.shape for b in prog.reads))
     if key in seen:  # e.g. w_gate and w_up: one timing
       rows.append({**seen[key], "operator": node.name, "same_as": seen[key]["operator"]})
+      saved()
       continue
     ins = [NamedSharding(mesh, s if s is not None else PartitionSpec()) for s in schedule.in_shardings]
     out = NamedSharding(mesh, schedule.out_sharding if schedule.out_sharding is not None else PartitionSpec())
@@ -151,12 +165,30 @@ def operator_split(plan, iters: int, implementation) -> list[dict]:
     print(json.dumps(row), flush=True)
     seen[key] = row
     rows.append(row)
+    saved()
   return rows
 
 
-def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation, split=True):
-  plan, search_s = plan_block(config, seq, mesh, machines, strategies)
-  print(plan, flush=True)
+def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation, split=True,
+             case: dict | None = None, saved=lambda: None) -> dict:
+  """Times the plans and the baselines on one sequence length; fills ``case`` as results come, calling ``saved()``.
+
+  One plan is searched per residual layout (``RESIDUALS``); jaxmercury's time
+  is the faster plan's, as a tuner picking between them by measurement would.
+  """
+  plans = {}
+  for name, (kind, _) in RESIDUALS.items():
+    plans[name] = plan_block(config, seq, mesh, machines, strategies, kind)
+    print(name, plans[name][0], sep="\n", flush=True)
+  case = {} if case is None else case
+  rows, split_rows = [], []
+  case.update({"config": f"Llama block dim {config.dim} heads {config.heads} kv {config.kv_heads} head_dim "
+                         f"{config.head_dim} hidden {config.hidden}, batch 1, seq {seq}, {np.dtype(config.dtype)}",
+               "seq": seq, "plans": {name: {"residual": RESIDUALS[name][0], "plan": str(plan),
+                                            "predicted_ms": plan.seconds * 1e3, "search_s": search_s,
+                                            "choice": {n: c.name for n, c in plan.choice.items()}}
+                                     for name, (plan, search_s) in plans.items()},
+               "contestants": rows, "summary": {}, "operator_split": split_rows})
   seed = random.SystemRandom().randrange(1 << 31)
   block = DecoderBlock(config, rngs=nnx.Rngs(seed))
   params = bg.block_params(block)
@@ -175,14 +207,15 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
   _, want_grads = jax.jit(with_grad(ref_fn))(*ref_args)
   want_grads = jax.tree.leaves(want_grads)
 
-  planned, plan_specs = bg.planned_block(plan)
-  contestants = {"jaxmercury_plan": (planned, plan_specs, P(None, "x", None))}
+  contestants = {}
+  for name, (plan, _) in plans.items():
+    planned, plan_specs = bg.planned_block(plan)
+    contestants[name] = (planned, plan_specs, RESIDUALS[name][1])
   heads = NamedSharding(mesh, P(None, None, "x", None))  # what a Megatron user constrains attention to
   split_fn = lambda p, x: bg.block_apply(p, x, config, implementation=implementation, attention_sharding=heads)
   for name in baselines:
     specs, x_spec = baseline_layouts(name)
     contestants[name] = (split_fn, specs, x_spec)
-  rows = []
   for name, (f, specs, x_spec) in contestants.items():
     row = {"name": name, "param_specs": {k: str(v) for k, v in specs.items()}, "input_spec": str(x_spec)}
     try:
@@ -204,20 +237,20 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
       row["error"] = f"{type(e).__name__}: {text if len(text) < 900 else text[:300] + ' ... ' + text[-600:]}"
     print(json.dumps(row), flush=True)
     rows.append(row)
-  ok = [r for r in rows if "error" not in r and r["name"] != "jaxmercury_plan"]
-  mine = next(r for r in rows if r["name"] == "jaxmercury_plan")
-  summary = {}
+    saved()
+  ok = [r for r in rows if "error" not in r and r["name"] not in RESIDUALS]
+  ours = [r for r in rows if "error" not in r and r["name"] in RESIDUALS]
   for key in ("forward_ms", "forward_backward_ms"):
-    if ok and key in mine:
-      best = min(ok, key=lambda r: r[key])
-      summary[key] = {"jaxmercury": mine[key], "best_baseline": best["name"], "best_baseline_ms": best[key],
-                      "speedup": best[key] / mine[key]}
-  split_rows = operator_split(plan, iters, implementation) if split else []
-  return {"config": f"Llama block dim {config.dim} heads {config.heads} kv {config.kv_heads} head_dim "
-                    f"{config.head_dim} hidden {config.hidden}, batch 1, seq {seq}, {np.dtype(config.dtype)}",
-          "seq": seq, "plan": str(plan), "plan_predicted_ms": plan.seconds * 1e3, "plan_search_s": search_s,
-          "plan_choice": {n: c.name for n, c in plan.choice.items()},
-          "contestants": rows, "summary": summary, "operator_split": split_rows}
+    if ok and ours:
+      best, mine = min(ok, key=lambda r: r[key]), min(ours, key=lambda r: r[key])
+      case["summary"][key] = {"jaxmercury": mine[key], "plan": mine["name"], "best_baseline": best["name"],
+                              "best_baseline_ms": best[key], "speedup": best[key] / mine[key]}
+  saved()
+  if split and ours:
+    fastest = min(ours, key=lambda r: r["forward_backward_ms"])["name"]
+    case["operator_split_plan"] = fastest
+    operator_split(plans[fastest][0], iters, implementation, rows=split_rows, saved=saved)
+  return case
 
 
 def main(argv=None):
@@ -241,15 +274,21 @@ def main(argv=None):
     seqs, iters = args.seq, args.iters
     machines, strategies = (H200_MACHINES, GPU_STRATEGIES) if gpu else (CPU_MACHINES, None)
   implementation = "cudnn" if gpu else None
-  cases = [run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation,
-                    split=not args.no_split) for s in seqs]
+  cases = []
   out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
          "command": "python -m benchmarks.llama_block " + " ".join(sys.argv[1:] if argv is None else argv),
          "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
          "machines": {k: m.to_dict() for k, m in machines.items()}, "iters": iters, "cases": cases}
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+
+  def saved():  # rewritten after every result, so that a run cut short keeps what it measured
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+
+  for s in seqs:
+    cases.append({})
+    run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation,
+             split=not args.no_split, case=cases[-1], saved=saved)
   print(json.dumps([{"seq": c["seq"], **c["summary"]} for c in cases], indent=1))
   if args.smoke:
     bad = [r for c in cases for r in c["contestants"]

@@ -417,11 +417,13 @@ def test_training_check_smoke(tmp_path):
 
 
 def test_llama_block_smoke(tmp_path):
-  """The graph plan of a tiny block runs, prints its plan and agrees with plain JAX sharding."""
+  """The graph plans of a tiny block (both residual layouts) run, print their plans and agree with plain JAX."""
   (case,) = _smoke("llama_block", tmp_path, "--iters", "1")
-  assert "operators:" in case["plan"] and "edges" in case["plan"]
+  assert set(case["plans"]) == {"jaxmercury_plan", "jaxmercury_plan_replicated"}
+  for plan in case["plans"].values():
+    assert "operators:" in plan["plan"] and "edges" in plan["plan"]
   timed = [c for c in case["contestants"] if "error" not in c]
-  assert timed[0]["name"] == "jaxmercury_plan" and len(timed) >= 2
+  assert [c["name"] for c in timed[:2]] == ["jaxmercury_plan", "jaxmercury_plan_replicated"] and len(timed) >= 3
   for c in timed:
     assert c["out_rel_err"] < 5e-2 and c["grad_rel_err"] < 5e-2, c
   assert case["summary"]["forward_ms"]["jaxmercury"] > 0

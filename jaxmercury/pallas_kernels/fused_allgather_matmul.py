@@ -14,8 +14,8 @@ Inside ``shard_map`` over a mesh axis of ``n`` devices, device ``r`` holds
 
 No collective runs outside the kernel: each A tile that the tensor cores
 read from SMEM is also stored, by TMA, straight into the left neighbour's
-``received`` buffer (``plgpu.remote_ref``), and a global semaphore counts the
-neighbour's finished CTAs (``pl.semaphore_signal(..., device_id=...)``). The
+``received`` buffer (``plgpu.remote_ref``), and one global semaphore per ring
+step counts the neighbour's CTAs that finished that step (``pl.semaphore_signal(..., device_id=...)``). The
 grid is persistent (at most one CTA per SM), so every CTA that another waits
 on is resident and the ring cannot deadlock.
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, step_semaphores
 
 
 def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -76,7 +76,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
     cta = lax.axis_index("cta")
     dev = lax.axis_index(axis_name) if n_dev > 1 else 0
     if n_dev > 1:
-      arrived = pl.get_global(plgpu.SemaphoreType.REGULAR)
+      arrived = step_semaphores(n_dev)
       left = lax.rem(dev + n_dev - 1, n_dev)
       to_left = plgpu.remote_ref(received_ref, left)
 
@@ -105,8 +105,8 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
         @pl.when(forwarding)
         def _signal():
           plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this CTA's stores have landed in the peer
-          pl.semaphore_signal(arrived, device_id=left)
-          pl.semaphore_wait(arrived, value=(s + 1) * grid, decrement=False)  # every CTA of the right peer
+          pl.semaphore_signal(arrived.at[s], device_id=left)
+          pl.semaphore_wait(arrived.at[s], value=grid, decrement=False)  # every CTA of the right peer, step s
 
     ring_step(a_ref, 0)
     if n_dev > 1:

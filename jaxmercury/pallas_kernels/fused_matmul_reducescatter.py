@@ -21,8 +21,9 @@ device's term per step and reaches its owner after ``n - 1`` hops.
 
 No collective runs outside the kernel: the epilogue of each tile stores the
 running sum by TMA straight into the left neighbour's ``received`` buffer
-(``plgpu.remote_ref``), and a global semaphore counts the neighbour's
-finished CTAs (``pl.semaphore_signal(..., device_id=...)``). Partial sums
+(``plgpu.remote_ref``), and one global semaphore per ring step counts the
+neighbour's CTAs that finished that step (``pl.semaphore_signal(...,
+device_id=...)``). Partial sums
 stay float32 between devices, so an ``n``-way sum rounds once, at the final
 store. The grid is persistent (at most one CTA per SM), so every CTA that
 another waits on is resident and the ring cannot deadlock.
@@ -43,7 +44,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, step_semaphores
 
 
 def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -95,7 +96,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
     if n_dev > 1:
       (received_ref,) = received
       dev = lax.axis_index(axis_name)
-      arrived = pl.get_global(plgpu.SemaphoreType.REGULAR)
+      arrived = step_semaphores(n_dev)
       left = lax.rem(dev + n_dev - 1, n_dev)
       to_left = plgpu.remote_ref(received_ref, left)
     else:
@@ -105,7 +106,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
       """Step ``s`` (static flags: ``first`` has no partial to add, ``last`` stores the own block)."""
       block_rows = lax.rem(dev + s + 1, n_dev) * mb
       if not first:
-        pl.semaphore_wait(arrived, value=s * grid, decrement=False)  # every CTA of the right peer, step s - 1
+        pl.semaphore_wait(arrived.at[s - 1], value=grid, decrement=False)  # every CTA of the right peer, step s - 1
 
       @pl.loop(cta, num_tiles, step=grid)
       def _tile(t):
@@ -144,7 +145,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
 
       if not last:
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this CTA's partial sums have landed in the peer
-        pl.semaphore_signal(arrived, device_id=left)
+        pl.semaphore_signal(arrived.at[s], device_id=left)
 
     if n_dev == 1:
       ring_step(0, first=True, last=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,3 +44,14 @@ def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles, interpret: b
     raise PreconditionError(f"{kernel}: axis {axis_name!r} has {n_dev} devices, but the process has "
                             f"{jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
   return n_dev
+
+
+def step_semaphores(n_dev: int):
+  """One global semaphore per ring step (``n_dev - 1`` of them); call inside the kernel body.
+
+  Step ``s``'s stores into the left peer are announced on semaphore ``s`` only.
+  One counting semaphore for all steps is not enough: a CTA that runs ahead
+  could signal step ``s + 1`` before a slow CTA signals step ``s``, and the
+  count a waiter for step ``s`` expects would be reached early.
+  """
+  return pl.get_global(plgpu.SemaphoreType.REGULAR((max(n_dev - 1, 1),)))
