@@ -20,7 +20,8 @@ device holds a K shard, w row-sharded, output row-sharded): the baseline
 ``xla_dot_psum_scatter`` (dot then float32 ``psum_scatter`` in shard_map),
 ``jm_async_tp_rs`` (jaxmercury's ``async_tp_reducescatter`` schedule) and
 ``fused_rs[<tiles>]`` (``fused_matmul_reducescatter``, one record per tile
-variant). The floor is one device's local GEMM ``[M, K / devices] @
+variant) and ``fused_rs_ws[<tiles>/<split>]`` (``fused_matmul_reducescatter_ws``:
+two consumer warpgroups per CTA). The floor is one device's local GEMM ``[M, K / devices] @
 [K / devices, N]``, timed alone. Shapes: global M 4096 with K = N = 4096, and
 the Llama-3 down projections at global M 8192 (N, K) = (4096, 14336) and
 (8192, 28672), K split over the devices.
@@ -51,6 +52,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.baselines import gemm as base  # noqa: E402
 
 TILES = ((128, 128, 64, 4), (128, 128, 64, 5), (64, 256, 64, 4), (128, 128, 128, 2))
+WS_TILES = ((128, 128, 64, 3, "n"), (128, 64, 64, 4, "n"), (64, 128, 64, 4, "m"))  # the warp-specialized RS kernel
 
 
 def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:
@@ -71,33 +73,39 @@ def rs_shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, in
           ("Llama-3 70B down M8192 K28672 N8192", 8192, 28672, 8192)]
 
 
-def contestants(mesh, m: int, k: int, n: int):
+def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_name: str, ring_how: str, kernel,
+                    prefix: str):
+  """jaxmercury's shard_map ring ``strategy`` (a baseline here) and the fused ``kernel`` at every tile variant."""
   import jaxmercury as jm
-  from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
   from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
   from jaxmercury.tuner.tune import with_layouts
-  x_spec, w_spec, out_spec = base.layouts("allgather", "x")
+  x_spec, w_spec, out_spec = specs
+  lib = jm.library(jm.programs.matmul(m, n, k, dtype=jnp.bfloat16), mesh)
+  ring = with_layouts(lib[strategy], [x_spec, w_spec], out_spec) if strategy in lib else None
+  out = [harness.Contestant(ring_name, "baseline", lambda: jax.jit(ring.compile()),
+                            f"jaxmercury {strategy}: {ring_how}", skip=None if ring else f"{strategy} does not apply")]
+  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
+  for t in TILES:
+    body = lambda a, b, tiles=Tiles(*t): kernel(a, b, "x", tiles=tiles)
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
+                                                 check_vma=False))
+    out.append(harness.Contestant(f"{prefix}[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn, kernel.__name__,
+                                  skip=skip))
+  return out
+
+
+def contestants(mesh, m: int, k: int, n: int):
+  from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
+  specs = base.layouts("allgather", "x")
   out = [harness.Contestant("xla_allgather_dot", "baseline", lambda: base.allgather_dot(mesh, "x"),
                             "all_gather + dot in shard_map")]
-  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
-  lib = jm.library(prog, mesh)
-  ring = with_layouts(lib["async_tp"], [x_spec, w_spec], out_spec) if "async_tp" in lib else None
-  out.append(harness.Contestant("jm_async_tp", "baseline", lambda: jax.jit(ring.compile()),
-                                "jaxmercury async_tp: shard_map ppermute ring",
-                                skip=None if ring else "async_tp does not apply"))
   skip = base.pallas_unavailable(mesh, jnp.bfloat16)
   for i, config in enumerate(base.PALLAS_CONFIGS):
     out.append(harness.Contestant(f"pallas_mgpu[{i}]", "baseline",
                                   lambda c=config: base.pallas_allgather_matmul(mesh, "x", c),
                                   f"JAX all_gather_lhs_matmul {config}", skip=skip))
-  for t in TILES:
-    tiles = Tiles(*t)
-    body = lambda a, b, tiles=tiles: fused_allgather_matmul(a, b, "x", tiles=tiles)
-    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
-                                                 check_vma=False))
-    out.append(harness.Contestant(f"fused[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn,
-                                  "fused_allgather_matmul", skip=skip))
-  return out
+  return out + _ring_and_fused(mesh, m, k, n, specs, "async_tp", "jm_async_tp", "shard_map ppermute ring",
+                               fused_allgather_matmul, "fused")
 
 
 def _measure(mesh, kind: str, m: int, k: int, n: int, iters: int, contestants_of, local_shapes):
@@ -132,28 +140,20 @@ def run_shape(mesh, label, m, k, n, iters):
 
 
 def rs_contestants(mesh, m: int, k: int, n: int):
-  import jaxmercury as jm
   from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
-  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
-  from jaxmercury.tuner.tune import with_layouts
-  x_spec, w_spec, out_spec = base.layouts("reducescatter", "x")
+  specs = base.layouts("reducescatter", "x")
   out = [harness.Contestant("xla_dot_psum_scatter", "baseline", lambda: base.dot_psum_scatter(mesh, "x"),
                             "dot (float32) + psum_scatter in shard_map")]
-  prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
-  lib = jm.library(prog, mesh)
-  ring = (with_layouts(lib["async_tp_reducescatter"], [x_spec, w_spec], out_spec)
-          if "async_tp_reducescatter" in lib else None)
-  out.append(harness.Contestant("jm_async_tp_rs", "baseline", lambda: jax.jit(ring.compile()),
-                                "jaxmercury async_tp_reducescatter: shard_map ppermute ring of partial sums",
-                                skip=None if ring else "async_tp_reducescatter does not apply"))
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
+  out += _ring_and_fused(mesh, m, k, n, specs, "async_tp_reducescatter", "jm_async_tp_rs",
+                         "shard_map ppermute ring of partial sums", fused_matmul_reducescatter, "fused_rs")
   skip = base.pallas_unavailable(mesh, jnp.bfloat16)
-  for t in TILES:
-    tiles = Tiles(*t)
-    body = lambda a, b, tiles=tiles: fused_matmul_reducescatter(a, b, "x", tiles=tiles)
-    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
+  for t in WS_TILES:
+    body = lambda a, b, tiles=WsTiles(*t): fused_matmul_reducescatter_ws(a, b, "x", tiles=tiles)
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2],
                                                  check_vma=False))
-    out.append(harness.Contestant(f"fused_rs[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn,
-                                  "fused_matmul_reducescatter", skip=skip))
+    out.append(harness.Contestant(f"fused_rs_ws[{t[0]}x{t[1]}x{t[2]}/{t[3]}/{t[4]}]", "jaxmercury", fn,
+                                  "fused_matmul_reducescatter_ws (two consumer warpgroups)", skip=skip))
   return out
 
 

@@ -308,8 +308,8 @@ def rank(records: list[dict], floor_ms: float | None, flops_per_device: float | 
 # ------------------------------------------------------------------ floor
 
 
-def time_call(fn, args, *, iters: int = 5, max_s: float = 10.0) -> float:
-  """Median ms of ``fn(*args)`` after one warm-up run (fewer runs for slow calls)."""
+def time_call(fn, args, *, iters: int = 5, max_s: float = 10.0, stat=statistics.median) -> float:
+  """``stat`` (default the median) of the ms of ``fn(*args)`` after one warm-up run (fewer runs for slow calls)."""
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - t0
@@ -318,7 +318,7 @@ def time_call(fn, args, *, iters: int = 5, max_s: float = 10.0) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+  return stat(times)
 
 
 def random_array(key, shape, dtype, sharding):
@@ -348,12 +348,16 @@ def link_bandwidth(mesh, nbytes: int, iters: int = 10) -> dict:
 
 
 def compute_floor(fn, shapes, dtype, device, key) -> float:
-  """Median milliseconds of ``fn`` on one device, with fresh normal inputs of ``shapes``."""
+  """The fastest of 20 runs of ``fn`` on one device (ms), with fresh normal inputs of ``shapes``.
+
+  The fastest, not the median: a floor must not be raised by a slow outlier
+  (a median of a few runs once doubled a 0.5 ms GEMM's floor).
+  """
   sharding = jax.sharding.SingleDeviceSharding(device)
   keys = jax.random.split(key, len(shapes))
   args = [random_array(k, s, dtype, sharding) for k, s in zip(keys, shapes)]
   try:
-    return time_call(jax.jit(fn), args)
+    return time_call(jax.jit(fn), args, iters=20, stat=min)
   finally:
     del args
 

@@ -23,6 +23,7 @@ from jaxmercury.tuner import cost, memory
 from jaxmercury.tuner import tune as tune_module
 
 OURS, JAXS = "fused_allgather_matmul", "jax_allgather_lhs_matmul"
+OURS_RS, WS_RS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"
 SMALL = dict(tile_m=64, max_concurrent_steps=2)  # fewer interpreted steps
 
 
@@ -42,10 +43,17 @@ def test_why_not_names_the_problem_on_the_simulated_mesh():
     ours = fused.why_not(OURS, lib[strategy])
     assert "Hopper" in ours and "cpu" in ours and "interpret mode" in ours and "level 'x'" in ours, ours
     assert "Hopper" in fused.why_not(JAXS, lib[strategy])
-  for strategy in ("matmul_reducescatter", "async_tp_reducescatter"):  # A split along k, not its rows
+  for strategy in ("matmul_reducescatter", "async_tp_reducescatter"):  # A split along k: reduce-scatter kernels
     for name in (OURS, JAXS):
-      reason = fused.why_not(name, lib[strategy])
-      assert reason.startswith("buffer A is stored A[m, k@x]: its rows (m) are not split") and "B[k, n@L]" in reason
+      assert fused.why_not(name, lib[strategy]) == (
+          f"{name} computes an all-gather GEMM; this schedule stores A[m, k@x], B[k@x, n], C[m@x, n]: "
+          "a GEMM + reduce-scatter")
+    assert "Hopper" in fused.why_not(OURS_RS, lib[strategy]) and "Hopper" in fused.why_not(WS_RS, lib[strategy])
+  assert fused.why_not(OURS_RS, lib["async_tp"]).startswith("fused_matmul_reducescatter computes a GEMM + "
+                                                            "reduce-scatter; this schedule stores A[m@x, k]")
+  replicated = tune_module.with_layouts(lib["allgather_matmul"], [P(), P()], P())
+  assert fused.why_not(OURS, replicated).startswith("buffer A is stored A[m, k]: neither its rows (m) nor its "
+                                                    "columns (k) are split")
   f32 = jm.library(jm.programs.matmul(256, 256, 128), mesh)["async_tp"]
   assert "float32" in fused.why_not(OURS, f32) and "bf16 or fp16" in fused.why_not(OURS, f32)
   two_levels = jm.library(_bf16(), make_mesh("2x4"))["async_tp"]
@@ -72,7 +80,8 @@ def test_lower_with_raises_before_anything_runs():
   before = s.to_json()
   with pytest.raises(jm.PreconditionError, match=r"lower_with\('fused_allgather_matmul'\): .*Hopper"):
     s.lower_with(OURS)
-  with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'jax_allgather_lhs_matmul'"):
+  with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'fused_matmul_reducescatter', "
+                                                 "'fused_matmul_reducescatter_ws', 'jax_allgather_lhs_matmul'"):
     s.lower_with("fused_gemm")
   assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
 
@@ -108,13 +117,15 @@ def test_trace_round_trip_and_printer_keep_the_lowering():
 
 
 # ------------------------------------------------------------------ numerics (interpret mode, one device)
-@pytest.mark.parametrize("strategy,shape", [("async_tp", (128, 128, 64)), ("allgather_matmul", (128, 128, 64)),
-                                            ("async_tp", (72, 136, 40))], ids=["async_tp", "allgather", "ragged"])
-def test_interpreted_kernel_matches_the_reference_and_the_ordinary_gradients(strategy, shape):
+@pytest.mark.parametrize("strategy,lowering,shape", [
+    ("async_tp", OURS, (128, 128, 64)), ("allgather_matmul", OURS, (128, 128, 64)), ("async_tp", OURS, (72, 136, 40)),
+    ("matmul_reducescatter", OURS_RS, (128, 128, 64)), ("async_tp_reducescatter", OURS_RS, (72, 136, 40))],
+    ids=["async_tp", "allgather", "ragged", "reducescatter", "reducescatter-ragged"])
+def test_interpreted_kernel_matches_the_reference_and_the_ordinary_gradients(strategy, lowering, shape):
   mesh = _one_device_mesh()
   prog = _bf16(*shape)
   plain = jm.library(prog, mesh)[strategy]
-  s = plain.copy().lower_with(OURS, **SMALL)
+  s = plain.copy().lower_with(lowering, **SMALL)
   a, b = prog.random_inputs(fresh_key())
   f = s.compile()
   y = f(a, b)
@@ -167,7 +178,13 @@ def test_cost_model_overlaps_the_ring_with_the_gemm():
     fast = machine.with_links(x=1e13)
     assert cost.predict(s, fast) == pytest.approx(gemm + 20e-6)
     assert memory.memory_per_device(s) == (1024 * 8192 * 8 + 8192 * 1024 + 8192 * 1024) * 2
+  rs = lib["async_tp_reducescatter"].copy().lower_with(WS_RS)
+  gemm = 2 * 8 * 1024 * 1024 * 8192 / 650e12  # eight [1024, 1024] @ [1024, 8192] steps
+  ring = 7 * 1024 * 8192 * 4 / 150e9  # float32 partial sums of seven row blocks
+  assert cost.predict(rs, machine) == pytest.approx(max(gemm, ring) + 20e-6)
+  assert memory.memory_per_device(rs) == (8192 * 1024 + 1024 * 8192 + 1024 * 8192) * 2 + 8 * 1024 * 8192 * 4
   cands = {c.name: c for c in tune_module.predict_candidates(prog, mesh, machine, space=2)}
+  assert {f"matmul_reducescatter {{{OURS_RS}}}", f"async_tp_reducescatter {{{WS_RS}}}"} <= set(cands)
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{JAXS}}}"} <= set(cands)
   assert cands[f"async_tp {{{OURS}}}"].predicted_ms < cands["async_tp"].predicted_ms
   assert all(math.isfinite(c.predicted_ms) for c in cands.values())

@@ -21,12 +21,12 @@ def pad_to(x, rows: int, cols: int):
   return x if x.shape == (rows, cols) else jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
 
 
-def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles, interpret: bool,
+def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles | None, interpret: bool,
                    names: tuple[str, str] = ("a", "b")) -> int:
   """Raises ``PreconditionError`` naming what ``kernel`` cannot take; returns the axis's device count.
 
   ``a [m, k]`` and ``b [k, n]`` must both be bf16 or fp16, the tiles must
-  compile, interpret mode runs one device only, and the axis must span the
+  compile (``None``: the caller checks its own), interpret mode runs one device only, and the axis must span the
   process's devices (Mosaic GPU addresses peers by their index in the whole
   mesh). ``names`` are the operands' names in the messages. Call inside ``shard_map``.
   """
@@ -34,7 +34,7 @@ def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles, interpret: b
     raise PreconditionError(f"{kernel}: {names[0]} and {names[1]} must both be bf16 or fp16, got {a.dtype}, {b.dtype}")
   if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
     raise PreconditionError(f"{kernel}: {names[0]} [m, k] and {names[1]} [k, n] expected, got {a.shape}, {b.shape}")
-  if reason := tiles.problem(a.dtype.itemsize):
+  if tiles is not None and (reason := tiles.problem(a.dtype.itemsize)):
     raise PreconditionError(f"{kernel}: {reason}")
   n_dev = lax.axis_size(axis_name)
   if interpret and n_dev > 1:

@@ -1,22 +1,28 @@
-"""Fused lowerings: a whole GEMM schedule run as one fused all-gather GEMM kernel per device.
+"""Fused lowerings: a whole GEMM schedule run as one fused collective GEMM kernel per device.
 
 The ordinary lowering (``lower``) runs a schedule's loop nest under
 ``jax.shard_map``: XLA collectives or ``ppermute`` rings between local GEMM
-blocks. Where a schedule stores A's rows, B's columns and C's columns split
-over one mesh level L and nothing else split (``allgather_matmul`` and
-``async_tp`` do; the check reads the plan's layouts, not the strategy's name),
-each device's share of the result is ``all_gather(A over L) @ B_local``, and a
-fused kernel computes it in one launch with the ring inside the kernel.
+blocks. Two placements over one mesh level L let a fused kernel compute each
+device's share in one launch, with the ring inside the kernel (the check
+reads the plan's layouts, not the strategy's name):
+
+- all-gather GEMM (``allgather_matmul``, ``async_tp``): A's rows, B's and C's
+  columns split over L; a device computes ``all_gather(A over L) @ B_local``;
+- GEMM + reduce-scatter (``matmul_reducescatter``, ``async_tp_reducescatter``):
+  A's columns and B's rows (the contraction) split over L, C's rows too; a
+  device computes its row block of ``sum over L of A_local @ B_local``.
+
 ``Schedule.lower_with(name)`` picks one of the lowerings registered here;
 ``Schedule.compile()`` then runs it under the same ``shard_map`` (the plan's
 layouts, padding and global signature) and differentiates through the
 ordinary lowering's backward, since Pallas kernels have no autodiff. The tuner
 offers every lowering whose ``why_not`` is None as one more candidate.
 
-Each ``FusedLowering`` has a name, a one-line description, ``why_not(schedule)``
-(None when it applies, else a sentence naming the buffer, mesh level, device,
-dtype or parameter that prevents it) and ``build(schedule, **params)``, the
-per-device function ``(a_local, b_local) -> c_local``.
+Each ``FusedLowering`` has a name, a one-line description, the placement kind
+it computes, ``why_not(schedule)`` (None when it applies, else a sentence
+naming the buffer, mesh level, device, dtype or parameter that prevents it)
+and ``build(schedule, **params)``, the per-device function
+``(a_local, b_local) -> c_local``.
 """
 
 from __future__ import annotations
@@ -35,17 +41,26 @@ HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 INTERPRET_CTAS = 2  # persistent CTAs of our kernel in interpret mode (a CPU device reports no SM count)
 
 
+ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
+# Per kind, the axis (by role) of A, B and C that level L splits.
+SPLIT_ROLES = {ALLGATHER: ("m", "n", "n"), REDUCESCATTER: ("k", "k", "m")}
+KIND_NAMES = {ALLGATHER: "an all-gather GEMM", REDUCESCATTER: "a GEMM + reduce-scatter"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where a schedule puts the GEMM's buffers, in the matmul pattern's roles.
 
   Attributes:
-    level: the mesh level L splitting A's rows and B's and C's columns.
+    kind: ``"allgather"`` (A's rows, B's and C's columns split over L) or
+      ``"reducescatter"`` (A's columns, B's rows and C's rows split over L).
+    level: the mesh level L.
     size: L's size.
     a, b, c: the program's buffers playing A [m, k], B [k, n] and C [m, n].
     m, n, k: the program's axes playing those roles.
   """
 
+  kind: str
   level: str
   size: int
   a: object
@@ -56,22 +71,40 @@ class Placement:
   k: str
 
   def local_shape(self, schedule) -> tuple[int, int, int]:
-    """``(m_local, k, n_local)``: one device's A rows, the contraction, its B and C columns (padded extents)."""
+    """``(rows, depth, cols)`` of one ring step's GEMM on one device (padded extents).
+
+    All-gather: one A shard ``[m / L, k]`` times the device's B ``[k, n / L]``;
+    reduce-scatter: one row block of its A ``[m / L, k / L]`` times its B
+    ``[k / L, n]``. Either way the device runs ``L`` such GEMMs.
+    """
     ext = lambda ax: schedule.padded.get(ax, schedule.program.axes[ax].extent)
-    return ext(self.m) // self.size, ext(self.k), ext(self.n) // self.size
+    if self.kind == ALLGATHER:
+      return ext(self.m) // self.size, ext(self.k), ext(self.n) // self.size
+    return ext(self.m) // self.size, ext(self.k) // self.size, ext(self.n)
 
 
 def _fmt(buf, layout) -> str:
   return buf.name + "[" + ", ".join(f"{a}@{'*'.join(lv)}" if lv else a for a, lv in zip(buf.axes, layout)) + "]"
 
 
+def _need(kind: str, a, b, c, m, n, k, lv="L") -> str:
+  if kind == ALLGATHER:
+    shapes = f"{a.name}[{m}@{lv}, {k}], {b.name}[{k}, {n}@{lv}], {c.name}[{m}, {n}@{lv}]"
+    what = f"{a.name}'s rows and {b.name}'s and {c.name}'s columns"
+  else:
+    shapes = f"{a.name}[{m}, {k}@{lv}], {b.name}[{k}@{lv}, {n}], {c.name}[{m}@{lv}, {n}]"
+    what = f"{a.name}'s columns, {b.name}'s rows and {c.name}'s rows"
+  return f"{KIND_NAMES[kind]} needs {what} split over one mesh level and nothing else split: {shapes}"
+
+
 def placement(schedule) -> Placement | str:
-  """The schedule's ``Placement``, or why it is not a one-level all-gather GEMM.
+  """The schedule's ``Placement``, or why it is neither fused GEMM placement.
 
   Reads the plan's storage layouts (the caller's ``in_shardings`` /
-  ``out_sharding`` included): A must be stored ``[m@L, k]``, B ``[k, n@L]``
-  and C ``[m, n@L]`` for one mesh level L; levels of size 1 elsewhere are
-  ignored (they split nothing).
+  ``out_sharding`` included): A split along its rows over one mesh level L is
+  an all-gather GEMM (A ``[m@L, k]``, B ``[k, n@L]``, C ``[m, n@L]``), A split
+  along its columns a GEMM + reduce-scatter (A ``[m, k@L]``, B ``[k@L, n]``,
+  C ``[m@L, n]``); levels of size 1 elsewhere are ignored (they split nothing).
   """
   from jaxmercury.pallas_kernels import patterns
   prog = schedule.program
@@ -90,30 +123,31 @@ def placement(schedule) -> Placement | str:
   c = prog.writes
   m, n, k = roles["m"], roles["n"], roles["k"]
   sizes = schedule.levels
-  rows = plan.storage[a.name][a.axes.index(m)]
-  split = [lv for lv in rows if sizes[lv] > 1]
-
-  def need(lv="L"):
-    return (f"the fused kernels need {a.name}'s rows and {b.name}'s and {c.name}'s columns split over one mesh "
-            f"level and nothing else split: {a.name}[{m}@{lv}, {k}], {b.name}[{k}, {n}@{lv}], {c.name}[{m}, {n}@{lv}]")
-
+  a_layout = plan.storage[a.name]
+  by_kind = {kind: a_layout[a.axes.index(roles[SPLIT_ROLES[kind][0]])] for kind in (ALLGATHER, REDUCESCATTER)}
+  if by_kind[ALLGATHER] and by_kind[REDUCESCATTER]:
+    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: both its rows and its columns are split; "
+            f"{_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
+  if not by_kind[ALLGATHER] and not by_kind[REDUCESCATTER]:
+    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: neither its rows ({m}) nor its columns ({k}) are "
+            f"split over a mesh level; {_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
+  kind = ALLGATHER if by_kind[ALLGATHER] else REDUCESCATTER
+  levels = by_kind[kind]
+  split = [lv for lv in levels if sizes[lv] > 1]
   if len(split) > 1:
-    return (f"buffer {a.name} is stored {_fmt(a, plan.storage[a.name])}: its rows are split over "
-            f"{len(split)} levels; {need()}")
-  if not rows:
-    return (f"buffer {a.name} is stored {_fmt(a, plan.storage[a.name])}: its rows ({m}) are not split over "
-            f"a mesh level; {need()}")
-  level = split[0] if split else rows[-1]
+    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: its {'rows' if kind == ALLGATHER else 'columns'} "
+            f"are split over {len(split)} levels; {_need(kind, a, b, c, m, n, k)}")
+  level = split[0] if split else levels[-1]
 
   def kept(layout):
     return tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in layout)
 
-  for buf, axis in ((a, m), (b, n), (c, n)):
-    want = tuple((level,) if ax == axis else () for ax in buf.axes)
+  for buf, role in zip((a, b, c), SPLIT_ROLES[kind]):
+    want = tuple((level,) if ax == roles[role] else () for ax in buf.axes)
     if kept(plan.storage[buf.name]) != want:
       return (f"buffer {buf.name} is stored {_fmt(buf, plan.storage[buf.name])}, not {_fmt(buf, want)}; "
-              f"{need(level)}")
-  return Placement(level, sizes[level], a, b, c, m, n, k)
+              f"{_need(kind, a, b, c, m, n, k, level)}")
+  return Placement(kind, level, sizes[level], a, b, c, m, n, k)
 
 
 def _dtype_problem(p: Placement) -> str | None:
@@ -150,9 +184,13 @@ def _interprets(schedule, p: Placement) -> bool:
   return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu" and p.size == 1
 
 
+def _stored(schedule, buf):
+  return schedule.plan().storage[buf.name]
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedLowering:
-  """One fused lowering of the all-gather GEMM schedules.
+  """One fused lowering of the all-gather GEMM or GEMM + reduce-scatter schedules.
 
   Attributes:
     name: what ``Schedule.lower_with`` names.
@@ -164,6 +202,7 @@ class FusedLowering:
     tile: ``params -> (rows, cols, k)``: the multiples it pads one device's GEMM to.
     make: ``(placement, params, interpret) -> per-device function``.
     interpret: it runs on a one-device CPU mesh in Mosaic GPU interpret mode.
+    kind: the placement it computes, ``"allgather"`` or ``"reducescatter"``.
   """
 
   name: str
@@ -175,6 +214,7 @@ class FusedLowering:
   tile: Callable
   make: Callable
   interpret: bool = False
+  kind: str = ALLGATHER
 
   def params(self, **given) -> dict:
     return {**self.defaults, **given}
@@ -184,6 +224,9 @@ class FusedLowering:
     p = placement(schedule)
     if isinstance(p, str):
       return p
+    if p.kind != self.kind:
+      return (f"{self.name} computes {KIND_NAMES[self.kind]}; this schedule stores {_fmt(p.a, _stored(schedule, p.a))}, "
+              f"{_fmt(p.b, _stored(schedule, p.b))}, {_fmt(p.c, _stored(schedule, p.c))}: {KIND_NAMES[p.kind]}")
     return _dtype_problem(p) or self.device_problem(schedule, p)
 
   def check(self, schedule, params: Mapping | None = None):
@@ -332,6 +375,55 @@ def _jax_make(p: Placement, params, interpret: bool):
   return per_device
 
 
+# ------------------------------------------------------------------ ours: GEMM + reduce-scatter, one and two consumers
+
+
+def _ours_rs_make(p: Placement, params, interpret: bool):
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
+  tiles, out_dtype = _tiles(params), p.c.dtype
+
+  def per_device(a, b):
+    return fused_matmul_reducescatter(a, b, p.level, tiles=tiles, out_dtype=out_dtype,
+                                      num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
+  return per_device
+
+
+def _ws_tiles(params):
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
+  return WsTiles(**params)
+
+
+def _ws_params(params, itemsize) -> str | None:
+  del itemsize  # the kernel checks its operands' dtype
+  for key, v in params.items():
+    if key != "split" and (not isinstance(v, int) or isinstance(v, bool)):
+      return f"{key}={v!r} must be an int"
+  return _ws_tiles(params).problem()
+
+
+def _ws_devices(schedule, p: Placement) -> str | None:
+  from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
+  reason = _mesh_problem(schedule, p, every_process_device=False)
+  if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
+    return reason
+  return hopper_only(schedule.mesh.devices.flat[0])
+
+
+def _ws_tile(params):
+  t = _ws_tiles(params)
+  return (*t.cta, t.tile_k)
+
+
+def _ws_make(p: Placement, params, interpret: bool):
+  del interpret  # never: JAX's interpreter does not run the warp-specialized pipeline
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
+  tiles, out_dtype = _ws_tiles(params), p.c.dtype
+
+  def per_device(a, b):
+    return fused_matmul_reducescatter_ws(a, b, p.level, tiles=tiles, out_dtype=out_dtype)
+  return per_device
+
+
 LOWERINGS: dict[str, FusedLowering] = {}
 
 
@@ -354,6 +446,21 @@ register(FusedLowering(
     "JAX's Mosaic GPU kernel (collective_matmul_mgpu.all_gather_lhs_matmul): warp-specialized persistent GEMM "
     "that forwards A's tiles to the left neighbour; shapes padded to its CTA tiles",
     JAX_DEFAULTS, "jax_mosaic_matmul", _jax_devices, _jax_params, _jax_tile, _jax_make))
+
+register(FusedLowering(
+    "fused_matmul_reducescatter",
+    "our Mosaic GPU kernel (pallas_kernels.fused_matmul_reducescatter): each tile's float32 running sum is "
+    "stored by TMA into the left neighbour as the GEMM finishes it; shapes padded to its tiles",
+    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
+    _ours_devices, _ours_params, _ours_tile, _ours_rs_make, interpret=True, kind=REDUCESCATTER))
+
+register(FusedLowering(
+    "fused_matmul_reducescatter_ws",
+    "our warp-specialized Mosaic GPU kernel (pallas_kernels.fused_matmul_reducescatter_ws): JAX's Hopper GEMM "
+    "body (two consumer warpgroups) per ring step, its epilogue adding the received sum and storing into the "
+    "left neighbour; shapes padded to its CTA tiles",
+    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 3, "split": "n"}, "jax_mosaic_matmul",
+    _ws_devices, _ws_params, _ws_tile, _ws_make, kind=REDUCESCATTER))
 
 
 # ------------------------------------------------------------------ lookups used by the schedule, tuner, printer
@@ -401,7 +508,7 @@ def summary(schedule) -> str:
 
 
 def gemm_shape(schedule) -> tuple[int, int, int, int]:
-  """``(L, m_local, k, n_local)`` of one device's fused GEMM, padded to the kernel's tiles."""
+  """``(L, rows, depth, cols)``: one device runs ``L`` GEMMs of this shape (``Placement.local_shape``), padded."""
   from jaxmercury.pallas_kernels.peer_gemm import round_up
   low = lowering(schedule.lowering)
   p = placement(schedule)
@@ -411,15 +518,21 @@ def gemm_shape(schedule) -> tuple[int, int, int, int]:
 
 
 def memory_bytes(schedule) -> int:
-  """Per device: the stored A, B and C blocks, the A shards received from the ring, and padded copies."""
+  """Per device: the stored A, B and C blocks, the ring's receive buffers, and padded copies.
+
+  All-gather: the A shards received from the ring, in A's dtype;
+  reduce-scatter: the float32 partial sums received and a float32 result.
+  """
   p = placement(schedule)
   size, mp, kp, np_ = gemm_shape(schedule)
   m, k, n = p.local_shape(schedule)
   item = np.dtype(p.a.dtype).itemsize
-  total = (m * k + k * n + size * m * n + (size - 1) * mp * kp) * item
-  if (mp, kp, np_) != (m, k, n):  # the kernel works on copies padded to its tiles
-    total += (mp * kp + kp * np_ + size * mp * np_) * item
-  return total
+  padded = (mp, kp, np_) != (m, k, n)  # the kernel works on copies padded to its tiles
+  if p.kind == ALLGATHER:
+    total = (m * k + k * n + size * m * n + (size - 1) * mp * kp) * item
+    return total + ((mp * kp + kp * np_ + size * mp * np_) * item if padded else 0)
+  total = (size * m * k + k * n + m * n) * item + size * mp * np_ * 4
+  return total + ((size * mp * kp + kp * np_) * item if padded else 0)
 
 
 # ------------------------------------------------------------------ compiling

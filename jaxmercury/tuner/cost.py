@@ -99,7 +99,7 @@ def _collective_bytes(op: str, local_bytes: int, n: int) -> float:
 
 def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
-  if getattr(schedule, "lowering", None) is not None:
+  if schedule.lowering is not None:
     return fused_seconds(schedule, machine)
   prog, plan = schedule.program, make_plan(schedule)
   levels = schedule.levels
@@ -138,23 +138,27 @@ def predict(schedule, machine: Machine) -> float:
 
 
 def fused_seconds(schedule, machine: Machine) -> float:
-  """A fused all-gather GEMM: ``max(local GEMM, ring transfers) + latency``.
+  """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency``.
 
-  One device multiplies all ``L`` row shards of A by its columns of B (the
-  shapes padded to the kernel's tiles) at the measured rate of the local
+  One device runs ``L`` GEMMs of one ring step's shape (padded to the
+  kernel's tiles; ``fused.gemm_shape``) at the measured rate of the local
   kernel sharing its GEMM (``mosaic_matmul`` for ours, ``jax_mosaic_matmul``
-  for JAX's; ``flops_per_s`` where not measured), and passes ``L - 1`` shards
-  of A to its neighbour over the level's link. The kernel forwards each tile
-  as it computes with it, so the two overlap fully.
+  for JAX's and the warp-specialized one; ``flops_per_s`` where not measured),
+  and passes ``L - 1`` blocks to its neighbour over the level's link: A shards
+  in A's dtype (all-gather) or float32 partial sums of one row block
+  (reduce-scatter). The kernels send each tile as they compute it, so the two
+  overlap fully.
   """
   from jaxmercury.shard_map import fused
   low = fused.lowering(schedule.lowering)
-  level = fused.placement(schedule).level
+  p = fused.placement(schedule)
   size, m, k, n = fused.gemm_shape(schedule)
   gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
-  item = np.dtype(schedule.program.reads[0].dtype).itemsize
-  ring = (size - 1) * m * k * item / machine.bandwidth(level)
-  return max(gemm, ring) + machine.latency_s
+  if p.kind == fused.ALLGATHER:
+    sent = m * k * np.dtype(schedule.program.reads[0].dtype).itemsize
+  else:
+    sent = m * n * 4
+  return max(gemm, (size - 1) * sent / machine.bandwidth(p.level)) + machine.latency_s
 
 
 def dense_flops(program) -> float:

@@ -1,9 +1,11 @@
 """Fused lowerings on real GPUs (skipped on CPU): every GEMM strategy they apply to, with each fused kernel.
 
 ``async_tp`` and ``allgather_matmul`` lowered with ``fused_allgather_matmul``
-(ours) and ``jax_allgather_lhs_matmul`` (JAX's) over every local GPU: the
-output and both gradients against the float32 reference, the gradients
-against the ordinary schedule's, and the tuner offering and timing them.
+(ours) and ``jax_allgather_lhs_matmul`` (JAX's), ``matmul_reducescatter`` and
+``async_tp_reducescatter`` with ``fused_matmul_reducescatter`` and
+``fused_matmul_reducescatter_ws`` (ours), over every local GPU: the output
+and both gradients against the float32 reference, the gradients against the
+ordinary schedule's, and the tuner offering and timing them.
 
 Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_fused_lowering.py -x -q``
 """
@@ -22,8 +24,11 @@ from jaxmercury.tuner import tune as tune_module
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
-STRATEGIES = ("async_tp", "allgather_matmul")
+STRATEGIES = ("async_tp", "allgather_matmul", "matmul_reducescatter", "async_tp_reducescatter")
 LOWERINGS = tuple(fused.LOWERINGS)
+KIND = {"async_tp": fused.ALLGATHER, "allgather_matmul": fused.ALLGATHER,
+        "matmul_reducescatter": fused.REDUCESCATTER, "async_tp_reducescatter": fused.REDUCESCATTER}
+PAIRS = [(s, low) for s in STRATEGIES for low in LOWERINGS if fused.LOWERINGS[low].kind == KIND[s]]
 
 
 def _shape(kind: str):
@@ -51,8 +56,7 @@ def _check(schedule, plain):
 
 
 @pytest.mark.parametrize("kind", ["tiled", "ragged"])
-@pytest.mark.parametrize("lowering", LOWERINGS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,lowering", PAIRS)
 def test_every_gpu(strategy, lowering, kind):
   m, n, k = _shape(kind)
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
@@ -62,11 +66,14 @@ def test_every_gpu(strategy, lowering, kind):
 
 
 def test_one_gpu_of_several():
-  """Ours runs on a one-device level (no ring); JAX's kernel needs the level to span every device."""
+  """Ours run on a one-device level (no ring); JAX's kernel needs the level to span every device."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   prog = jm.programs.matmul(512, 512, 256, dtype=jnp.bfloat16)
-  plain = jm.library(prog, mesh)["async_tp"]
+  lib = jm.library(prog, mesh)
+  plain = lib["async_tp"]
   _check(plain.copy().lower_with("fused_allgather_matmul"), plain)
+  for lowering in ("fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"):
+    _check(lib["matmul_reducescatter"].copy().lower_with(lowering), lib["matmul_reducescatter"])
   reason = fused.why_not("jax_allgather_lhs_matmul", plain)
   assert (reason is None) == (len(jax.devices()) == 1), reason
 
@@ -76,13 +83,13 @@ def test_the_tuner_offers_and_times_them():
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   mesh = gpu_mesh()
   names = {name for name, _ in tune_module.default_candidates(prog, mesh, space=2)}
-  offered = {f"{s} {{{low}}}" for s in STRATEGIES for low in LOWERINGS}
+  offered = {f"{s} {{{low}}}" for s, low in PAIRS}
   assert offered <= names, names
   machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
   lib = jm.library(prog, mesh)
-  candidates = [(s, lib[s]) for s in STRATEGIES] + [
-      (f"{s} {{{low}}}", lib[s].copy().lower_with(low)) for s in STRATEGIES for low in LOWERINGS]
-  result = jm.autotune(prog, mesh, candidates=candidates, machine=machine, iters=5, key=fresh_key(), top_k=8,
+  candidates = [(s, lib[s]) for s in STRATEGIES] + [(f"{s} {{{low}}}", lib[s].copy().lower_with(low))
+                                                    for s, low in PAIRS]
+  result = jm.autotune(prog, mesh, candidates=candidates, machine=machine, iters=5, key=fresh_key(), top_k=12,
                        log=lambda _: None)
   print("\n" + result.table())
   by_name = {c.name: c for c in result.candidates}

@@ -1,0 +1,58 @@
+"""The warp-specialized fused GEMM + reduce-scatter: its input checks, and its ring's lowering to Mosaic GPU
+for 1 and 8 devices (no GPU needed). It runs in tests/gpu/test_fused_matmul_reducescatter.py."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
+
+SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+# The GPU test's and the benchmark's variants.
+WS_TILES = [WsTiles(128, 128, 64, 3), WsTiles(128, 64, 64, 4), WsTiles(64, 128, 64, 4, "m")]
+
+
+def _run(fn, x, w, devices=1):
+  mesh = jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+  return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(x, w)
+
+
+def test_inputs_and_tiles_are_checked_before_anything_runs():
+  x = jnp.ones((256, 128), jnp.bfloat16)
+  with pytest.raises(PreconditionError, match="bf16 or fp16"):
+    _run(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x"), x, jnp.ones((128, 128), jnp.float32))
+  with pytest.raises(PreconditionError, match=r"x \[m, k\] and w \[k, n\]"):
+    _run(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x"), x, jnp.ones((64, 128), jnp.bfloat16))
+  with pytest.raises(PreconditionError, match="shared memory"):
+    _run(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x", tiles=WsTiles(128, 128, 64, 4)), x,
+         jnp.ones((128, 128), jnp.bfloat16))
+  with pytest.raises(PreconditionError, match="split='k'"):
+    _run(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x", tiles=WsTiles(split="k")), x,
+         jnp.ones((128, 128), jnp.bfloat16))
+  with pytest.raises(PreconditionError, match=r"129 rows, which axis 'x' \(2 devices\)"):
+    _run(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x"), jnp.ones((129, 128), jnp.bfloat16),
+         jnp.ones((128, 128), jnp.bfloat16), devices=2)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("tiles", WS_TILES, ids=str)
+@pytest.mark.parametrize("shape", [(2048, 512, 512), (8 * 200, 1000, 600)], ids=["tiled", "ragged"])
+def test_the_ring_lowers_for_h100s(shape, tiles, devices):
+  """The ring (remote epilogue stores, per-step semaphores, two consumer warpgroups) lowers to Mosaic GPU.
+
+  Lowering for an abstract H100 checks layouts and shared memory; it is no
+  CUDA compile and no run.
+  """
+  m, k, n = shape
+  mesh = jax.sharding.AbstractMesh((devices,), ("x",), abstract_device=H100)
+  spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x", tiles=tiles), mesh=mesh,
+                              **SPECS))
+    text = f.trace(spec((m, devices * k), P(None, "x")), spec((devices * k, n), P("x", None))).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
