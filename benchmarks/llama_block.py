@@ -2,7 +2,10 @@
 
 The plan comes from ``jaxmercury.graph.search`` over the block's DAG
 (``models.block_graph``): every GEMM and the attention pick a library
-schedule, every edge the fused resharding between them. The baselines are the
+schedule, every edge the fused resharding between them; with
+``--measure_iters N`` every operator candidate is first timed on the mesh
+and the search uses those times instead of the cost model's. One plan is
+searched per residual-stream layout (sequence-split and replicated). The baselines are the
 same block as one plain function (``models.block_graph.block_apply``) under
 ``jax.jit`` with sharded parameters and input, partitioned by XLA itself:
 Megatron tensor parallelism (column-split q/k/v/gate/up, row-split o/down)
@@ -109,11 +112,20 @@ def residual_layout(kind: str, mesh) -> Layout:
   return bg.sequence_parallel(mesh) if kind == "sequence" else Layout.replicated(2)
 
 
-def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "sequence"):
-  """The searched plan of one block (batch 1) for a residual layout kind, and the seconds the search took."""
+def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "sequence", measure_iters: int = 0,
+               measured: dict | None = None):
+  """The searched plan of one block (batch 1) for a residual layout kind, and the seconds planning took.
+
+  ``measure_iters > 0``: every operator candidate is first timed on the mesh
+  (``jaxmercury.graph.measure_candidates``, its timings kept in ``measured``)
+  and the search uses those times.
+  """
   t0 = time.perf_counter()
   graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies,
                          residual=residual_layout(residual, mesh))
+  if measure_iters:
+    graph = jg.measure_candidates(graph, machines, iters=measure_iters, log=lambda line: print(line, flush=True),
+                                  cache=measured)
   plan = jg.search(graph, machines)
   return plan, time.perf_counter() - t0
 
@@ -170,15 +182,15 @@ def operator_split(plan, iters: int, implementation, rows: list | None = None, s
 
 
 def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation, split=True,
-             case: dict | None = None, saved=lambda: None) -> dict:
+             case: dict | None = None, saved=lambda: None, measure_iters: int = 0) -> dict:
   """Times the plans and the baselines on one sequence length; fills ``case`` as results come, calling ``saved()``.
 
   One plan is searched per residual layout (``RESIDUALS``); jaxmercury's time
   is the faster plan's, as a tuner picking between them by measurement would.
   """
-  plans = {}
+  plans, measured = {}, {}
   for name, (kind, _) in RESIDUALS.items():
-    plans[name] = plan_block(config, seq, mesh, machines, strategies, kind)
+    plans[name] = plan_block(config, seq, mesh, machines, strategies, kind, measure_iters, measured)
     print(name, plans[name][0], sep="\n", flush=True)
   case = {} if case is None else case
   rows, split_rows = [], []
@@ -262,6 +274,9 @@ def main(argv=None):
   p.add_argument("--baselines", nargs="*", default=list(BASELINES))
   p.add_argument("--config", default="llama3_8b", choices=sorted(CONFIGS), help="block sizes (without --smoke)")
   p.add_argument("--no_split", action="store_true", help="skip timing each operator alone")
+  p.add_argument("--measure_iters", type=int, default=None,
+                 help="time every operator candidate this many rounds before the search (default 0: the cost "
+                      "model's predictions)")
   args = p.parse_args(argv)
   n = len(jax.devices())
   mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
@@ -285,10 +300,12 @@ def main(argv=None):
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)
 
+  measure_iters = args.measure_iters or 0
+  out["measure_iters"] = measure_iters
   for s in seqs:
     cases.append({})
     run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation,
-             split=not args.no_split, case=cases[-1], saved=saved)
+             split=not args.no_split, case=cases[-1], saved=saved, measure_iters=measure_iters)
   print(json.dumps([{"seq": c["seq"], **c["summary"]} for c in cases], indent=1))
   if args.smoke:
     bad = [r for c in cases for r in c["contestants"]

@@ -258,3 +258,31 @@ def test_candidates_take_measured_times_from_the_database(tmp_path):
   # the measured 7 ms, less the share of the input all-gather that moves onto the edge
   assert 0 < found["allgather_matmul"].seconds <= 7e-3
   assert found["async_tp"].source == "predicted"
+
+
+def test_measured_candidates_replace_predictions_and_plan():
+  """Every operator candidate is timed on the mesh; identical nodes share their timings; the plan still runs."""
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+  g = _mlp_graph(mesh, tokens=32, dim=16, hidden=32)
+  lines = []
+  timed = jg.measure_candidates(g, MACHINE, iters=2, key=fresh_key(), log=lines.append)
+  assert [n.name for n in timed.nodes] == [n.name for n in g.nodes]
+  assert len(lines) == 2 and lines[0].startswith("gate: ") and lines[1].startswith("down: ")  # up shares gate's
+  for before, after in zip(g.nodes, timed.nodes):
+    if before.kind == "op":
+      assert [c.name for c in after.candidates] == [c.name for c in before.candidates]
+      assert all(c.source == "measured" and c.seconds >= 0 for c in after.candidates)
+      assert any(c.seconds != p.seconds for c, p in zip(after.candidates, before.candidates))
+    else:
+      assert after.candidates == before.candidates
+  gate, up = timed.node("gate"), timed.node("up")
+  assert [c.seconds for c in gate.candidates] == [c.seconds for c in up.candidates]
+  plan = jg.search(timed, MACHINE)
+  assert "(measured)" in str(plan)
+  x = jax.random.normal(fresh_key(), (32, 16), jnp.float32)
+  params = {name: jax.random.normal(fresh_key(), shape, jnp.float32)
+            for name, shape in (("gate", (16, 32)), ("up", (16, 32)), ("down", (32, 16)))}
+  y = jg.compile_plan(plan)({"x": x}, params)["y"]
+  h = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  want = x + (jax.nn.silu(h @ params["gate"]) * (h @ params["up"])) @ params["down"]
+  assert rel_err(y, want) < 1e-5

@@ -41,7 +41,8 @@ class Candidate:
       inputs fixed to ``inputs``; partial outputs are all-reduced by it
       unless the plan turns the reduction into a reduce-scatter.
     params: ``op`` nodes: ``PartitionSpec`` per parameter buffer (weights).
-    source: where ``seconds`` comes from: ``"predicted"`` or ``"database"``.
+    source: where ``seconds`` comes from: ``"predicted"``, ``"database"`` or
+      ``"measured"`` (``measure_candidates``).
   """
 
   name: str
