@@ -402,7 +402,17 @@ def test_fused_gemm_smoke(tmp_path):
   (rs_case,) = json.loads((tmp_path / "fused_gemm.json").read_text())["reducescatter_cases"]
   records = {r["name"]: r for r in rs_case["records"]}
   assert records["xla_dot_psum_scatter"]["median_ms"] > 0 and records["jm_async_tp_rs"]["numerics_ok"]
-  fused = [r for name, r in records.items() if name.startswith("fused_rs[")]
+  fused = [r for name, r in records.items() if name.startswith(("fused_rs[", "fused_rs_ws["))]
+  assert len(fused) == 7 and all("Hopper" in r["skipped"] for r in fused)
+
+
+def test_fused_attention_smoke(tmp_path):
+  """The unfused ring and all-gather contestants run and agree on the CPU; the fused kernel is skipped."""
+  (case,) = _smoke("fused_attention", tmp_path)
+  records = {r["name"]: r for r in case["records"]}
+  for name in ("cp_allgather_xla", "ring_xla", "jm_ring"):
+    assert records[name]["median_ms"] > 0 and records[name]["numerics_ok"], records[name]
+  fused = [r for name, r in records.items() if name.startswith("fused[")]
   assert fused and all("Hopper" in r["skipped"] for r in fused)
 
 

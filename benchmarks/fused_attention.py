@@ -1,0 +1,143 @@
+"""Fused ring attention (one Mosaic GPU kernel) against the unfused programs, in one process.
+
+  python -m benchmarks.fused_attention --out results.json [--seq 16384 32768 65536 131072] [--kv_heads 32 8]
+  python -m benchmarks.fused_attention --smoke --out /tmp/fused_attention.json   # tiny, 8 simulated CPU devices
+
+One mesh level ``"x"`` over every device; the sequence is sharded over it
+(``P(None, "x")``), B1 H32 D128 bf16, non-causal; ``--seq`` are global
+sequence lengths. Contestants per case, all on the same inputs, each output
+checked against the first's:
+
+- ``cp_allgather_cudnn`` (baseline): all-gathered K/V + cuDNN flash attention
+  in ``shard_map`` (``benchmarks.baselines.attention.context_parallel``);
+- ``ring_cudnn`` (baseline): the RingAttention baseline of the same module
+  (``ppermute`` ring + cuDNN blocks, merged by log-sum-exp);
+- ``jm_ring`` (baseline): jaxmercury's ``ring`` schedule for the attention
+  program, as the library lowers it (``shard_map`` + ``ppermute``);
+- ``fused[<block_q>x<block_kv>/<steps>]`` (jaxmercury):
+  ``fused_ring_attention``, one record per block configuration
+  (``CONFIGS``); the case's summary names the fastest.
+
+Each record has the median ms, its ratio to the best baseline (above 1:
+faster) and TFLOP/s per device. The JSON file is rewritten after every case,
+so a run cut short keeps what it measured. ``--smoke`` runs a tiny case on 8
+simulated CPU devices with the XLA attention instead of cuDNN (the fused
+kernel needs Hopper GPUs and is skipped there), so the harness cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.baselines import attention as attn  # noqa: E402
+from benchmarks.baselines.gemm import pallas_unavailable  # noqa: E402
+
+HEADS, HEAD_DIM, BATCH = 32, 128, 1
+LEVELS = ("x",)
+
+
+def _jm_ring(mesh, prog, spec, impl: str):
+  """jaxmercury's ``ring`` schedule of ``prog`` for sequence-sharded callers (blocks on cuDNN where ``impl``
+  is ``"cudnn"``), or the reason it does not apply."""
+  import jaxmercury as jm
+  from jaxmercury.tuner.tune import with_layouts
+  lib = jm.library(prog, mesh)
+  if "ring" not in lib:
+    return None, f"jaxmercury's library has no ring schedule here ({sorted(lib)})"
+  ring = lib["ring"].patch("cudnn_attention") if impl == "cudnn" else lib["ring"]
+  return with_layouts(ring, [spec] * 3, spec), None
+
+
+def contestants(mesh, prog, spec, impl: str):
+  from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention
+  out = [harness.Contestant("cp_allgather_" + impl, "baseline",
+                            lambda: attn.context_parallel(mesh, LEVELS, causal=False, impl=impl),
+                            f"all-gathered K/V + {impl} in shard_map"),
+         harness.Contestant("ring_" + impl, "baseline", lambda: attn.ring(mesh, LEVELS, causal=False, impl=impl),
+                            f"RingAttention baseline: ppermute ring + {impl} blocks")]
+  ring, why = _jm_ring(mesh, prog, spec, impl)
+  out.append(harness.Contestant("jm_ring", "baseline", lambda: jax.jit(ring.compile()),
+                                f"jaxmercury ring schedule: shard_map ppermute ring, {impl} blocks", skip=why))
+  skip = pallas_unavailable(mesh, jnp.bfloat16)
+  for c in CONFIGS:
+    body = lambda q, k, v, c=c: fused_ring_attention(q, k, v, "x", block_q=c.block_q, block_kv=c.block_kv,
+                                                     max_concurrent_steps=c.max_concurrent_steps)[0]
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                                                 check_vma=False))
+    out.append(harness.Contestant(f"fused[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]", "jaxmercury", fn,
+                                  "fused_ring_attention: one Mosaic GPU kernel, K/V forwarded by TMA", skip=skip))
+  return out
+
+
+def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str) -> dict:
+  """One case: global sequence ``seq``, ``kv_heads`` key/value heads; every contestant checked and timed."""
+  import jaxmercury as jm
+  n = mesh.devices.size
+  label = f"B{BATCH} S{seq} H{HEADS} KV{kv_heads} D{HEAD_DIM} bf16 non-causal"
+  harness.log(f"case {label} on {n} devices")
+  prog = jm.programs.attention(BATCH, HEADS, kv_heads, seq, seq, HEAD_DIM, causal=False, dtype=jnp.bfloat16)
+  spec = attn.seq_spec(LEVELS)
+  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 3)
+  sharding = NamedSharding(mesh, spec)
+  inputs = tuple(harness.random_array(k, shape, jnp.bfloat16, sharding)
+                 for k, shape in zip(keys, [(BATCH, seq, HEADS, HEAD_DIM)] + [(BATCH, seq, kv_heads, HEAD_DIM)] * 2))
+  prepared = harness.prepare(contestants(mesh, prog, spec, impl), inputs, warmup=3, iters=iters, max_timing_s=10.0)
+  harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, inputs))
+  del inputs
+  flops = 4 * BATCH * HEADS * seq * (seq // n) * HEAD_DIM  # QK^T and PV, per device
+  records = list(prepared.records.values())
+  best_base = harness.rank(records, None, flops)
+  mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r and r.get("numerics_ok", True)]
+  best = min(mine, key=lambda r: r["median_ms"], default=None)
+  summary = {"fused_best": best and best["name"], "fused_best_ms": best and best["median_ms"],
+             "best_baseline": best_base and best_base["name"], "best_baseline_ms": best_base and best_base["median_ms"],
+             "fused_over_best_baseline": best and best.get("ratio_to_best_baseline")}
+  harness.log(json.dumps({"case": label, **summary}))
+  return {"case": label, "seq": seq, "seq_per_device": seq // n, "batch": BATCH, "heads": HEADS,
+          "kv_heads": kv_heads, "head_dim": HEAD_DIM, "flops_per_device": flops, "reference": prepared.reference,
+          "records": records, "summary": summary}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--seq", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
+                 help="global sequence lengths")
+  p.add_argument("--kv_heads", type=int, nargs="+", default=[32, 8])
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--smoke", action="store_true", help="a tiny case on 8 simulated CPU devices, XLA attention")
+  args = p.parse_args(argv)
+  n = len(jax.devices())
+  mesh = jax.make_mesh((n,), LEVELS, axis_types=(AxisType.Auto,))
+  seqs, kv_heads = ([128 * n], [8]) if args.smoke else (args.seq, args.kv_heads)
+  out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "command": "python -m benchmarks.fused_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+         "cases": []}
+  for kv in kv_heads:
+    for seq in seqs:
+      out["cases"].append(run_case(mesh, seq, kv, 2 if args.smoke else args.iters, "xla" if args.smoke else "cudnn"))
+      with open(args.out, "w", encoding="utf-8") as f:  # after every case: a run cut short keeps its data
+        json.dump(out, f, indent=1)
+  bad = [r["name"] for c in out["cases"] for r in c["records"] if "error" in r or r.get("numerics_ok") is False]
+  if bad:
+    raise SystemExit(f"contestants failed or disagree: {bad}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,407 @@
+"""Ring attention in one Mosaic GPU kernel: K and V travel the ring inside the kernel.
+
+Inside ``shard_map`` over a mesh axis of ``n`` devices, with the sequence
+sharded over that axis, device ``r`` holds ``q_r [b, s, h, d]`` and
+``k_r, v_r [b, s, kv, d]`` (GQA: query head ``h`` reads key/value head
+``h // (h / kv)``) and computes non-causal softmax attention of its queries
+over the keys of every device, with scores scaled by ``1 / sqrt(d)``.
+
+The unfused program (``reference``)::
+
+  k_all, v_all = all_gather(k), all_gather(v)     # one collective, n * s keys
+  out, lse = attention(q_r, k_all, v_all)
+
+The ring schedule it replaces moves ``k, v`` with ``ppermute`` between
+attention blocks and merges the blocks' partial results by log-sum-exp. Here
+the loop nest is one kernel::
+
+  for item (bi, hi, qi) of this CTA:              # persistent CTAs; forwarder items first
+    q_tile = q_r[bi, qi, hi]                      # TMA to SMEM, once per item
+    acc, m, l = 0, -inf, 0                        # online softmax state, in registers
+    for s in 0 .. n-1:                            # ring step: keys of device (r + s) % n
+      source = k_r, v_r if s == 0 else received_k[s - 1], received_v[s - 1]
+      if s > 0: wait until device r + 1 has filled received[s - 1]
+      for kv tile j of source[bi, :, hi // g]:    # TMA to SMEM, pipelined
+        if forwarder and s < n - 1: store the K and V tiles into received[s] of device r - 1
+        acc, m, l = online_softmax(acc, m, l, q_tile @ k_tile.T, v_tile)   # wgmma, wgmma
+      if forwarder and s < n - 1: signal step s to device r - 1
+    out[bi, qi, hi], lse[bi, hi, qi] = acc / l, m + log(l)
+
+Design:
+
+- No collective runs outside the kernel. ``received_k`` and ``received_v``
+  (``[n - 1, b, s, kv, d]``) are extra outputs of the kernel that the right
+  neighbour fills: every K and V tile a forwarder reads from SMEM for its own
+  wgmma is also stored, by TMA, into the left neighbour's buffer
+  (``plgpu.remote_ref``).
+- For each ``(b, kv head)`` exactly one work item forwards: query block 0 of
+  query head ``kv_head * g``. There are ``F = b * kv`` forwarders. At the end
+  of ring step ``s`` a forwarder waits until its stores have landed and
+  increments global semaphore ``s`` of the left device; before reading
+  ``received[s - 1]`` every item waits until that device's semaphore
+  ``s - 1`` reaches ``F``. One semaphore per step, not one counter: a fast
+  forwarder's signal for step ``s + 1`` must not let a waiter for step ``s``
+  through.
+- The merge across ring steps is the online softmax itself: ``m`` and ``l``
+  run across all tiles of all steps, so no per-step log-sum-exp merge exists.
+- One warpgroup per CTA computes ``S = Q K^T`` and ``P V`` with wgmma (``P``
+  from registers); ``plgpu.emit_pipeline`` streams K and V tiles
+  ``max_concurrent_steps - 1`` ahead of the tile in use. A forwarder issues
+  its stores of a tile before that tile's wgmmas and waits at the end of the
+  step until they have read the slot, which the pipeline then refills.
+
+Deadlock freedom: the grid is persistent (at most one CTA per SM, all
+resident at once), the ``F`` forwarder items are work items ``0 .. F - 1``
+and the grid must have at least ``F`` CTAs, so every forwarder is the first
+item of a running CTA. A forwarder at step ``s`` waits only for the
+forwarders of the right device at step ``s - 1``; by induction over ``s``
+every forwarder finishes, and every other item waits only for forwarders.
+
+Preconditions (``PreconditionError`` otherwise): q, k, v bf16 or fp16 of one
+dtype, ``q [b, s, h, d]`` and ``k, v [b, s, kv, d]`` with ``kv`` dividing
+``h``; ``s`` a multiple of ``block_q`` and ``block_kv``; ``d`` a multiple of
+64 and at most 256; for ``n > 1``: the axis spans every device of the process
+(Mosaic GPU addresses peers by their index in the whole mesh), at least
+``b * kv`` CTAs, and no interpret mode (the interpreter has no peer memory).
+Hopper only.
+
+Interpret mode (CPU, one device) runs the same loop nest except ``P V``: the
+interpreter's wgmma reads its left operand from SMEM only, so there ``P V``
+is a plain dot added to the accumulator.
+
+Not done yet: one warpgroup per CTA issues the loads' consumers, both
+wgmmas and the softmax in turn (no warp specialization, no second
+warpgroup to overlap softmax with the tensor cores), so the local attention
+is slower than FlashAttention-3; and the backward pass of ``ring_attention``
+is the unfused reference's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
+from jaxmercury.pallas_kernels.peer_gemm import step_semaphores
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NAME = "fused_ring_attention"
+INTERPRET_CTAS = 4  # the default grid where the device reports no SM count (CPU, interpret mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Tile sizes and pipeline depth of the kernel."""
+
+  block_q: int = 64
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+
+  def smem_bytes(self, d: int, itemsize: int) -> int:
+    """The Q tile (reused for the output), K and V pipeline slots, the log-sum-exp row."""
+    return (self.block_q + 2 * self.max_concurrent_steps * self.block_kv) * d * itemsize + 4 * self.block_q
+
+  def problem(self, d: int, itemsize: int = 2) -> str | None:
+    """Why these blocks cannot compile for head dimension ``d``, or None."""
+    bq, bkv = self.block_q, self.block_kv
+    if bq % 64:
+      return f"block_q={bq} must be a multiple of 64 (wgmma's M)"
+    if bkv % 64 or bkv > 256:
+      return f"block_kv={bkv} must be a multiple of 64 and at most 256 (wgmma's N)"
+    if self.max_concurrent_steps < 2:
+      return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2 (loads ahead of the wgmmas)"
+    if bq * (bkv + d) > ACC_VALUES:
+      return (f"block_q x (block_kv + d) = {bq * (bkv + d)} float32 scores and accumulators exceed "
+              f"one warpgroup's registers ({ACC_VALUES})")
+    if self.smem_bytes(d, itemsize) > SMEM_BYTES:
+      return f"needs {self.smem_bytes(d, itemsize)} bytes of shared memory, more than {SMEM_BYTES}"
+    return None
+
+
+# The block configurations the GPU test and the benchmark try.
+CONFIGS = (Blocks(64, 128, 2), Blocks(64, 128, 3), Blocks(64, 64, 4))
+
+
+def fused_ring_attention(q, k, v, axis_name: str, *, block_q: int = 64, block_kv: int = 128,
+                         max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False):
+  """Non-causal attention over the keys of every device of ``axis_name``; call inside ``shard_map``.
+
+  Args:
+    q: this device's queries ``[b, s, h, d]``, bf16 or fp16.
+    k: this device's keys ``[b, s, kv, d]``, ``q``'s dtype; ``kv`` divides ``h``.
+    v: this device's values, like ``k``.
+    axis_name: the ``shard_map`` axis the sequence is sharded over; it must
+      span every device of the process when it has more than one.
+    block_q: query rows per work item (multiple of 64).
+    block_kv: key rows per pipelined K/V tile (multiple of 64, at most 256).
+    max_concurrent_steps: K/V tiles in flight (at least 2).
+    num_ctas: CTAs of the persistent grid (default: the device's SM count, or
+      ``INTERPRET_CTAS`` on a device without one); at least ``b * kv`` when
+      the axis has several devices.
+    interpret: run in Mosaic GPU interpret mode (CPU); one device only.
+
+  Returns:
+    ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32, natural log``)``.
+
+  Raises:
+    PreconditionError: the inputs, blocks or mesh do not fit (module docstring).
+  """
+  blocks = Blocks(block_q, block_kv, max_concurrent_steps)
+  n_dev = _check(q, k, v, axis_name, blocks, interpret)
+  b, kv = k.shape[0], k.shape[2]
+  num_ctas = num_ctas or getattr(jax.devices()[0], "core_count", None) or INTERPRET_CTAS
+  if n_dev > 1 and num_ctas < b * kv:
+    raise PreconditionError(
+        f"{NAME}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "
+        f"but the grid has {num_ctas} CTAs")
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret)
+
+
+def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
+  """Raises ``PreconditionError`` naming what the kernel cannot take; returns the axis's device count."""
+  if not (q.dtype == k.dtype == v.dtype) or q.dtype not in HALF_DTYPES:
+    raise PreconditionError(f"{NAME}: q, k and v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    raise PreconditionError(f"{NAME}: q [b, s, h, d] and k, v [b, s, kv, d] expected, "
+                            f"got {q.shape}, {k.shape}, {v.shape}")
+  (b, s, h, d), (bk, sk, kv, dk) = q.shape, k.shape
+  if (b, s, d) != (bk, sk, dk):
+    raise PreconditionError(f"{NAME}: q [b, s, h, d] and k, v [b, s, kv, d] must agree on b, s and d, "
+                            f"got {q.shape}, {k.shape}")
+  if h % kv:
+    raise PreconditionError(f"{NAME}: {h} query heads are not a multiple of {kv} key/value heads (GQA)")
+  if d % 64 or d > 256:
+    raise PreconditionError(f"{NAME}: head dimension d={d} must be a multiple of 64 and at most 256")
+  if reason := blocks.problem(d, q.dtype.itemsize):
+    raise PreconditionError(f"{NAME}: {reason}")
+  for name, block in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv)):
+    if s % block:
+      raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of {name}={block}")
+  n_dev = lax.axis_size(axis_name)
+  if interpret and n_dev > 1:
+    raise PreconditionError(f"{NAME}: interpret mode runs one device, axis {axis_name!r} has {n_dev}: "
+                            "Mosaic GPU's interpreter has no peer memory or remote semaphores")
+  if n_dev > 1 and n_dev != jax.device_count():
+    raise PreconditionError(f"{NAME}: axis {axis_name!r} has {n_dev} devices, but the process has "
+                            f"{jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
+  return n_dev
+
+
+def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
+  """Work item ``t`` -> (batch, query head, query block, forwards?).
+
+  Items ``0 .. forwarders - 1`` are the forwarders, one per (batch, kv head)
+  group: query block 0 of the group's first query head. The rest enumerate
+  each group's other ``per_group - 1`` (query head, query block) pairs.
+  """
+  forwards = t < forwarders
+  rest = jnp.maximum(t - forwarders, 0)
+  others = max(per_group - 1, 1)
+  group = jnp.where(forwards, t, rest // others)
+  j = jnp.where(forwards, 0, lax.rem(rest, others) + 1)  # index within the group: head-in-group * nq + block
+  return group // kv, lax.rem(group, kv) * g + j // nq, lax.rem(j, nq), forwards
+
+
+def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, interpret: bool):
+  b, s_loc, h, d = q.shape
+  kv = k.shape[2]
+  g = h // kv
+  bq, bkv = blocks.block_q, blocks.block_kv
+  nq, kv_steps = s_loc // bq, s_loc // bkv
+  forwarders, per_group = b * kv, g * nq
+  work = b * h * nq
+  grid = min(work, num_ctas)
+  ring = n_dev > 1
+  scale_log2 = LOG2E / math.sqrt(d)  # scores in base-2 units: exp2(qk * scale_log2) = exp(qk / sqrt(d))
+  dtype = q.dtype
+
+  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
+    recv_k, recv_v, qo_smem, lse_smem, q_barrier = rest if ring else (None, None, *rest)
+    cta = lax.axis_index("cta")
+    if ring:
+      dev = lax.axis_index(axis_name)
+      left = lax.rem(dev + n_dev - 1, n_dev)
+      arrived = step_semaphores(n_dev)
+      to_left = plgpu.remote_ref(recv_k, left), plgpu.remote_ref(recv_v, left)
+
+    @pl.loop(cta, work, step=grid)
+    def _work_item(t):
+      bi, hi, qi, forwards = _item(t, forwarders, per_group, nq, g, kv)
+      kvh = hi // g
+      q_rows = pl.ds(qi * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], qo_smem, q_barrier.at[0])
+      plgpu.barrier_wait(q_barrier.at[0])
+
+      def ring_step(keys, values, s, carry):
+        forwarding = forwards & (s < n_dev - 1) if ring else None
+
+        def forward(j, k_smem, v_smem):
+          @pl.when(forwarding)
+          def _():
+            rows = pl.ds(j * bkv, bkv)
+            plgpu.copy_smem_to_gmem(k_smem, to_left[0].at[s, bi, rows, kvh])
+            plgpu.copy_smem_to_gmem(v_smem, to_left[1].at[s, bi, rows, kvh])
+
+        def release(_):
+          @pl.when(forwarding)
+          def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the slot the pipeline refills
+
+        carry = _attend(qo_smem, keys.at[bi, :, kvh], values.at[bi, :, kvh], carry, blocks, kv_steps,
+                        scale_log2, dtype, interpret, forward if ring else None, release if ring else None)
+        if ring:
+          @pl.when(forwarding)
+          def _signal():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this step's stores have landed in the peer
+            pl.semaphore_signal(arrived.at[s], device_id=left)
+        return carry
+
+      carry = ring_step(k_ref, v_ref, 0, _initial_state(bq, d))
+      if ring:
+        def later_step(s, carry):
+          pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)  # every forwarder of r + 1
+          return ring_step(recv_k.at[s - 1], recv_v.at[s - 1], s, carry)
+        carry = lax.fori_loop(1, n_dev, later_step, carry)
+      _finish(carry, qo_smem, lse_smem, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
+  if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
+    out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
+  scratch = [plgpu.SMEM((bq, d), dtype, transforms=_swizzled(d, dtype)),
+             plgpu.SMEM((bq,), jnp.float32),
+             plgpu.Barrier(num_barriers=1)]
+  results = plgpu.kernel(
+      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
+  return results[0], results[1]
+
+
+def _initial_state(bq: int, d: int):
+  """Online softmax state (acc, running max in base-2 units, running sum) in wgmma layouts."""
+  row = plgpu.Layout.WGMMA.reduce(1)
+  return (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
+          plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
+
+
+def _attend(q_smem, keys, values, carry, blocks: Blocks, kv_steps: int, scale_log2: float, dtype,
+            interpret: bool, on_tile=None, after_tile=None):
+  """Online softmax of the Q tile over ``keys, values [s, d]``, streamed through SMEM; returns the new state.
+
+  ``on_tile(j, k_smem, v_smem)`` runs when tile ``j`` has arrived, before its
+  wgmmas (a forwarder stores the tiles from there); ``after_tile(j)`` runs at
+  the end of the step, after the wgmmas have retired: the pipeline refills
+  the slot right after it, so stores started by ``on_tile`` must have read
+  the slot by then.
+  """
+  bq, bkv = blocks.block_q, blocks.block_kv
+  d = keys.shape[-1]
+
+  def step(indices, k_smem, v_smem, carry):
+    acc, m, l = carry
+    if on_tile is not None:
+      on_tile(indices[0], k_smem, v_smem)
+
+    def scores(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32)) * scale_log2
+    m_new = jnp.maximum(m, qk.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    def weighted(acc_ref):
+      plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+      plgpu.wgmma_wait(0)
+
+    if interpret:  # the interpreter's wgmma takes A from SMEM only: P V as a plain dot
+      acc = acc + jnp.dot(p.astype(dtype), v_smem[...], preferred_element_type=jnp.float32)
+    else:  # P from registers, accumulated into acc's registers
+      acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
+    if after_tile is not None:
+      after_tile(indices[0])
+    return acc, m_new, l
+
+  specs = [plgpu.BlockSpec((bkv, d), lambda j: (j, 0), transforms=_swizzled(d, dtype))] * 2
+  pipeline = plgpu.emit_pipeline(step, grid=(kv_steps,), in_specs=specs,
+                                 max_concurrent_steps=blocks.max_concurrent_steps, init_carry=carry)
+  return pipeline(keys, values)
+
+
+def _finish(carry, qo_smem, lse_smem, out_tile, lse_row):
+  """Normalises the accumulator and stores it and the natural-log log-sum-exp through SMEM (TMA)."""
+  acc, m, l = carry
+  qo_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(qo_smem.dtype)
+  lse_smem[...] = m * LN2 + jnp.log(l)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(qo_smem, out_tile)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_row)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the SMEM tiles may be reused by the next item
+
+
+def reference(q, k, v, axis_name: str):
+  """The unfused program: ``all_gather`` K and V over ``axis_name``, float32 softmax attention.
+
+  Returns:
+    ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32``)``.
+  """
+  b, s, h, d = q.shape
+  kv = k.shape[2]
+  k_all = lax.all_gather(k, axis_name, axis=1, tiled=True)
+  v_all = lax.all_gather(v, axis_name, axis=1, tiled=True)
+  qg = q.reshape(b, s, kv, h // kv, d)
+  scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_all, preferred_element_type=jnp.float32) / math.sqrt(d)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  p = jnp.exp(scores - lse[..., None])
+  out = jnp.einsum("bkgst,btkd->bskgd", p, v_all.astype(jnp.float32))
+  return out.reshape(b, s, h, d).astype(q.dtype), lse.reshape(b, h, s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring_attention(q, k, v, axis_name, kernel_params):
+  return fused_ring_attention(q, k, v, axis_name, **dict(kernel_params))
+
+
+def _forward(q, k, v, axis_name, kernel_params):
+  return _ring_attention(q, k, v, axis_name, kernel_params), (q, k, v)
+
+
+def _backward(axis_name, kernel_params, residuals, cotangents):
+  _, pullback = jax.vjp(lambda q, k, v: reference(q, k, v, axis_name), *residuals)
+  return pullback(cotangents)
+
+
+_ring_attention.defvjp(_forward, _backward)
+
+
+def ring_attention(q, k, v, axis_name: str, **kernel_params):
+  """``fused_ring_attention`` with a gradient; call inside ``shard_map``.
+
+  The backward pass recomputes the unfused ``reference`` and differentiates
+  it (its ``all_gather`` transposes to a reduce-scatter of the K and V
+  gradients), so training works; only the forward pass is fused.
+
+  Args:
+    q, k, v, axis_name: as for ``fused_ring_attention``.
+    **kernel_params: ``fused_ring_attention``'s keyword arguments.
+
+  Returns:
+    ``(out, lse)`` as ``fused_ring_attention``; both carry gradients.
+  """
+  return _ring_attention(q, k, v, axis_name, tuple(sorted(kernel_params.items())))

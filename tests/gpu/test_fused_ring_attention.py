@@ -1,0 +1,104 @@
+"""The fused ring-attention kernel on real GPUs: every block configuration against the unfused program
+and against all_gather + ``jax.nn.dot_product_attention`` (skipped on CPU).
+
+Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention.py -x -q``
+(the timeout: a ring that deadlocks hangs rather than fails).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_key, rel_err
+from gpu.checks import gpu_mesh
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
+
+pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
+
+SEQ = P(None, "x")
+SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
+HEADS = [(8, 8), (8, 2)]  # (query heads, key/value heads): MHA and GQA
+
+
+def _one_gpu():
+  return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+
+
+def _inputs(mesh, s_local, h, kv, d=128, b=1):
+  n = mesh.devices.size
+  sharding = NamedSharding(mesh, SEQ)
+  return [jax.device_put(jax.random.normal(fresh_key(), (b, n * s_local, heads, d), jnp.float32).astype(jnp.bfloat16),
+                         sharding) for heads in (h, kv, kv)]
+
+
+def _run(mesh, fn, *xs):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(*xs)
+
+
+def _check(mesh, s_local, h, kv, blocks):
+  q, k, v = _inputs(mesh, s_local, h, kv)
+  params = dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps)
+  out, lse = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
+  want_out, want_lse = _run(mesh, lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  assert out.shape == q.shape and lse.shape == (q.shape[0], h, q.shape[1])
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+  assert rel_err(lse, want_lse) < 1e-3, blocks
+  if q.shape[1] <= 16384:  # the same numbers as jax.nn.dot_product_attention (XLA) of the global arrays
+    dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))(q, k, v)
+    assert rel_err(out.astype(jnp.float32), dpa.astype(jnp.float32)) < 2e-2, blocks
+  # A second call: the per-step semaphores start from zero each launch, the received buffers are fresh.
+  again, _ = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
+  assert rel_err(again.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("s_local", [1024, 4096])
+def test_every_gpu(s_local, h, kv, blocks):
+  _check(gpu_mesh(), s_local, h, kv, blocks)
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("s_local", [1024, 4096])
+def test_one_gpu(s_local, h, kv, blocks):
+  _check(_one_gpu(), s_local, h, kv, blocks)
+
+
+def test_every_gpu_with_the_benchmarks_heads():
+  """32 query heads over 8 key/value heads, d = 128, as in benchmarks/fused_attention.py (one config)."""
+  _check(gpu_mesh(), 1024, 32, 8, CONFIGS[0])
+
+
+def test_every_gpu_matches_cudnn():
+  mesh = gpu_mesh()
+  q, k, v = _inputs(mesh, 1024, 8, 2)
+  out, _ = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x"), q, k, v)
+
+  def cudnn(q, k, v):
+    k, v = (jax.lax.all_gather(x, "x", axis=1, tiled=True) for x in (k, v))
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+  want = jax.jit(jax.shard_map(cudnn, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ, check_vma=False))(q, k, v)
+  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
+
+
+def test_the_gradient_on_every_gpu():
+  mesh = gpu_mesh()
+  q, k, v = _inputs(mesh, 1024, 8, 2)
+  cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
+
+  def grads(attention):
+    def loss(q, k, v):
+      out, lse = jax.shard_map(attention, mesh=mesh, **SPECS)(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(lse)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  got = grads(lambda q, k, v: ring_attention(q, k, v, "x"))
+  want = grads(lambda q, k, v: reference(q, k, v, "x"))
+  for g, w in zip(got, want):
+    assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 3e-2

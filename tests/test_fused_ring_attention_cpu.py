@@ -1,0 +1,156 @@
+"""The fused ring-attention kernel on one device in Mosaic GPU interpret mode, its input checks, its
+gradient, and the 8-device ring's lowering to Mosaic GPU (no GPU needed).
+
+Peer stores and remote semaphores have no interpreter; the ring runs in
+tests/gpu/test_fused_ring_attention.py. In interpret mode the P V product is a
+plain dot (the interpreter's wgmma reads its left operand from SMEM only);
+the lowering test covers the register-operand wgmma the GPU runs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_key, rel_err
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, _item, fused_ring_attention, reference,
+                                                            ring_attention)
+
+SEQ = P(None, "x")
+SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
+
+
+def _mesh(devices: int):
+  return jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+
+
+def _run(fn, q, k, v, devices=1):
+  return jax.jit(jax.shard_map(fn, mesh=_mesh(devices), **SPECS))(q, k, v)
+
+
+def _inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
+  shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
+  return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),
+                                    dict(block_q=64, block_kv=128, max_concurrent_steps=3)], ids=str)
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 128, 2, 2, 64), (2, 128, 4, 2, 128)], ids=["mha", "gqa"])
+def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
+  q, k, v = _inputs(b, s, h, kv, d)
+  out, lse = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True, **blocks), q, k, v)
+  want_out, want_lse = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
+  assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2
+  assert rel_err(lse, want_lse) < 1e-3
+
+
+def test_the_reference_is_dot_product_attention():
+  q, k, v = _inputs(1, 64, 4, 2, 64, jnp.float32)
+  out, lse = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  assert rel_err(out, jax.nn.dot_product_attention(q, k, v)) < 1e-5
+  scores = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(64)
+  assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-5
+
+
+def test_the_gradient_is_the_references():
+  q, k, v = _inputs(1, 128, 4, 2, 64)
+  cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
+
+  def loss(attention):
+    def f(q, k, v):
+      out, lse = jax.shard_map(attention, mesh=_mesh(1), **SPECS)(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(lse))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  got = loss(lambda q, k, v: ring_attention(q, k, v, "x", block_kv=64, num_ctas=4, interpret=True))(q, k, v)
+  want = loss(lambda q, k, v: reference(q, k, v, "x"))(q, k, v)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 2e-2
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype=jnp.float32), "bf16 or fp16"),
+    (dict(k_shape=(1, 128, 2, 64, 1)), r"q \[b, s, h, d\] and k, v \[b, s, kv, d\] expected"),
+    (dict(k_shape=(1, 64, 2, 64)), "must agree on b, s and d"),
+    (dict(k_shape=(1, 128, 3, 64), v_shape=(1, 128, 3, 64)), "4 query heads are not a multiple of 3"),
+    (dict(d=96), "head dimension d=96"),
+    (dict(s=96), "sequence length 96 is not a multiple of block_q=64"),
+    (dict(blocks=dict(block_q=96)), "block_q=96 must be a multiple of 64"),
+    (dict(blocks=dict(max_concurrent_steps=1)), "at least 2"),
+    (dict(blocks=dict(block_q=128, block_kv=256)), "exceed one warpgroup's registers"),
+])
+def test_inputs_are_checked_before_anything_runs(change, message):
+  s, d, dtype = change.get("s", 128), change.get("d", 64), change.get("dtype", jnp.bfloat16)
+  q = jnp.ones((1, s, 4, d), dtype)
+  k = jnp.ones(change.get("k_shape", (1, s, 2, d)), dtype)
+  v = jnp.ones(change.get("v_shape", k.shape), dtype)
+  fn = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=4, **change.get("blocks", {}))
+  with pytest.raises(PreconditionError, match=message):
+    jax.jit(jax.shard_map(fn, mesh=_mesh(1), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()), check_vma=False))(q, k, v)
+
+
+@pytest.mark.parametrize("interpret,devices,message", [(True, 2, "no peer memory"),
+                                                       (False, 2, "the process has 8"),
+                                                       (False, 8, r"b \* kv = 2 \* 4 = 8, but the grid has 4")])
+def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
+  q, k, v = jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16), *[jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16)] * 2
+  with pytest.raises(PreconditionError, match=message):
+    _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=4, interpret=interpret), q, k, v, devices)
+
+
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 32, 128), (1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)],
+                         ids=["mha", "gqa", "small"])
+def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
+  """The 8-device ring (remote TMA stores, per-step semaphores, wgmma with P from registers) lowers.
+
+  Lowering for an abstract H100 checks layouts and shared memory; it is no
+  CUDA compile (register pressure is ptxas's) and no run.
+  """
+  mesh = jax.sharding.AbstractMesh((8,), ("x",), abstract_device=H100)
+  spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
+  kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132, block_q=blocks.block_q,
+                                                block_kv=blocks.block_kv,
+                                                max_concurrent_steps=blocks.max_concurrent_steps)
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(kernel, mesh=mesh, **SPECS))
+    text = f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+def test_one_device_lowers_without_peers():
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
+  spec = lambda heads: jax.ShapeDtypeStruct((1, 512, heads, 128), jnp.float16, sharding=NamedSharding(mesh, SEQ))
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132), mesh=mesh, **SPECS))
+    text = f.trace(spec(8), spec(8), spec(8)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("b,h,kv,nq", [(1, 4, 2, 3), (2, 4, 4, 1), (2, 8, 2, 2), (1, 1, 1, 1), (3, 6, 3, 4)])
+def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
+  """Items 0 .. b * kv - 1 are the forwarders (query block 0 of each group's first head), one per (b, kv head)."""
+  g = h // kv
+  forwarders = b * kv
+  items = [tuple(int(x) for x in _item(jnp.int32(t), forwarders, g * nq, nq, g, kv)) for t in range(b * h * nq)]
+  assert sorted(i[:3] for i in items) == [(bi, hi, qi) for bi in range(b) for hi in range(h) for qi in range(nq)]
+  assert [i[3] for i in items] == [1] * forwarders + [0] * (len(items) - forwarders)
+  assert {(bi, hi // g) for bi, hi, qi, _ in items[:forwarders]} == {(bi, k) for bi in range(b) for k in range(kv)}
+  assert all(qi == 0 and hi % g == 0 for _, hi, qi, _ in items[:forwarders])
+
+
+def test_the_default_grid_without_an_sm_count():
+  q, k, v = _inputs(1, 128, 2, 2, 64)
+  out, _ = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", interpret=True), q, k, v)
+  want, _ = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
