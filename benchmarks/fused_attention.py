@@ -16,7 +16,8 @@ checked against the first's:
   program, as the library lowers it (``shard_map`` + ``ppermute``);
 - ``fused[<block_q>x<block_kv>/<steps>]`` (jaxmercury):
   ``fused_ring_attention``, one record per block configuration
-  (``CONFIGS``); the case's summary names the fastest.
+  (``CONFIGS``, one CTA per SM; ``TWO_PER_SM``, ``,2/SM``: twice as many
+  CTAs); the case's summary names the fastest.
 
 Each record has the median ms, its ratio to the best baseline (above 1:
 faster) and TFLOP/s per device. The JSON file is rewritten after every case,
@@ -48,6 +49,9 @@ from benchmarks.baselines import attention as attn  # noqa: E402
 from benchmarks.baselines.gemm import pallas_unavailable  # noqa: E402
 
 HEADS, HEAD_DIM, BATCH = 32, 128, 1
+# Blocks whose shared memory (< half an SM's) lets two CTAs share an SM, so that one CTA's softmax overlaps the
+# other's wgmma: run with a grid of twice the SM count.
+TWO_PER_SM = ((64, 64, 2),)  # (block_q, block_kv, max_concurrent_steps)
 LEVELS = ("x",)
 
 
@@ -64,7 +68,7 @@ def _jm_ring(mesh, prog, spec, impl: str):
 
 
 def contestants(mesh, prog, spec, impl: str):
-  from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention
+  from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
   out = [harness.Contestant("cp_allgather_" + impl, "baseline",
                             lambda: attn.context_parallel(mesh, LEVELS, causal=False, impl=impl),
                             f"all-gathered K/V + {impl} in shard_map"),
@@ -74,13 +78,17 @@ def contestants(mesh, prog, spec, impl: str):
   out.append(harness.Contestant("jm_ring", "baseline", lambda: jax.jit(ring.compile()),
                                 f"jaxmercury ring schedule: shard_map ppermute ring, {impl} blocks", skip=why))
   skip = pallas_unavailable(mesh, jnp.bfloat16)
-  for c in CONFIGS:
-    body = lambda q, k, v, c=c: fused_ring_attention(q, k, v, "x", block_q=c.block_q, block_kv=c.block_kv,
-                                                     max_concurrent_steps=c.max_concurrent_steps)[0]
+  sms = getattr(jax.devices()[0], "core_count", None) or 1
+  for c, per_sm in [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]:
+    body = lambda q, k, v, c=c, per_sm=per_sm: fused_ring_attention(
+        q, k, v, "x", block_q=c.block_q, block_kv=c.block_kv, max_concurrent_steps=c.max_concurrent_steps,
+        num_ctas=per_sm * sms)[0]
     fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                                                  check_vma=False))
-    out.append(harness.Contestant(f"fused[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]", "jaxmercury", fn,
-                                  "fused_ring_attention: one Mosaic GPU kernel, K/V forwarded by TMA", skip=skip))
+    name = f"fused[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}{'' if per_sm == 1 else f',{per_sm}/SM'}]"
+    out.append(harness.Contestant(name, "jaxmercury", fn,
+                                  f"fused_ring_attention: one Mosaic GPU kernel, K/V forwarded by TMA, "
+                                  f"{per_sm} CTA(s) per SM", skip=skip))
   return out
 
 

@@ -81,7 +81,7 @@ def test_lower_with_raises_before_anything_runs():
   with pytest.raises(jm.PreconditionError, match=r"lower_with\('fused_allgather_matmul'\): .*Hopper"):
     s.lower_with(OURS)
   with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'fused_matmul_reducescatter', "
-                                                 "'fused_matmul_reducescatter_ws', 'jax_allgather_lhs_matmul'"):
+                                                 "'fused_matmul_reducescatter_ws', 'fused_ring_attention', 'jax_allgather_lhs_matmul'"):
     s.lower_with("fused_gemm")
   assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
 
@@ -188,3 +188,67 @@ def test_cost_model_overlaps_the_ring_with_the_gemm():
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{JAXS}}}"} <= set(cands)
   assert cands[f"async_tp {{{OURS}}}"].predicted_ms < cands["async_tp"].predicted_ms
   assert all(math.isfinite(c.predicted_ms) for c in cands.values())
+
+
+# ------------------------------------------------------------------ ring attention
+RING = "fused_ring_attention"
+
+
+def _attention(s=256, causal=False, d=64, dtype=jnp.bfloat16):
+  return jm.programs.attention(1, 4, 2, s, s, d, causal=causal, dtype=dtype)
+
+
+def test_ring_attention_why_not_names_the_problem():
+  mesh = make_mesh("8")
+  lib = jm.library(_attention(1024), mesh)
+  for strategy in ("ring", "context_parallel"):  # both store q, k, v, o split along the sequence
+    assert "Hopper" in fused.why_not(RING, lib[strategy])
+  assert fused.why_not(RING, lib["tree"]).startswith("buffer q is stored q[b, i, hk, g, d]: its sequence is "
+                                                    "split over 0 levels")
+  causal = jm.library(_attention(1024, causal=True), mesh)["ring"]
+  assert fused.why_not(RING, causal) == "the fused ring-attention kernel is non-causal; this program is causal"
+  f32 = jm.library(_attention(1024, dtype=jnp.float32), mesh)["ring"]
+  assert "bf16 or fp16" in fused.why_not(RING, f32)
+  short = jm.library(_attention(256), mesh)["ring"]  # 32 positions per device: not a multiple of 64
+  assert "holds 32 positions of 'i', not a multiple" in fused.why_not(RING, short)
+  odd_d = jm.library(_attention(1024, d=96), mesh)["ring"]
+  assert "head dimension 'd' = 96" in fused.why_not(RING, odd_d)
+  gemm = jm.library(_bf16(), mesh)["async_tp"]
+  assert "pattern 'attention'" in fused.why_not(RING, gemm)
+  assert fused.why_not(OURS, lib["ring"]).startswith("the fused kernels compute GEMMs")
+
+
+def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
+  mesh = _one_device_mesh()
+  prog = _attention(128)
+  plain = jm.library(prog, mesh)["ring"]
+  s = plain.copy().lower_with(RING, block_kv=128, ctas_per_sm=1)
+  assert "lowered with fused_ring_attention(block_kv=128, ctas_per_sm=1) (Mosaic GPU interpret mode)" in str(s)
+  with pytest.raises(jm.PreconditionError, match="ctas_per_sm=2: 2 CTAs of .* exceed one SM's"):
+    plain.copy().lower_with(RING, block_kv=128, max_concurrent_steps=3)
+  q, k, v = prog.random_inputs(fresh_key())
+  f = s.compile()
+  out = f(q, k, v)
+  want = prog.reference(q, k, v)
+  assert out.shape == want.shape and out.dtype == jnp.bfloat16
+  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
+  cot = jax.random.normal(fresh_key(), out.shape, jnp.float32).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(f, q, k, v)
+  _, vjp_plain = jax.vjp(plain.compile(), q, k, v)
+  for got, ref in zip(vjp(cot), vjp_plain(cot)):  # the same backward, compiled apart: bf16 roundings may differ
+    assert got.dtype == ref.dtype == jnp.bfloat16
+    assert rel_err(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
+  with registry.interpret_mode():
+    names = [n for n, _ in tune_module.default_candidates(prog, mesh, space=2)]
+  assert f"ring {{{RING}}}" in names
+
+
+def test_ring_attention_cost_and_memory():
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  prog = jm.programs.attention(1, 32, 8, 32768, 32768, 128, dtype=jnp.bfloat16)
+  s = jm.library(prog, mesh)["ring"].copy().lower_with(RING)
+  machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6, kernel_flops_per_s={RING: 400e12})
+  attention = 4 * 32 * 4096 * 32768 * 128 / 400e12
+  ring = 7 * 2 * 4096 * 8 * 128 * 2 / 150e9
+  assert cost.predict(s, machine) == pytest.approx(max(attention, ring) + 20e-6)
+  assert memory.memory_per_device(s) == (2 * 4096 * 32 * 128 + 2 * 8 * 4096 * 8 * 128) * 2 + 4 * 32 * 4096

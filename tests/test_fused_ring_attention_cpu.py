@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, _item, fused_ring_attention, reference,
+from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, fused_ring_attention, reference,
                                                             ring_attention)
 
 SEQ = P(None, "x")
@@ -107,7 +107,7 @@ def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
 H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
-@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("blocks", CONFIGS + (Blocks(64, 64, 2),), ids=str)  # and the benchmark's two-per-SM blocks
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 32, 128), (1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)],
                          ids=["mha", "gqa", "small"])
 def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):

@@ -50,10 +50,14 @@ Design:
   its stores of a tile before that tile's wgmmas and waits at the end of the
   step until they have read the slot, which the pipeline then refills.
 
-Deadlock freedom: the grid is persistent (at most one CTA per SM, all
-resident at once), the ``F`` forwarder items are work items ``0 .. F - 1``
-and the grid must have at least ``F`` CTAs, so every forwarder is the first
-item of a running CTA. A forwarder at step ``s`` waits only for the
+Deadlock freedom: the grid is persistent, the ``F`` forwarder items are
+work items ``0 .. F - 1`` and the grid must have at least ``F`` CTAs, so
+every forwarder is the first item of CTA ``0 .. F - 1``, resident from the
+start (by default one CTA per SM, all resident at once; with ``num_ctas`` up
+to twice the SM count, two share an SM where their registers and shared
+memory fit; if they do not, CTAs beyond the resident ones start as earlier
+ones end, and the forwarders rely on being among the first CTAs to start,
+which CUDA does in practice but does not promise). A forwarder at step ``s`` waits only for the
 forwarders of the right device at step ``s - 1``; by induction over ``s``
 every forwarder finishes, and every other item waits only for forwarders.
 

@@ -12,6 +12,8 @@ reads the plan's layouts, not the strategy's name):
   A's columns and B's rows (the contraction) split over L, C's rows too; a
   device computes its row block of ``sum over L of A_local @ B_local``.
 
+A third kind, non-causal ring attention (``ring``: the sequence of q, k, v
+and o split over L), lives in ``jaxmercury.shard_map.fused_attention``.
 ``Schedule.lower_with(name)`` picks one of the lowerings registered here;
 ``Schedule.compile()`` then runs it under the same ``shard_map`` (the plan's
 layouts, padding and global signature) and differentiates through the
@@ -82,6 +84,9 @@ class Placement:
       return ext(self.m) // self.size, ext(self.k), ext(self.n) // self.size
     return ext(self.m) // self.size, ext(self.k) // self.size, ext(self.n)
 
+  def dtype_problem(self) -> str | None:
+    return _dtype_problem(self)
+
 
 def _fmt(buf, layout) -> str:
   return buf.name + "[" + ", ".join(f"{a}@{'*'.join(lv)}" if lv else a for a, lv in zip(buf.axes, layout)) + "]"
@@ -150,7 +155,12 @@ def placement(schedule) -> Placement | str:
   return Placement(kind, level, sizes[level], a, b, c, m, n, k)
 
 
+# Placement finders by lowering kind; jaxmercury.shard_map.fused_attention adds the ring-attention kind.
+PLACEMENTS: dict[str, Callable] = {ALLGATHER: placement, REDUCESCATTER: placement}
+
+
 def _dtype_problem(p: Placement) -> str | None:
+  """Why the GEMM's buffers' dtypes do not fit the fused GEMM kernels, or None."""
   da, db, dc = (np.dtype(x.dtype) for x in (p.a, p.b, p.c))
   if da not in HALF or db != da or dc != da:
     return (f"buffers {p.a.name}, {p.b.name}, {p.c.name} are {da}, {db}, {dc}: the fused kernels take "
@@ -219,15 +229,19 @@ class FusedLowering:
   def params(self, **given) -> dict:
     return {**self.defaults, **given}
 
+  def place(self, schedule):
+    """The schedule's placement for this lowering's kind (``PLACEMENTS``), or why it has none."""
+    return PLACEMENTS[self.kind](schedule)
+
   def why_not(self, schedule) -> str | None:
     """None when this lowering applies to ``schedule``, else a sentence saying what prevents it."""
-    p = placement(schedule)
+    p = self.place(schedule)
     if isinstance(p, str):
       return p
     if p.kind != self.kind:
       return (f"{self.name} computes {KIND_NAMES[self.kind]}; this schedule stores {_fmt(p.a, _stored(schedule, p.a))}, "
               f"{_fmt(p.b, _stored(schedule, p.b))}, {_fmt(p.c, _stored(schedule, p.c))}: {KIND_NAMES[p.kind]}")
-    return _dtype_problem(p) or self.device_problem(schedule, p)
+    return p.dtype_problem() or self.device_problem(schedule, p)
 
   def check(self, schedule, params: Mapping | None = None):
     """Raises ``PreconditionError`` with ``why_not``'s reason, or a parameter's problem."""
@@ -243,13 +257,13 @@ class FusedLowering:
 
   def interprets(self, schedule) -> bool:
     """Whether it would run in Mosaic GPU interpret mode (a CPU mesh of one device)."""
-    p = placement(schedule)
+    p = self.place(schedule)
     return self.interpret and not isinstance(p, str) and _interprets(schedule, p)
 
   def build(self, schedule, **params) -> Callable:
     """The per-device function ``(a_local, b_local) -> c_local`` to run under ``jax.shard_map``."""
     self.check(schedule, params)
-    p = placement(schedule)
+    p = self.place(schedule)
     return self.make(p, self.params(**params), self.interpret and _interprets(schedule, p))
 
   def label(self, params: Mapping) -> str:
@@ -491,7 +505,7 @@ def check(schedule):
 
 def signature(schedule) -> tuple:
   """What a fused schedule computes: equal for two schedules that run the same kernel on the same blocks."""
-  p = placement(schedule)
+  p = lowering(schedule.lowering).place(schedule)
   plan = schedule.plan()
   return (schedule.lowering, tuple(sorted(schedule.lowering_params.items())),
           tuple(sorted(plan.storage.items())), p.local_shape(schedule) if not isinstance(p, str) else p)
@@ -500,7 +514,7 @@ def signature(schedule) -> tuple:
 def summary(schedule) -> str:
   """The printer's line for a fused schedule."""
   low = lowering(schedule.lowering)
-  p = placement(schedule)
+  p = low.place(schedule)
   level = p.level if not isinstance(p, str) else "?"
   mode = " (Mosaic GPU interpret mode)" if low.interprets(schedule) else ""
   return (f"lowered with {low.label(schedule.lowering_params)}{mode}: the whole nest runs as one fused kernel per "
@@ -518,12 +532,14 @@ def gemm_shape(schedule) -> tuple[int, int, int, int]:
 
 
 def memory_bytes(schedule) -> int:
-  """Per device: the stored A, B and C blocks, the ring's receive buffers, and padded copies.
+  """Per device: the stored blocks, the ring's receive buffers, and padded copies.
 
   All-gather: the A shards received from the ring, in A's dtype;
   reduce-scatter: the float32 partial sums received and a float32 result.
   """
-  p = placement(schedule)
+  p = lowering(schedule.lowering).place(schedule)
+  if not isinstance(p, Placement):
+    return p.memory_bytes(schedule)
   size, mp, kp, np_ = gemm_shape(schedule)
   m, k, n = p.local_shape(schedule)
   item = np.dtype(p.a.dtype).itemsize
@@ -539,7 +555,7 @@ def memory_bytes(schedule) -> int:
 
 
 def compile_fused(schedule):
-  """``f(a, b) -> c`` on global arrays: the fused kernel under the plan's ``shard_map``, with a backward.
+  """``f(*inputs) -> output`` on global arrays: the fused kernel under the plan's ``shard_map``, with a backward.
 
   The forward is the lowering's per-device function in place of the loop
   nest, inside the same wrapper as ``lower`` (padding, layouts, cropping);
@@ -561,11 +577,11 @@ def compile_fused(schedule):
     return jax.sharding.reshard(grad, jax.typeof(primal).sharding) if explicit else grad
 
   @jax.custom_vjp
-  def fused(a, b):
-    return forward(a, b)
+  def fused(*inputs):
+    return forward(*inputs)
 
-  def fwd(a, b):
-    return forward(a, b), (a, b)
+  def fwd(*inputs):
+    return forward(*inputs), inputs
 
   def bwd(residuals, g):
     _, vjp = jax.vjp(ordinary, *residuals)
@@ -573,3 +589,6 @@ def compile_fused(schedule):
 
   fused.defvjp(fwd, bwd)
   return jax.jit(fused)
+
+
+from jaxmercury.shard_map import fused_attention  # noqa: E402,F401  registers the ring-attention lowering

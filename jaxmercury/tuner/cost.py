@@ -138,7 +138,7 @@ def predict(schedule, machine: Machine) -> float:
 
 
 def fused_seconds(schedule, machine: Machine) -> float:
-  """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency``.
+  """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency`` (ring attention: its own).
 
   One device runs ``L`` GEMMs of one ring step's shape (padded to the
   kernel's tiles; ``fused.gemm_shape``) at the measured rate of the local
@@ -151,7 +151,9 @@ def fused_seconds(schedule, machine: Machine) -> float:
   """
   from jaxmercury.shard_map import fused
   low = fused.lowering(schedule.lowering)
-  p = fused.placement(schedule)
+  p = low.place(schedule)
+  if not isinstance(p, fused.Placement):
+    return _ring_attention_seconds(schedule, p, low, machine)
   size, m, k, n = fused.gemm_shape(schedule)
   gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
   if p.kind == fused.ALLGATHER:
@@ -159,6 +161,20 @@ def fused_seconds(schedule, machine: Machine) -> float:
   else:
     sent = m * n * 4
   return max(gemm, (size - 1) * sent / machine.bandwidth(p.level)) + machine.latency_s
+
+
+def _ring_attention_seconds(schedule, p, low, machine: Machine) -> float:
+  """Fused ring attention: ``max(attention over every key, passing n - 1 K/V blocks) + latency``.
+
+  The attention runs at the measured rate of ``low.rate_kernel`` (the fused
+  kernel's own; ``flops_per_s`` where not measured); the kernel forwards each
+  K/V tile as it consumes it, so the two overlap.
+  """
+  b, s, hk, g, d = p.local_shape(schedule)
+  compute = 4 * b * hk * g * s * (s * p.size) * d / machine.rate(low.rate_kernel)
+  item = np.dtype(schedule.program.reads[0].dtype).itemsize
+  ring = (p.size - 1) * 2 * b * s * hk * d * item / machine.bandwidth(p.level)
+  return max(compute, ring) + machine.latency_s
 
 
 def dense_flops(program) -> float:

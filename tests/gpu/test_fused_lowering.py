@@ -5,7 +5,8 @@
 ``async_tp_reducescatter`` with ``fused_matmul_reducescatter`` and
 ``fused_matmul_reducescatter_ws`` (ours), over every local GPU: the output
 and both gradients against the float32 reference, the gradients against the
-ordinary schedule's, and the tuner offering and timing them.
+ordinary schedule's, and the tuner offering and timing them; ``ring`` and
+``context_parallel`` attention lowered with ``fused_ring_attention``.
 
 Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_fused_lowering.py -x -q``
 """
@@ -96,3 +97,22 @@ def test_the_tuner_offers_and_times_them():
   for name in offered:
     assert by_name[name].status == measure.OK, (name, by_name[name].result.reason)
   assert result.best is not None
+
+
+@pytest.mark.parametrize("strategy", ["ring", "context_parallel"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_ring_attention_every_gpu(strategy, kv_heads):
+  """The fused ring-attention lowering: output and gradients against the float32 reference and the ordinary ones."""
+  n = len(jax.devices())
+  prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, dtype=jnp.bfloat16)
+  plain = jm.library(prog, gpu_mesh())[strategy]
+  assert fused.why_not("fused_ring_attention", plain) is None
+  s = plain.copy().lower_with("fused_ring_attention")
+  q, k, v = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
+  out, vjp = jax.vjp(s.compile(), q, k, v)
+  ref = prog.reference(q, k, v).astype(jnp.float32)
+  assert rel_err(out.astype(jnp.float32), ref) < TOL
+  _, plain_vjp = jax.vjp(plain.compile(), q, k, v)
+  for g, p in zip(vjp(cot), plain_vjp(cot)):
+    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < GRAD_TOL

@@ -1,0 +1,167 @@
+"""The fused ring-attention lowering: a non-causal ``ring`` schedule run as one Mosaic GPU kernel per device.
+
+Where a schedule stores the queries, keys, values and output with their
+sequence axes split over one mesh level L holding every device, and nothing
+else split (the ``ring`` strategy does; the check reads the plan's layouts),
+device ``r``'s output block is the attention of its queries over every
+device's keys: ``pallas_kernels.fused_ring_attention`` computes it in one
+launch, K and V travelling the ring inside the kernel. Registered in
+``jaxmercury.shard_map.fused`` as ``fused_ring_attention`` (kind
+``"ring_attention"``); gradients come from the ordinary lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.shard_map import fused
+
+RING_ATTENTION = "ring_attention"
+# The fastest configuration measured on 2 x H200 (benchmarks/results/2026-11-23-fused_attention-2cta-2xH200.json):
+# blocks small enough for two CTAs per SM, so that one CTA's softmax overlaps the other's wgmma.
+DEFAULTS = {"block_q": 64, "block_kv": 64, "max_concurrent_steps": 2, "ctas_per_sm": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlacement:
+  """Where a schedule puts attention's buffers: the sequence split over mesh level ``level``.
+
+  Attributes:
+    level, size: the mesh level L and its size.
+    q, k, v, o: the program's buffers in the attention pattern's roles.
+    axes: program axis of each pattern role (``b``, ``i``, ``j``, ``hk``, ``g``, ``d``).
+  """
+
+  level: str
+  size: int
+  q: object
+  k: object
+  v: object
+  o: object
+  axes: dict
+  kind: str = RING_ATTENTION
+
+  def local_shape(self, schedule) -> tuple[int, ...]:
+    """``(b, s_local, kv heads, group, d)`` of one device's blocks."""
+    ext = lambda role: schedule.program.axes[self.axes[role]].extent
+    return ext("b"), ext("i") // self.size, ext("hk"), ext("g"), ext("d")
+
+  def dtype_problem(self) -> str | None:
+    dtypes = [np.dtype(x.dtype) for x in (self.q, self.k, self.v, self.o)]
+    if dtypes[0] not in fused.HALF or any(d != dtypes[0] for d in dtypes):
+      return (f"buffers q, k, v, o are {', '.join(map(str, dtypes))}: the fused ring-attention kernel takes "
+              "bf16 or fp16, one dtype")
+    return None
+
+  def memory_bytes(self, schedule) -> int:
+    """q, k, v and o blocks, the ``n - 1`` received K and V blocks, and the float32 log-sum-exp."""
+    b, s, hk, g, d = self.local_shape(schedule)
+    item = np.dtype(self.q.dtype).itemsize
+    return (2 * b * s * hk * g * d + 2 * self.size * b * s * hk * d) * item + 4 * b * hk * g * s
+
+
+def placement(schedule) -> AttentionPlacement | str:
+  """The schedule's ``AttentionPlacement``, or why the fused ring-attention kernel does not apply."""
+  from jaxmercury.pallas_kernels import patterns
+  prog = schedule.program
+  try:
+    match = patterns.match("attention", prog)
+  except PreconditionError as e:
+    return f"the fused ring-attention kernel computes attention (loop-nest pattern 'attention'): {e}"
+  if match.params.get("causal"):
+    return "the fused ring-attention kernel is non-causal; this program is causal"
+  if match.params.get("emit_lse"):
+    return "the fused ring-attention lowering writes the output only; this program also writes the log-sum-exp"
+  if schedule.kernel not in (None, "xla"):
+    return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
+            "so it takes an unpatched schedule")
+  if schedule.zigzags:
+    return f"axis {next(iter(schedule.zigzags))!r} is stored in zigzag order; the fused kernel takes the natural order"
+  axes = {role: ax for ax, role in match.to_pattern.items()}
+  (q, k, v), o = prog.reads, prog.writes
+  extent = lambda role: prog.axes[axes[role]].extent
+  padded = [ax for ax in (axes["i"], axes["j"], axes["d"]) if schedule.padded.get(ax, prog.axes[ax].extent)
+            != prog.axes[ax].extent]
+  if padded:
+    return f"axis {padded[0]!r} is padded; the fused kernel takes no padding (padded keys would be attended)"
+  if extent("i") != extent("j"):
+    return f"queries ({extent('i')}) and keys ({extent('j')}) differ in length; the fused kernel takes self-attention"
+  if extent("d") % 64 or extent("d") > 256:
+    return f"head dimension {axes['d']!r} = {extent('d')} must be a multiple of 64 and at most 256"
+  plan = schedule.plan()
+  sizes = schedule.levels
+  seq_levels = plan.storage[q.name][q.axes.index(axes["i"])]
+  split = [lv for lv in seq_levels if sizes[lv] > 1]
+  shapes = (f"{q.name}[{axes['i']}@L], {k.name}[{axes['j']}@L], {v.name}[{axes['j']}@L], {o.name}[{axes['i']}@L], "
+            "nothing else split")
+  if len(split) > 1 or not seq_levels:
+    return (f"buffer {q.name} is stored {fused._fmt(q, plan.storage[q.name])}: its sequence is split over "
+            f"{len(split)} levels; the fused ring attention needs {shapes}")
+  level = split[0] if split else seq_levels[-1]
+
+  def kept(layout):
+    return tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in layout)
+
+  for buf, role in ((q, "i"), (k, "j"), (v, "j"), (o, "i")):
+    want = tuple((level,) if ax == axes[role] else () for ax in buf.axes)
+    if kept(plan.storage[buf.name]) != want:
+      return (f"buffer {buf.name} is stored {fused._fmt(buf, plan.storage[buf.name])}, not "
+              f"{fused._fmt(buf, want)}; the fused ring attention needs {shapes}")
+  p = AttentionPlacement(level, sizes[level], q, k, v, o, axes)
+  s_local = extent("i") // p.size
+  if s_local % max(DEFAULTS["block_q"], DEFAULTS["block_kv"]):
+    return (f"each device holds {s_local} positions of {axes['i']!r}, not a multiple of the kernel's blocks "
+            f"({DEFAULTS['block_q']}, {DEFAULTS['block_kv']})")
+  return p
+
+
+def _blocks(params):
+  from jaxmercury.pallas_kernels.fused_ring_attention import Blocks
+  return Blocks(params["block_q"], params["block_kv"], params["max_concurrent_steps"])
+
+
+def _params(params, itemsize) -> str | None:
+  from jaxmercury.pallas_kernels.mosaic_matmul import SMEM_BYTES
+  for key, v in params.items():
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      return f"{key}={v!r} must be a positive int"
+  blocks, per_sm = _blocks(params), params["ctas_per_sm"]
+  if reason := blocks.problem(128, itemsize):
+    return reason
+  if per_sm * blocks.smem_bytes(128, itemsize) > SMEM_BYTES:  # every CTA must be resident: the ring waits on them
+    return (f"ctas_per_sm={per_sm}: {per_sm} CTAs of {blocks.smem_bytes(128, itemsize)} bytes of shared memory "
+            f"(head dim 128) exceed one SM's {SMEM_BYTES}")
+  return None
+
+
+def _tile(params):
+  return params["block_q"], params["block_kv"], 64
+
+
+def _make(p: AttentionPlacement, params, interpret: bool):
+  from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
+
+  blocks = _blocks(params)
+
+  def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
+    import jax
+    b, s, hk, g, d = q.shape
+    ctas = fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * jax.devices()[0].core_count
+    out, _ = fused_ring_attention(q.reshape(b, s, hk * g, d), k, v, p.level, block_q=blocks.block_q,
+                                  block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
+                                  num_ctas=ctas, interpret=interpret)
+    return out.reshape(b, s, hk, g, d)
+  return per_device
+
+
+fused.PLACEMENTS[RING_ATTENTION] = placement
+fused.KIND_NAMES[RING_ATTENTION] = "non-causal ring attention"
+fused.register(fused.FusedLowering(
+    "fused_ring_attention",
+    "our Mosaic GPU kernel (pallas_kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "
+    "neighbour as they are consumed, online softmax across the ring steps; ctas_per_sm CTAs share each SM",
+    DEFAULTS, "fused_ring_attention", fused._ours_devices, _params, _tile, _make, interpret=True,
+    kind=RING_ATTENTION))
