@@ -94,7 +94,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import ring_size, step_semaphores
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -190,14 +190,7 @@ def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
   for name, block in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv)):
     if s % block:
       raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of {name}={block}")
-  n_dev = lax.axis_size(axis_name)
-  if interpret and n_dev > 1:
-    raise PreconditionError(f"{NAME}: interpret mode runs one device, axis {axis_name!r} has {n_dev}: "
-                            "Mosaic GPU's interpreter has no peer memory or remote semaphores")
-  if n_dev > 1 and n_dev != jax.device_count():
-    raise PreconditionError(f"{NAME}: axis {axis_name!r} has {n_dev} devices, but the process has "
-                            f"{jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
-  return n_dev
+  return ring_size(NAME, axis_name, interpret)
 
 
 def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):

@@ -36,6 +36,16 @@ def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles | None, inter
     raise PreconditionError(f"{kernel}: {names[0]} [m, k] and {names[1]} [k, n] expected, got {a.shape}, {b.shape}")
   if tiles is not None and (reason := tiles.problem(a.dtype.itemsize)):
     raise PreconditionError(f"{kernel}: {reason}")
+  return ring_size(kernel, axis_name, interpret)
+
+
+def ring_size(kernel: str, axis_name: str, interpret: bool) -> int:
+  """The device count of the ring over ``axis_name``; ``PreconditionError`` where ``kernel`` cannot run it.
+
+  Interpret mode runs one device only (no peer memory), and a ring of several
+  devices must span every device of the process (Mosaic GPU addresses peers
+  by their index in the whole mesh). Call inside ``shard_map``.
+  """
   n_dev = lax.axis_size(axis_name)
   if interpret and n_dev > 1:
     raise PreconditionError(f"{kernel}: interpret mode runs one device, axis {axis_name!r} has {n_dev}: "

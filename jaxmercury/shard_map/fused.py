@@ -30,6 +30,7 @@ and ``build(schedule, **params)``, the per-device function
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Callable, Mapping
 
@@ -305,14 +306,17 @@ def _ours_tile(params):
   return t.tile_m, t.tile_n, t.tile_k
 
 
-def _ours_make(p: Placement, params, interpret: bool):
-  from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
-  tiles, out_dtype = _tiles(params), p.c.dtype
+def _ours_make(kernel: str) -> Callable:
+  """``make`` of our one-warpgroup kernel ``jaxmercury.pallas_kernels.<kernel>.<kernel>``."""
+  def make(p: Placement, params, interpret: bool):
+    fn = getattr(importlib.import_module(f"jaxmercury.pallas_kernels.{kernel}"), kernel)
+    tiles, out_dtype = _tiles(params), p.c.dtype
 
-  def per_device(a, b):
-    return fused_allgather_matmul(a, b, p.level, tiles=tiles, out_dtype=out_dtype,
-                                  num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
-  return per_device
+    def per_device(a, b):
+      return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype, num_ctas=INTERPRET_CTAS if interpret else None,
+                interpret=interpret)
+    return per_device
+  return make
 
 
 # ------------------------------------------------------------------ JAX's: collective_matmul_mgpu
@@ -352,12 +356,15 @@ def _jax_params(params, itemsize) -> str | None:
   return None
 
 
-def _jax_devices(schedule, p: Placement) -> str | None:
-  from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
-  reason = _mesh_problem(schedule, p, every_process_device=True)
-  if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
-    return reason
-  return hopper_only(schedule.mesh.devices.flat[0])
+def _hopper_devices(every_process_device: bool) -> Callable:
+  """``device_problem`` of a kernel without interpret mode: the mesh (``_mesh_problem``), then Hopper GPUs."""
+  def problem(schedule, p) -> str | None:
+    from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
+    reason = _mesh_problem(schedule, p, every_process_device=every_process_device)
+    if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
+      return reason
+    return hopper_only(schedule.mesh.devices.flat[0])
+  return problem
 
 
 def _jax_tile(params):
@@ -389,17 +396,7 @@ def _jax_make(p: Placement, params, interpret: bool):
   return per_device
 
 
-# ------------------------------------------------------------------ ours: GEMM + reduce-scatter, one and two consumers
-
-
-def _ours_rs_make(p: Placement, params, interpret: bool):
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
-  tiles, out_dtype = _tiles(params), p.c.dtype
-
-  def per_device(a, b):
-    return fused_matmul_reducescatter(a, b, p.level, tiles=tiles, out_dtype=out_dtype,
-                                      num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
-  return per_device
+# ------------------------------------------------------------------ ours: GEMM + reduce-scatter with two consumers
 
 
 def _ws_tiles(params):
@@ -413,14 +410,6 @@ def _ws_params(params, itemsize) -> str | None:
     if key != "split" and (not isinstance(v, int) or isinstance(v, bool)):
       return f"{key}={v!r} must be an int"
   return _ws_tiles(params).problem()
-
-
-def _ws_devices(schedule, p: Placement) -> str | None:
-  from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
-  reason = _mesh_problem(schedule, p, every_process_device=False)
-  if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
-    return reason
-  return hopper_only(schedule.mesh.devices.flat[0])
 
 
 def _ws_tile(params):
@@ -453,20 +442,21 @@ register(FusedLowering(
     "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul): A's row shards travel the ring by TMA "
     "stores into the left neighbour, overlapped with wgmma; shapes padded to its tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
-    _ours_devices, _ours_params, _ours_tile, _ours_make, interpret=True))
+    _ours_devices, _ours_params, _ours_tile, _ours_make("fused_allgather_matmul"), interpret=True))
 
 register(FusedLowering(
     "jax_allgather_lhs_matmul",
     "JAX's Mosaic GPU kernel (collective_matmul_mgpu.all_gather_lhs_matmul): warp-specialized persistent GEMM "
     "that forwards A's tiles to the left neighbour; shapes padded to its CTA tiles",
-    JAX_DEFAULTS, "jax_mosaic_matmul", _jax_devices, _jax_params, _jax_tile, _jax_make))
+    JAX_DEFAULTS, "jax_mosaic_matmul", _hopper_devices(True), _jax_params, _jax_tile, _jax_make))
 
 register(FusedLowering(
     "fused_matmul_reducescatter",
     "our Mosaic GPU kernel (pallas_kernels.fused_matmul_reducescatter): each tile's float32 running sum is "
     "stored by TMA into the left neighbour as the GEMM finishes it; shapes padded to its tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
-    _ours_devices, _ours_params, _ours_tile, _ours_rs_make, interpret=True, kind=REDUCESCATTER))
+    _ours_devices, _ours_params, _ours_tile, _ours_make("fused_matmul_reducescatter"), interpret=True,
+    kind=REDUCESCATTER))
 
 register(FusedLowering(
     "fused_matmul_reducescatter_ws",
@@ -474,7 +464,7 @@ register(FusedLowering(
     "body (two consumer warpgroups) per ring step, its epilogue adding the received sum and storing into the "
     "left neighbour; shapes padded to its CTA tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 3, "split": "n"}, "jax_mosaic_matmul",
-    _ws_devices, _ws_params, _ws_tile, _ws_make, kind=REDUCESCATTER))
+    _hopper_devices(False), _ws_params, _ws_tile, _ws_make, kind=REDUCESCATTER))
 
 
 # ------------------------------------------------------------------ lookups used by the schedule, tuner, printer
