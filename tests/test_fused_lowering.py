@@ -252,3 +252,30 @@ def test_ring_attention_cost_and_memory():
   ring = 7 * 2 * 4096 * 8 * 128 * 2 / 150e9
   assert cost.predict(s, machine) == pytest.approx(max(attention, ring) + 20e-6)
   assert memory.memory_per_device(s) == (2 * 4096 * 32 * 128 + 2 * 8 * 4096 * 8 * 128) * 2 + 4 * 32 * 4096
+
+
+# ------------------------------------------------------------------ the GPU path, lowered without GPUs
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+
+
+@pytest.mark.parametrize("strategy,lowering,attention", [
+    ("async_tp", OURS, False), ("matmul_reducescatter", OURS_RS, False), ("async_tp_reducescatter", WS_RS, False),
+    ("ring", RING, True)])
+def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
+  """Each of our fused lowerings' per-device function, as the GPU runs it (no interpret mode), lowers to one
+  Mosaic GPU kernel under the schedule's shard_map for an abstract 8 x H100 mesh. (JAX's all-gather kernel reads
+  the SM count of a real device, so it has no such check; ``Schedule.compile`` refuses abstract meshes.)"""
+  from jax.sharding import NamedSharding
+
+  from jaxmercury.shard_map.lower import lower
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  prog = (jm.programs.attention(1, 8, 2, 8192, 8192, 128, dtype=jnp.bfloat16) if attention
+          else jm.programs.matmul(2048, 2048, 1024, dtype=jnp.bfloat16))
+  s = jm.library(prog, mesh)[strategy].copy().lower_with(lowering)
+  plan = s.plan()
+  specs = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, plan.user_spec(b.name) or P()))
+           for b in prog.reads]
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = lower(s, per_device=fused.lowering(lowering).build(s, **s.lowering_params))
+    text = f.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, sm_count, step_semaphores
 
 
 def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -59,7 +59,7 @@ def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_
   (m, k), n = a.shape, b.shape[1]
   mp, kp, np_ = round_up(m, tiles.tile_m), round_up(k, tiles.tile_k), round_up(n, tiles.tile_n)
   out = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype,
-                num_ctas or jax.devices()[0].core_count, interpret)
+                num_ctas or sm_count(), interpret)
   if (mp, np_) == (m, n):
     return out
   return out.reshape(n_dev, mp, np_)[:, :m, :n].reshape(n_dev * m, n)

@@ -44,7 +44,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, sm_count, step_semaphores
 
 
 def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -80,7 +80,7 @@ def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), 
   if (mbp, kp) != (mb, k):  # pad every row block, so that block b starts at row b * mbp
     x = jnp.pad(x.reshape(n_dev, mb, k), ((0, 0), (0, mbp - mb), (0, kp - k))).reshape(n_dev * mbp, kp)
   out = _kernel(x, pad_to(w, kp, np_), axis_name, n_dev, tiles, out_dtype,
-                num_ctas or jax.devices()[0].core_count, interpret)
+                num_ctas or sm_count(), interpret)
   return out if (mbp, np_) == (mb, n) else out[:mb, :n]
 
 

@@ -94,7 +94,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import ring_size, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import ring_size, sm_count, step_semaphores
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -162,7 +162,7 @@ def fused_ring_attention(q, k, v, axis_name: str, *, block_q: int = 64, block_kv
   blocks = Blocks(block_q, block_kv, max_concurrent_steps)
   n_dev = _check(q, k, v, axis_name, blocks, interpret)
   b, kv = k.shape[0], k.shape[2]
-  num_ctas = num_ctas or getattr(jax.devices()[0], "core_count", None) or INTERPRET_CTAS
+  num_ctas = num_ctas or sm_count() or INTERPRET_CTAS
   if n_dev > 1 and num_ctas < b * kv:
     raise PreconditionError(
         f"{NAME}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "

@@ -39,6 +39,15 @@ def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles | None, inter
   return ring_size(kernel, axis_name, interpret)
 
 
+def sm_count() -> int | None:
+  """The SM count of the GPUs a kernel is traced for: the abstract mesh's device (lowering without GPUs), else
+  the first device's; None where neither says (a CPU device)."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None and abstract.num_cores:
+    return abstract.num_cores
+  return getattr(jax.devices()[0], "core_count", None)
+
+
 def ring_size(kernel: str, axis_name: str, interpret: bool) -> int:
   """The device count of the ring over ``axis_name``; ``PreconditionError`` where ``kernel`` cannot run it.
 

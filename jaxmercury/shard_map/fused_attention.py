@@ -143,13 +143,13 @@ def _tile(params):
 
 def _make(p: AttentionPlacement, params, interpret: bool):
   from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
+  from jaxmercury.pallas_kernels.peer_gemm import sm_count
 
   blocks = _blocks(params)
 
   def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
-    import jax
     b, s, hk, g, d = q.shape
-    ctas = fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * jax.devices()[0].core_count
+    ctas = fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * sm_count()
     out, _ = fused_ring_attention(q.reshape(b, s, hk * g, d), k, v, p.level, block_q=blocks.block_q,
                                   block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
                                   num_ctas=ctas, interpret=interpret)
