@@ -1,4 +1,4 @@
-"""Fused lowerings: a whole GEMM schedule run as one fused collective GEMM kernel per device.
+"""Fused lowerings: a whole schedule run as one fused collective kernel per device.
 
 The ordinary lowering (``lower``) runs a schedule's loop nest under
 ``jax.shard_map``: XLA collectives or ``ppermute`` rings between local GEMM
@@ -12,8 +12,11 @@ reads the plan's layouts, not the strategy's name):
   A's columns and B's rows (the contraction) split over L, C's rows too; a
   device computes its row block of ``sum over L of A_local @ B_local``.
 
-A third kind, non-causal ring attention (``ring``: the sequence of q, k, v
-and o split over L), lives in ``jaxmercury.shard_map.fused_attention``.
+Those two live in ``jaxmercury.shard_map.fused_gemm``; a third kind,
+non-causal ring attention (``ring``: the sequence of q, k, v and o split
+over L), in ``jaxmercury.shard_map.fused_attention``. This module holds what
+they share: ``FusedLowering``, the registry and the lookups the schedule,
+tuner and printer use, and ``compile_fused``.
 ``Schedule.lower_with(name)`` picks one of the lowerings registered here;
 ``Schedule.compile()`` then runs it under the same ``shard_map`` (the plan's
 layouts, padding and global signature) and differentiates through the
@@ -24,13 +27,12 @@ Each ``FusedLowering`` has a name, a one-line description, the placement kind
 it computes, ``why_not(schedule)`` (None when it applies, else a sentence
 naming the buffer, mesh level, device, dtype or parameter that prevents it)
 and ``build(schedule, **params)``, the per-device function
-``(a_local, b_local) -> c_local``.
+``(*input_blocks) -> output_block``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import Callable, Mapping
 
@@ -44,132 +46,18 @@ HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 INTERPRET_CTAS = 2  # persistent CTAs of our kernel in interpret mode (a CPU device reports no SM count)
 
 
-ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
-# Per kind, the axis (by role) of A, B and C that level L splits.
-SPLIT_ROLES = {ALLGATHER: ("m", "n", "n"), REDUCESCATTER: ("k", "k", "m")}
-KIND_NAMES = {ALLGATHER: "an all-gather GEMM", REDUCESCATTER: "a GEMM + reduce-scatter"}
+# Per lowering kind: what it computes, in words, and how a schedule's placement of that kind is found
+# (``schedule -> placement | reason``); each kind's module fills them in.
+KIND_NAMES: dict[str, str] = {}
+PLACEMENTS: dict[str, Callable] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-  """Where a schedule puts the GEMM's buffers, in the matmul pattern's roles.
-
-  Attributes:
-    kind: ``"allgather"`` (A's rows, B's and C's columns split over L) or
-      ``"reducescatter"`` (A's columns, B's rows and C's rows split over L).
-    level: the mesh level L.
-    size: L's size.
-    a, b, c: the program's buffers playing A [m, k], B [k, n] and C [m, n].
-    m, n, k: the program's axes playing those roles.
-  """
-
-  kind: str
-  level: str
-  size: int
-  a: object
-  b: object
-  c: object
-  m: str
-  n: str
-  k: str
-
-  def local_shape(self, schedule) -> tuple[int, int, int]:
-    """``(rows, depth, cols)`` of one ring step's GEMM on one device (padded extents).
-
-    All-gather: one A shard ``[m / L, k]`` times the device's B ``[k, n / L]``;
-    reduce-scatter: one row block of its A ``[m / L, k / L]`` times its B
-    ``[k / L, n]``. Either way the device runs ``L`` such GEMMs.
-    """
-    ext = lambda ax: schedule.padded.get(ax, schedule.program.axes[ax].extent)
-    if self.kind == ALLGATHER:
-      return ext(self.m) // self.size, ext(self.k), ext(self.n) // self.size
-    return ext(self.m) // self.size, ext(self.k) // self.size, ext(self.n)
-
-  def dtype_problem(self) -> str | None:
-    return _dtype_problem(self)
-
-
-def _fmt(buf, layout) -> str:
+def layout_text(buf, layout) -> str:
+  """``buf`` with each axis annotated by the mesh levels splitting it: ``A[m@x, k]``."""
   return buf.name + "[" + ", ".join(f"{a}@{'*'.join(lv)}" if lv else a for a, lv in zip(buf.axes, layout)) + "]"
 
 
-def _need(kind: str, a, b, c, m, n, k, lv="L") -> str:
-  if kind == ALLGATHER:
-    shapes = f"{a.name}[{m}@{lv}, {k}], {b.name}[{k}, {n}@{lv}], {c.name}[{m}, {n}@{lv}]"
-    what = f"{a.name}'s rows and {b.name}'s and {c.name}'s columns"
-  else:
-    shapes = f"{a.name}[{m}, {k}@{lv}], {b.name}[{k}@{lv}, {n}], {c.name}[{m}@{lv}, {n}]"
-    what = f"{a.name}'s columns, {b.name}'s rows and {c.name}'s rows"
-  return f"{KIND_NAMES[kind]} needs {what} split over one mesh level and nothing else split: {shapes}"
-
-
-def placement(schedule) -> Placement | str:
-  """The schedule's ``Placement``, or why it is neither fused GEMM placement.
-
-  Reads the plan's storage layouts (the caller's ``in_shardings`` /
-  ``out_sharding`` included): A split along its rows over one mesh level L is
-  an all-gather GEMM (A ``[m@L, k]``, B ``[k, n@L]``, C ``[m, n@L]``), A split
-  along its columns a GEMM + reduce-scatter (A ``[m, k@L]``, B ``[k@L, n]``,
-  C ``[m@L, n]``); levels of size 1 elsewhere are ignored (they split nothing).
-  """
-  from jaxmercury.pallas_kernels import patterns
-  prog = schedule.program
-  try:
-    roles = {role: ax for ax, role in patterns.match("matmul", prog).to_pattern.items()}
-  except PreconditionError as e:
-    return f"the fused kernels compute GEMMs (loop-nest pattern 'matmul'): {e}"
-  if schedule.kernel not in (None, "xla"):
-    return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
-            "so it takes an unpatched schedule")
-  if schedule.zigzags:
-    ax = next(iter(schedule.zigzags))
-    return f"axis {ax!r} is stored in zigzag order; the fused kernels take the natural order"
-  plan = schedule.plan()
-  a, b = prog.reads
-  c = prog.writes
-  m, n, k = roles["m"], roles["n"], roles["k"]
-  sizes = schedule.levels
-  a_layout = plan.storage[a.name]
-  by_kind = {kind: a_layout[a.axes.index(roles[SPLIT_ROLES[kind][0]])] for kind in (ALLGATHER, REDUCESCATTER)}
-  if by_kind[ALLGATHER] and by_kind[REDUCESCATTER]:
-    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: both its rows and its columns are split; "
-            f"{_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
-  if not by_kind[ALLGATHER] and not by_kind[REDUCESCATTER]:
-    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: neither its rows ({m}) nor its columns ({k}) are "
-            f"split over a mesh level; {_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
-  kind = ALLGATHER if by_kind[ALLGATHER] else REDUCESCATTER
-  levels = by_kind[kind]
-  split = [lv for lv in levels if sizes[lv] > 1]
-  if len(split) > 1:
-    return (f"buffer {a.name} is stored {_fmt(a, a_layout)}: its {'rows' if kind == ALLGATHER else 'columns'} "
-            f"are split over {len(split)} levels; {_need(kind, a, b, c, m, n, k)}")
-  level = split[0] if split else levels[-1]
-
-  def kept(layout):
-    return tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in layout)
-
-  for buf, role in zip((a, b, c), SPLIT_ROLES[kind]):
-    want = tuple((level,) if ax == roles[role] else () for ax in buf.axes)
-    if kept(plan.storage[buf.name]) != want:
-      return (f"buffer {buf.name} is stored {_fmt(buf, plan.storage[buf.name])}, not {_fmt(buf, want)}; "
-              f"{_need(kind, a, b, c, m, n, k, level)}")
-  return Placement(kind, level, sizes[level], a, b, c, m, n, k)
-
-
-# Placement finders by lowering kind; jaxmercury.shard_map.fused_attention adds the ring-attention kind.
-PLACEMENTS: dict[str, Callable] = {ALLGATHER: placement, REDUCESCATTER: placement}
-
-
-def _dtype_problem(p: Placement) -> str | None:
-  """Why the GEMM's buffers' dtypes do not fit the fused GEMM kernels, or None."""
-  da, db, dc = (np.dtype(x.dtype) for x in (p.a, p.b, p.c))
-  if da not in HALF or db != da or dc != da:
-    return (f"buffers {p.a.name}, {p.b.name}, {p.c.name} are {da}, {db}, {dc}: the fused kernels take "
-            "bf16 or fp16 operands of one dtype and write the result in it")
-  return None
-
-
-def _mesh_problem(schedule, p: Placement, *, every_process_device: bool) -> str | None:
+def mesh_problem(schedule, p, *, every_process_device: bool) -> str | None:
   """Level L must hold every device of the mesh; a ring over several devices, every device of the process."""
   mesh = schedule.mesh
   total = math.prod(schedule.levels.values())
@@ -190,30 +78,32 @@ def _mesh_problem(schedule, p: Placement, *, every_process_device: bool) -> str 
   return None
 
 
-def _interprets(schedule, p: Placement) -> bool:
+def interprets_on(schedule, p) -> bool:
+  """Whether ``schedule`` runs a kernel on a one-device CPU mesh (Mosaic GPU interpret mode)."""
   mesh = schedule.mesh
   return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu" and p.size == 1
 
 
-def _stored(schedule, buf):
+def stored(schedule, buf):
+  """How ``schedule`` stores ``buf``: per axis, the mesh levels splitting it."""
   return schedule.plan().storage[buf.name]
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedLowering:
-  """One fused lowering of the all-gather GEMM or GEMM + reduce-scatter schedules.
+  """One fused lowering: a kernel that runs a whole schedule of one placement kind per device.
 
   Attributes:
     name: what ``Schedule.lower_with`` names.
     description: one line for ``str(schedule)`` and the docs.
     defaults: its parameters and their default values.
-    rate_kernel: the local kernel whose measured rate prices its GEMM in the cost model.
+    rate_kernel: the kernel whose measured rate prices its compute in the cost model.
     device_problem: ``(schedule, placement) -> reason | None`` for the mesh's devices.
     param_problem: ``(params, itemsize) -> reason | None``.
-    tile: ``params -> (rows, cols, k)``: the multiples it pads one device's GEMM to.
+    tile: ``params -> (rows, cols, depth)``: the multiples it pads one device's blocks to.
     make: ``(placement, params, interpret) -> per-device function``.
     interpret: it runs on a one-device CPU mesh in Mosaic GPU interpret mode.
-    kind: the placement it computes, ``"allgather"`` or ``"reducescatter"``.
+    kind: the placement kind it computes (``KIND_NAMES``).
   """
 
   name: str
@@ -225,7 +115,7 @@ class FusedLowering:
   tile: Callable
   make: Callable
   interpret: bool = False
-  kind: str = ALLGATHER
+  kind: str = "allgather"
 
   def params(self, **given) -> dict:
     return {**self.defaults, **given}
@@ -240,8 +130,8 @@ class FusedLowering:
     if isinstance(p, str):
       return p
     if p.kind != self.kind:
-      return (f"{self.name} computes {KIND_NAMES[self.kind]}; this schedule stores {_fmt(p.a, _stored(schedule, p.a))}, "
-              f"{_fmt(p.b, _stored(schedule, p.b))}, {_fmt(p.c, _stored(schedule, p.c))}: {KIND_NAMES[p.kind]}")
+      return (f"{self.name} computes {KIND_NAMES[self.kind]}; this schedule stores {p.describe(schedule)}: "
+              f"{KIND_NAMES[p.kind]}")
     return p.dtype_problem() or self.device_problem(schedule, p)
 
   def check(self, schedule, params: Mapping | None = None):
@@ -259,13 +149,13 @@ class FusedLowering:
   def interprets(self, schedule) -> bool:
     """Whether it would run in Mosaic GPU interpret mode (a CPU mesh of one device)."""
     p = self.place(schedule)
-    return self.interpret and not isinstance(p, str) and _interprets(schedule, p)
+    return self.interpret and not isinstance(p, str) and interprets_on(schedule, p)
 
   def build(self, schedule, **params) -> Callable:
     """The per-device function ``(a_local, b_local) -> c_local`` to run under ``jax.shard_map``."""
     self.check(schedule, params)
     p = self.place(schedule)
-    return self.make(p, self.params(**params), self.interpret and _interprets(schedule, p))
+    return self.make(p, self.params(**params), self.interpret and interprets_on(schedule, p))
 
   def label(self, params: Mapping) -> str:
     """``name(p=v, ...)`` with the parameters that differ from the defaults, in declared order."""
@@ -273,25 +163,23 @@ class FusedLowering:
     return f"{self.name}({', '.join(shown)})" if shown else self.name
 
 
-# ------------------------------------------------------------------ ours: pallas_kernels.fused_allgather_matmul
+def hopper_devices(every_process_device: bool) -> Callable:
+  """``device_problem`` of a kernel without interpret mode: the mesh (``_mesh_problem``), then Hopper GPUs."""
+  def problem(schedule, p) -> str | None:
+    from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
+    reason = mesh_problem(schedule, p, every_process_device=every_process_device)
+    if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
+      return reason
+    return hopper_only(schedule.mesh.devices.flat[0])
+  return problem
 
 
-def _tiles(params):
-  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
-  return Tiles(**params)
 
-
-def _ours_params(params, itemsize) -> str | None:
-  for key, v in params.items():
-    if not isinstance(v, int) or isinstance(v, bool):
-      return f"{key}={v!r} must be an int"
-  return _tiles(params).problem(itemsize)
-
-
-def _ours_devices(schedule, p: Placement) -> str | None:
+def interpretable_devices(schedule, p) -> str | None:
+  """``device_problem`` of a kernel with interpret mode: Hopper GPUs, or one CPU device (interpret mode)."""
   from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
-  reason = _mesh_problem(schedule, p, every_process_device=False)
-  if reason or not isinstance(schedule.mesh, jax.sharding.Mesh) or _interprets(schedule, p):
+  reason = mesh_problem(schedule, p, every_process_device=False)
+  if reason or not isinstance(schedule.mesh, jax.sharding.Mesh) or interprets_on(schedule, p):
     return reason
   device = schedule.mesh.devices.flat[0]
   reason = hopper_only(device)
@@ -299,132 +187,6 @@ def _ours_devices(schedule, p: Placement) -> str | None:
     reason += (f"; its Mosaic GPU interpret mode runs on CPU only where level {p.level!r} has one device "
                f"(it has {p.size})")
   return reason
-
-
-def _ours_tile(params):
-  t = _tiles(params)
-  return t.tile_m, t.tile_n, t.tile_k
-
-
-def _ours_make(kernel: str) -> Callable:
-  """``make`` of our one-warpgroup kernel ``jaxmercury.pallas_kernels.<kernel>.<kernel>``."""
-  def make(p: Placement, params, interpret: bool):
-    fn = getattr(importlib.import_module(f"jaxmercury.pallas_kernels.{kernel}"), kernel)
-    tiles, out_dtype = _tiles(params), p.c.dtype
-
-    def per_device(a, b):
-      return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype, num_ctas=INTERPRET_CTAS if interpret else None,
-                interpret=interpret)
-    return per_device
-  return make
-
-
-# ------------------------------------------------------------------ JAX's: collective_matmul_mgpu
-
-
-# Its first configuration in benchmarks/baselines/gemm.py PALLAS_CONFIGS (the kernel's own example's space).
-JAX_DEFAULTS = {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4,
-                "grid_minor_dim": "N", "grid_tile_width": 8, "wg_dimension": "N"}
-
-
-def _jax_cta(params) -> tuple[int, int]:
-  """The CTA tile: two compute warpgroups side by side along ``wg_dimension``."""
-  m_wg = params["wg_dimension"] == "M"
-  return params["tile_m"] * (2 if m_wg else 1), params["tile_n"] * (1 if m_wg else 2)
-
-
-def _jax_params(params, itemsize) -> str | None:
-  from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, SMEM_BYTES
-  for key in ("grid_minor_dim", "wg_dimension"):
-    if params[key] not in ("M", "N"):
-      return f"{key}={params[key]!r} must be 'M' or 'N'"
-  for key in ("tile_m", "tile_n", "tile_k", "max_concurrent_steps", "grid_tile_width"):
-    v = params[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      return f"{key}={v!r} must be a positive int"
-  tm, tn, tk, steps = params["tile_m"], params["tile_n"], params["tile_k"], params["max_concurrent_steps"]
-  if tm % 64 or tn % 64 or tk % 64:
-    return f"tile_m={tm}, tile_n={tn} and tile_k={tk} must be multiples of 64 (its 64x64 epilogue, 128-byte swizzle)"
-  if steps < 2:
-    return f"max_concurrent_steps={steps} must be at least 2"
-  if tm * tn > ACC_VALUES:
-    return f"tile_m x tile_n = {tm * tn} float32 accumulators exceed one warpgroup's registers ({ACC_VALUES})"
-  cta_m, cta_n = _jax_cta(params)
-  smem = steps * (cta_m * tk + tk * cta_n) * itemsize + 2 * 2 * 64 * 64 * itemsize
-  if smem > SMEM_BYTES:
-    return f"needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
-  return None
-
-
-def _hopper_devices(every_process_device: bool) -> Callable:
-  """``device_problem`` of a kernel without interpret mode: the mesh (``_mesh_problem``), then Hopper GPUs."""
-  def problem(schedule, p) -> str | None:
-    from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
-    reason = _mesh_problem(schedule, p, every_process_device=every_process_device)
-    if reason or not isinstance(schedule.mesh, jax.sharding.Mesh):
-      return reason
-    return hopper_only(schedule.mesh.devices.flat[0])
-  return problem
-
-
-def _jax_tile(params):
-  cta_m, cta_n = _jax_cta(params)
-  return cta_m, cta_n, params["tile_k"]
-
-
-def _jax_make(p: Placement, params, interpret: bool):
-  del interpret  # never: the kernel sizes its grid by the device's SM count
-  from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm  # Hopper only: lazy
-
-  from jaxmercury.pallas_kernels.peer_gemm import pad_to, round_up
-  dim = cm.MatmulDimension
-  config = cm.TuningConfig(tile_m=params["tile_m"], tile_n=params["tile_n"], tile_k=params["tile_k"],
-                           max_concurrent_steps=params["max_concurrent_steps"],
-                           grid_minor_dim=getattr(dim, params["grid_minor_dim"]),
-                           grid_tile_width=params["grid_tile_width"],
-                           wg_dimension=getattr(dim, params["wg_dimension"]))
-  rows, cols, depth = _jax_tile(params)
-  out_dtype = p.c.dtype
-
-  def per_device(a, b):
-    (m, k), n = a.shape, b.shape[1]
-    mp, kp, np_ = round_up(m, rows), round_up(k, depth), round_up(n, cols)
-    out = cm.all_gather_lhs_matmul(pad_to(a, mp, kp), pad_to(b, kp, np_), p.level, config=config, dtype=out_dtype)
-    if (mp, np_) == (m, n):
-      return out
-    return out.reshape(p.size, mp, np_)[:, :m, :n].reshape(p.size * m, n)
-  return per_device
-
-
-# ------------------------------------------------------------------ ours: GEMM + reduce-scatter with two consumers
-
-
-def _ws_tiles(params):
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-  return WsTiles(**params)
-
-
-def _ws_params(params, itemsize) -> str | None:
-  del itemsize  # the kernel checks its operands' dtype
-  for key, v in params.items():
-    if key != "split" and (not isinstance(v, int) or isinstance(v, bool)):
-      return f"{key}={v!r} must be an int"
-  return _ws_tiles(params).problem()
-
-
-def _ws_tile(params):
-  t = _ws_tiles(params)
-  return (*t.cta, t.tile_k)
-
-
-def _ws_make(p: Placement, params, interpret: bool):
-  del interpret  # never: JAX's interpreter does not run the warp-specialized pipeline
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
-  tiles, out_dtype = _ws_tiles(params), p.c.dtype
-
-  def per_device(a, b):
-    return fused_matmul_reducescatter_ws(a, b, p.level, tiles=tiles, out_dtype=out_dtype)
-  return per_device
 
 
 LOWERINGS: dict[str, FusedLowering] = {}
@@ -435,36 +197,6 @@ def register(lowering: FusedLowering) -> FusedLowering:
     raise ValueError(f"fused lowering {lowering.name!r} is already registered")
   LOWERINGS[lowering.name] = lowering
   return lowering
-
-
-register(FusedLowering(
-    "fused_allgather_matmul",
-    "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul): A's row shards travel the ring by TMA "
-    "stores into the left neighbour, overlapped with wgmma; shapes padded to its tiles",
-    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
-    _ours_devices, _ours_params, _ours_tile, _ours_make("fused_allgather_matmul"), interpret=True))
-
-register(FusedLowering(
-    "jax_allgather_lhs_matmul",
-    "JAX's Mosaic GPU kernel (collective_matmul_mgpu.all_gather_lhs_matmul): warp-specialized persistent GEMM "
-    "that forwards A's tiles to the left neighbour; shapes padded to its CTA tiles",
-    JAX_DEFAULTS, "jax_mosaic_matmul", _hopper_devices(True), _jax_params, _jax_tile, _jax_make))
-
-register(FusedLowering(
-    "fused_matmul_reducescatter",
-    "our Mosaic GPU kernel (pallas_kernels.fused_matmul_reducescatter): each tile's float32 running sum is "
-    "stored by TMA into the left neighbour as the GEMM finishes it; shapes padded to its tiles",
-    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
-    _ours_devices, _ours_params, _ours_tile, _ours_make("fused_matmul_reducescatter"), interpret=True,
-    kind=REDUCESCATTER))
-
-register(FusedLowering(
-    "fused_matmul_reducescatter_ws",
-    "our warp-specialized Mosaic GPU kernel (pallas_kernels.fused_matmul_reducescatter_ws): JAX's Hopper GEMM "
-    "body (two consumer warpgroups) per ring step, its epilogue adding the received sum and storing into the "
-    "left neighbour; shapes padded to its CTA tiles",
-    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 3, "split": "n"}, "jax_mosaic_matmul",
-    _hopper_devices(False), _ws_params, _ws_tile, _ws_make, kind=REDUCESCATTER))
 
 
 # ------------------------------------------------------------------ lookups used by the schedule, tuner, printer
@@ -511,34 +243,9 @@ def summary(schedule) -> str:
           f"device, the ring over {level} inside it; gradients: the shard_map lowering's\n  {low.description}")
 
 
-def gemm_shape(schedule) -> tuple[int, int, int, int]:
-  """``(L, rows, depth, cols)``: one device runs ``L`` GEMMs of this shape (``Placement.local_shape``), padded."""
-  from jaxmercury.pallas_kernels.peer_gemm import round_up
-  low = lowering(schedule.lowering)
-  p = placement(schedule)
-  m, k, n = p.local_shape(schedule)
-  rows, cols, depth = low.tile(low.params(**schedule.lowering_params))
-  return p.size, round_up(m, rows), round_up(k, depth), round_up(n, cols)
-
-
 def memory_bytes(schedule) -> int:
-  """Per device: the stored blocks, the ring's receive buffers, and padded copies.
-
-  All-gather: the A shards received from the ring, in A's dtype;
-  reduce-scatter: the float32 partial sums received and a float32 result.
-  """
-  p = lowering(schedule.lowering).place(schedule)
-  if not isinstance(p, Placement):
-    return p.memory_bytes(schedule)
-  size, mp, kp, np_ = gemm_shape(schedule)
-  m, k, n = p.local_shape(schedule)
-  item = np.dtype(p.a.dtype).itemsize
-  padded = (mp, kp, np_) != (m, k, n)  # the kernel works on copies padded to its tiles
-  if p.kind == ALLGATHER:
-    total = (m * k + k * n + size * m * n + (size - 1) * mp * kp) * item
-    return total + ((mp * kp + kp * np_ + size * mp * np_) * item if padded else 0)
-  total = (size * m * k + k * n + m * n) * item + size * mp * np_ * 4
-  return total + ((size * mp * kp + kp * np_) * item if padded else 0)
+  """Per device: the stored blocks, the ring's receive buffers and padded copies (the placement's count)."""
+  return lowering(schedule.lowering).place(schedule).memory_bytes(schedule)
 
 
 # ------------------------------------------------------------------ compiling
@@ -581,4 +288,5 @@ def compile_fused(schedule):
   return jax.jit(fused)
 
 
-from jaxmercury.shard_map import fused_attention  # noqa: E402,F401  registers the ring-attention lowering
+
+from jaxmercury.shard_map import fused_attention, fused_gemm  # noqa: E402,F401  register their lowerings

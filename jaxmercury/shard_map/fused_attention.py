@@ -98,7 +98,7 @@ def placement(schedule) -> AttentionPlacement | str:
   shapes = (f"{q.name}[{axes['i']}@L], {k.name}[{axes['j']}@L], {v.name}[{axes['j']}@L], {o.name}[{axes['i']}@L], "
             "nothing else split")
   if len(split) > 1 or not seq_levels:
-    return (f"buffer {q.name} is stored {fused._fmt(q, plan.storage[q.name])}: its sequence is split over "
+    return (f"buffer {q.name} is stored {fused.layout_text(q, plan.storage[q.name])}: its sequence is split over "
             f"{len(split)} levels; the fused ring attention needs {shapes}")
   level = split[0] if split else seq_levels[-1]
 
@@ -108,8 +108,8 @@ def placement(schedule) -> AttentionPlacement | str:
   for buf, role in ((q, "i"), (k, "j"), (v, "j"), (o, "i")):
     want = tuple((level,) if ax == axes[role] else () for ax in buf.axes)
     if kept(plan.storage[buf.name]) != want:
-      return (f"buffer {buf.name} is stored {fused._fmt(buf, plan.storage[buf.name])}, not "
-              f"{fused._fmt(buf, want)}; the fused ring attention needs {shapes}")
+      return (f"buffer {buf.name} is stored {fused.layout_text(buf, plan.storage[buf.name])}, not "
+              f"{fused.layout_text(buf, want)}; the fused ring attention needs {shapes}")
   p = AttentionPlacement(level, sizes[level], q, k, v, o, axes)
   s_local = extent("i") // p.size
   if s_local % max(DEFAULTS["block_q"], DEFAULTS["block_kv"]):
@@ -163,5 +163,5 @@ fused.register(fused.FusedLowering(
     "fused_ring_attention",
     "our Mosaic GPU kernel (pallas_kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "
     "neighbour as they are consumed, online softmax across the ring steps; ctas_per_sm CTAs share each SM",
-    DEFAULTS, "fused_ring_attention", fused._ours_devices, _params, _tile, _make, interpret=True,
+    DEFAULTS, "fused_ring_attention", fused.interpretable_devices, _params, _tile, _make, interpret=True,
     kind=RING_ATTENTION))

@@ -141,7 +141,7 @@ def fused_seconds(schedule, machine: Machine) -> float:
   """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency`` (ring attention: its own).
 
   One device runs ``L`` GEMMs of one ring step's shape (padded to the
-  kernel's tiles; ``fused.gemm_shape``) at the measured rate of the local
+  kernel's tiles; ``fused_gemm.gemm_shape``) at the measured rate of the local
   kernel sharing its GEMM (``mosaic_matmul`` for ours, ``jax_mosaic_matmul``
   for JAX's and the warp-specialized one; ``flops_per_s`` where not measured),
   and passes ``L - 1`` blocks to its neighbour over the level's link: A shards
@@ -149,14 +149,14 @@ def fused_seconds(schedule, machine: Machine) -> float:
   (reduce-scatter). The kernels send each tile as they compute it, so the two
   overlap fully.
   """
-  from jaxmercury.shard_map import fused
+  from jaxmercury.shard_map import fused, fused_gemm
   low = fused.lowering(schedule.lowering)
   p = low.place(schedule)
-  if not isinstance(p, fused.Placement):
+  if not isinstance(p, fused_gemm.Placement):
     return _ring_attention_seconds(schedule, p, low, machine)
-  size, m, k, n = fused.gemm_shape(schedule)
+  size, m, k, n = fused_gemm.gemm_shape(schedule)
   gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
-  if p.kind == fused.ALLGATHER:
+  if p.kind == fused_gemm.ALLGATHER:
     sent = m * k * np.dtype(schedule.program.reads[0].dtype).itemsize
   else:
     sent = m * n * 4

@@ -19,7 +19,7 @@ from gpu.checks import GRAD_TOL, TOL, gpu_mesh
 from jax.sharding import AxisType
 
 import jaxmercury as jm
-from jaxmercury.shard_map import fused
+from jaxmercury.shard_map import fused, fused_gemm
 from jaxmercury.tuner import cost, measure
 from jaxmercury.tuner import tune as tune_module
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="need
 
 STRATEGIES = ("async_tp", "allgather_matmul", "matmul_reducescatter", "async_tp_reducescatter")
 LOWERINGS = tuple(fused.LOWERINGS)
-KIND = {"async_tp": fused.ALLGATHER, "allgather_matmul": fused.ALLGATHER,
-        "matmul_reducescatter": fused.REDUCESCATTER, "async_tp_reducescatter": fused.REDUCESCATTER}
+KIND = {"async_tp": fused_gemm.ALLGATHER, "allgather_matmul": fused_gemm.ALLGATHER,
+        "matmul_reducescatter": fused_gemm.REDUCESCATTER, "async_tp_reducescatter": fused_gemm.REDUCESCATTER}
 PAIRS = [(s, low) for s in STRATEGIES for low in LOWERINGS if fused.LOWERINGS[low].kind == KIND[s]]
 
 
