@@ -152,7 +152,7 @@ class FusedLowering:
     return self.interpret and not isinstance(p, str) and interprets_on(schedule, p)
 
   def build(self, schedule, **params) -> Callable:
-    """The per-device function ``(a_local, b_local) -> c_local`` to run under ``jax.shard_map``."""
+    """The per-device function ``(*input_blocks) -> output_block`` to run under ``jax.shard_map``."""
     self.check(schedule, params)
     p = self.place(schedule)
     return self.make(p, self.params(**params), self.interpret and interprets_on(schedule, p))
@@ -164,7 +164,7 @@ class FusedLowering:
 
 
 def hopper_devices(every_process_device: bool) -> Callable:
-  """``device_problem`` of a kernel without interpret mode: the mesh (``_mesh_problem``), then Hopper GPUs."""
+  """``device_problem`` of a kernel without interpret mode: the mesh (``mesh_problem``), then Hopper GPUs."""
   def problem(schedule, p) -> str | None:
     from jaxmercury.pallas_kernels.mosaic_matmul import hopper_only
     reason = mesh_problem(schedule, p, every_process_device=every_process_device)
@@ -172,7 +172,6 @@ def hopper_devices(every_process_device: bool) -> Callable:
       return reason
     return hopper_only(schedule.mesh.devices.flat[0])
   return problem
-
 
 
 def interpretable_devices(schedule, p) -> str | None:
@@ -286,7 +285,6 @@ def compile_fused(schedule):
 
   fused.defvjp(fwd, bwd)
   return jax.jit(fused)
-
 
 
 from jaxmercury.shard_map import fused_attention, fused_gemm  # noqa: E402,F401  register their lowerings

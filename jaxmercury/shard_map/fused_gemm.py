@@ -31,7 +31,6 @@ SPLIT_ROLES = {ALLGATHER: ("m", "n", "n"), REDUCESCATTER: ("k", "k", "m")}
 KIND_NAMES.update({ALLGATHER: "an all-gather GEMM", REDUCESCATTER: "a GEMM + reduce-scatter"})
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where a schedule puts the GEMM's buffers, in the matmul pattern's roles.
@@ -76,6 +75,7 @@ class Placement:
     return None
 
   def describe(self, schedule) -> str:
+    """The three buffers as the schedule stores them: ``A[m@x, k], B[k, n@x], C[m, n@x]``."""
     return ", ".join(layout_text(buf, stored(schedule, buf)) for buf in (self.a, self.b, self.c))
 
   def memory_bytes(self, schedule) -> int:
