@@ -181,6 +181,32 @@ def operator_split(plan, iters: int, implementation, rows: list | None = None, s
   return rows
 
 
+def block_contestants(plans: dict, config, mesh, baselines, implementation) -> dict:
+  """``name -> (f(params, x), param specs, input spec)``: each plan (keyed by its ``RESIDUALS`` name), then each
+  plain-jit baseline (the block as one function, attention constrained to a head split)."""
+  contestants = {}
+  for name, plan in plans.items():
+    planned, plan_specs = bg.planned_block(plan)
+    contestants[name] = (planned, plan_specs, RESIDUALS[name][1])
+  heads = NamedSharding(mesh, P(None, None, "x", None))  # what a Megatron user constrains attention to
+  split_fn = lambda p, x: bg.block_apply(p, x, config, implementation=implementation, attention_sharding=heads)
+  for name in baselines:
+    specs, x_spec = baseline_layouts(name)
+    contestants[name] = (split_fn, specs, x_spec)
+  return contestants
+
+
+def placed_forward(f, specs: dict, x_spec, params: dict, x, mesh):
+  """``f`` jitted for parameters in ``specs`` and the input in ``x_spec``, and those arguments placed so.
+
+  Returns:
+    ``(forward, in_shardings, (placed params, placed x))``.
+  """
+  shardings = ({k: NamedSharding(mesh, specs.get(k, P())) for k in params}, NamedSharding(mesh, x_spec))
+  fwd = jax.jit(f, in_shardings=shardings, out_shardings=shardings[1])
+  return fwd, shardings, (place(params, mesh, specs), jax.device_put(x, shardings[1]))
+
+
 def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines, implementation, split=True,
              case: dict | None = None, saved=lambda: None, measure_iters: int = 0) -> dict:
   """Times the plans and the baselines on one sequence length; fills ``case`` as results come, calling ``saved()``.
@@ -219,22 +245,12 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
   _, want_grads = jax.jit(with_grad(ref_fn))(*ref_args)
   want_grads = jax.tree.leaves(want_grads)
 
-  contestants = {}
-  for name, (plan, _) in plans.items():
-    planned, plan_specs = bg.planned_block(plan)
-    contestants[name] = (planned, plan_specs, RESIDUALS[name][1])
-  heads = NamedSharding(mesh, P(None, None, "x", None))  # what a Megatron user constrains attention to
-  split_fn = lambda p, x: bg.block_apply(p, x, config, implementation=implementation, attention_sharding=heads)
-  for name in baselines:
-    specs, x_spec = baseline_layouts(name)
-    contestants[name] = (split_fn, specs, x_spec)
+  contestants = block_contestants({name: plan for name, (plan, _) in plans.items()}, config, mesh, baselines,
+                                  implementation)
   for name, (f, specs, x_spec) in contestants.items():
     row = {"name": name, "param_specs": {k: str(v) for k, v in specs.items()}, "input_spec": str(x_spec)}
     try:
-      p = place(params, mesh, specs)
-      xs = jax.device_put(x, NamedSharding(mesh, x_spec))
-      shardings = ({k: NamedSharding(mesh, specs.get(k, P())) for k in params}, NamedSharding(mesh, x_spec))
-      fwd = jax.jit(f, in_shardings=shardings, out_shardings=NamedSharding(mesh, x_spec))
+      fwd, shardings, (p, xs) = placed_forward(f, specs, x_spec, params, x, mesh)
       both = jax.jit(with_grad(f), in_shardings=shardings)
       t0 = time.perf_counter()
       out = fwd(p, xs)

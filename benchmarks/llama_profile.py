@@ -24,8 +24,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
 
 from benchmarks import llama_block as lb
 from models import CONFIGS, DecoderBlock
@@ -64,22 +63,12 @@ def main(argv=None):
   config = CONFIGS["llama3_8b"].with_dtype(jnp.bfloat16)
   params = bg.block_params(DecoderBlock(config, rngs=nnx.Rngs(1)))
   x = jax.random.normal(jax.random.key(2), (1, args.seq, config.dim), config.dtype)
-  contestants = {}
-  for name, (kind, x_spec) in lb.RESIDUALS.items():
-    plan, _ = lb.plan_block(config, args.seq, mesh, lb.H200_MACHINES, lb.GPU_STRATEGIES, kind)
-    planned, plan_specs = bg.planned_block(plan)
-    contestants[name] = (planned, plan_specs, x_spec)
-  heads = NamedSharding(mesh, P(None, None, "x", None))
-  split_fn = lambda p, x: bg.block_apply(p, x, config, implementation="cudnn", attention_sharding=heads)
-  for name in ("xla_megatron_tp", "xla_megatron_tp_sp"):
-    specs, x_spec = lb.baseline_layouts(name)
-    contestants[name] = (split_fn, specs, x_spec)
+  plans = {name: lb.plan_block(config, args.seq, mesh, lb.H200_MACHINES, lb.GPU_STRATEGIES, kind)[0]
+           for name, (kind, _) in lb.RESIDUALS.items()}
+  contestants = lb.block_contestants(plans, config, mesh, ("xla_megatron_tp", "xla_megatron_tp_sp"), "cudnn")
   report = {}
   for name, (f, specs, x_spec) in contestants.items():
-    p_ = lb.place(params, mesh, specs)
-    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
-    shardings = ({k: NamedSharding(mesh, specs.get(k, P())) for k in params}, NamedSharding(mesh, x_spec))
-    fwd = jax.jit(f, in_shardings=shardings, out_shardings=NamedSharding(mesh, x_spec))
+    fwd, _, (p_, xs) = lb.placed_forward(f, specs, x_spec, params, x, mesh)
     hlo = fwd.lower(p_, xs).compile().as_text()
     with open(f"{args.out_dir}/hlo-{name}-{args.seq}.txt", "w") as fh:
       fh.write(hlo)
