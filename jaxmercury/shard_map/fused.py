@@ -84,6 +84,39 @@ def interprets_on(schedule, p) -> bool:
   return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu" and p.size == 1
 
 
+def whole_nest_problem(schedule) -> str | None:
+  """Why no fused lowering can replace ``schedule``'s nest (a patched block, a zigzag axis), or None."""
+  if schedule.kernel not in (None, "xla"):
+    return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
+            "so it takes an unpatched schedule")
+  if schedule.zigzags:
+    return f"axis {next(iter(schedule.zigzags))!r} is stored in zigzag order; a fused lowering takes the natural order"
+  return None
+
+
+def splitting_level(schedule, levels) -> tuple[str | None, int]:
+  """``(L, n)``: of the mesh ``levels`` splitting one axis, the one of size above 1 (or, where none is, the last,
+  which splits nothing), and ``n``, how many of size above 1 there are; ``L`` is None unless ``n <= 1`` and
+  ``levels`` is not empty."""
+  split = [lv for lv in levels if schedule.levels[lv] > 1]
+  if len(split) > 1 or not levels:
+    return None, len(split)
+  return (split[0] if split else levels[-1]), len(split)
+
+
+def split_problem(schedule, level: str, split_axes, need: str) -> str | None:
+  """The first of ``split_axes`` (``(buffer, axis)`` pairs) whose buffer is not stored with that axis alone split
+  over ``level`` (levels of size 1 elsewhere split nothing), as a sentence ending in ``need``; None if all are."""
+  storage, sizes = schedule.plan().storage, schedule.levels
+  for buf, axis in split_axes:
+    kept = tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in storage[buf.name])
+    want = tuple((level,) if ax == axis else () for ax in buf.axes)
+    if kept != want:
+      return (f"buffer {buf.name} is stored {layout_text(buf, storage[buf.name])}, not {layout_text(buf, want)}; "
+              f"{need}")
+  return None
+
+
 def stored(schedule, buf):
   """How ``schedule`` stores ``buf``: per axis, the mesh levels splitting it."""
   return schedule.plan().storage[buf.name]

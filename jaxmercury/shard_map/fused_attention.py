@@ -75,11 +75,8 @@ def placement(schedule) -> AttentionPlacement | str:
     return "the fused ring-attention kernel is non-causal; this program is causal"
   if match.params.get("emit_lse"):
     return "the fused ring-attention lowering writes the output only; this program also writes the log-sum-exp"
-  if schedule.kernel not in (None, "xla"):
-    return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
-            "so it takes an unpatched schedule")
-  if schedule.zigzags:
-    return f"axis {next(iter(schedule.zigzags))!r} is stored in zigzag order; the fused kernel takes the natural order"
+  if reason := fused.whole_nest_problem(schedule):
+    return reason
   axes = {role: ax for ax, role in match.to_pattern.items()}
   (q, k, v), o = prog.reads, prog.writes
   extent = lambda role: prog.axes[axes[role]].extent
@@ -91,26 +88,17 @@ def placement(schedule) -> AttentionPlacement | str:
     return f"queries ({extent('i')}) and keys ({extent('j')}) differ in length; the fused kernel takes self-attention"
   if extent("d") % 64 or extent("d") > 256:
     return f"head dimension {axes['d']!r} = {extent('d')} must be a multiple of 64 and at most 256"
-  plan = schedule.plan()
-  sizes = schedule.levels
-  seq_levels = plan.storage[q.name][q.axes.index(axes["i"])]
-  split = [lv for lv in seq_levels if sizes[lv] > 1]
-  shapes = (f"{q.name}[{axes['i']}@L], {k.name}[{axes['j']}@L], {v.name}[{axes['j']}@L], {o.name}[{axes['i']}@L], "
-            "nothing else split")
-  if len(split) > 1 or not seq_levels:
-    return (f"buffer {q.name} is stored {fused.layout_text(q, plan.storage[q.name])}: its sequence is split over "
-            f"{len(split)} levels; the fused ring attention needs {shapes}")
-  level = split[0] if split else seq_levels[-1]
-
-  def kept(layout):
-    return tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in layout)
-
-  for buf, role in ((q, "i"), (k, "j"), (v, "j"), (o, "i")):
-    want = tuple((level,) if ax == axes[role] else () for ax in buf.axes)
-    if kept(plan.storage[buf.name]) != want:
-      return (f"buffer {buf.name} is stored {fused.layout_text(buf, plan.storage[buf.name])}, not "
-              f"{fused.layout_text(buf, want)}; the fused ring attention needs {shapes}")
-  p = AttentionPlacement(level, sizes[level], q, k, v, o, axes)
+  q_layout = schedule.plan().storage[q.name]
+  need = (f"the fused ring attention needs {q.name}[{axes['i']}@L], {k.name}[{axes['j']}@L], {v.name}[{axes['j']}@L], "
+          f"{o.name}[{axes['i']}@L], nothing else split")
+  level, n_split = fused.splitting_level(schedule, q_layout[q.axes.index(axes["i"])])
+  if level is None:
+    return (f"buffer {q.name} is stored {fused.layout_text(q, q_layout)}: its sequence is split over {n_split} "
+            f"levels; {need}")
+  split_axes = [(q, axes["i"]), (k, axes["j"]), (v, axes["j"]), (o, axes["i"])]
+  if reason := fused.split_problem(schedule, level, split_axes, need):
+    return reason
+  p = AttentionPlacement(level, schedule.levels[level], q, k, v, o, axes)
   s_local = extent("i") // p.size
   if s_local % max(DEFAULTS["block_q"], DEFAULTS["block_kv"]):
     return (f"each device holds {s_local} positions of {axes['i']!r}, not a multiple of the kernel's blocks "

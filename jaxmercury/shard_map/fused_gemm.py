@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.shard_map.fused import (HALF, INTERPRET_CTAS, KIND_NAMES, PLACEMENTS, FusedLowering, hopper_devices,
-                                        interpretable_devices, layout_text, lowering, register, stored)
+                                        interpretable_devices, layout_text, lowering, register, split_problem,
+                                        splitting_level, stored, whole_nest_problem)
 
 ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
 # Per kind, the axis (by role) of A, B and C that level L splits.
@@ -120,17 +121,12 @@ def placement(schedule) -> Placement | str:
     roles = {role: ax for ax, role in patterns.match("matmul", prog).to_pattern.items()}
   except PreconditionError as e:
     return f"the fused kernels compute GEMMs (loop-nest pattern 'matmul'): {e}"
-  if schedule.kernel not in (None, "xla"):
-    return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
-            "so it takes an unpatched schedule")
-  if schedule.zigzags:
-    ax = next(iter(schedule.zigzags))
-    return f"axis {ax!r} is stored in zigzag order; the fused kernels take the natural order"
+  if reason := whole_nest_problem(schedule):
+    return reason
   plan = schedule.plan()
   a, b = prog.reads
   c = prog.writes
   m, n, k = roles["m"], roles["n"], roles["k"]
-  sizes = schedule.levels
   a_layout = plan.storage[a.name]
   by_kind = {kind: a_layout[a.axes.index(roles[SPLIT_ROLES[kind][0]])] for kind in (ALLGATHER, REDUCESCATTER)}
   if by_kind[ALLGATHER] and by_kind[REDUCESCATTER]:
@@ -138,24 +134,17 @@ def placement(schedule) -> Placement | str:
             f"{_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
   if not by_kind[ALLGATHER] and not by_kind[REDUCESCATTER]:
     return (f"buffer {a.name} is stored {layout_text(a, a_layout)}: neither its rows ({m}) nor its columns ({k}) are "
-            f"split over a mesh level; {_need(ALLGATHER, a, b, c, m, n, k)}; or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
+            f"split over a mesh level; {_need(ALLGATHER, a, b, c, m, n, k)}; "
+            f"or {_need(REDUCESCATTER, a, b, c, m, n, k)}")
   kind = ALLGATHER if by_kind[ALLGATHER] else REDUCESCATTER
-  levels = by_kind[kind]
-  split = [lv for lv in levels if sizes[lv] > 1]
-  if len(split) > 1:
+  level, n_split = splitting_level(schedule, by_kind[kind])
+  if level is None:
     return (f"buffer {a.name} is stored {layout_text(a, a_layout)}: its {'rows' if kind == ALLGATHER else 'columns'} "
-            f"are split over {len(split)} levels; {_need(kind, a, b, c, m, n, k)}")
-  level = split[0] if split else levels[-1]
-
-  def kept(layout):
-    return tuple(tuple(lv for lv in e if lv == level or sizes[lv] > 1) for e in layout)
-
-  for buf, role in zip((a, b, c), SPLIT_ROLES[kind]):
-    want = tuple((level,) if ax == roles[role] else () for ax in buf.axes)
-    if kept(plan.storage[buf.name]) != want:
-      return (f"buffer {buf.name} is stored {layout_text(buf, plan.storage[buf.name])}, not {layout_text(buf, want)}; "
-              f"{_need(kind, a, b, c, m, n, k, level)}")
-  return Placement(kind, level, sizes[level], a, b, c, m, n, k)
+            f"are split over {n_split} levels; {_need(kind, a, b, c, m, n, k)}")
+  split_axes = [(buf, roles[role]) for buf, role in zip((a, b, c), SPLIT_ROLES[kind])]
+  if reason := split_problem(schedule, level, split_axes, _need(kind, a, b, c, m, n, k, level)):
+    return reason
+  return Placement(kind, level, schedule.levels[level], a, b, c, m, n, k)
 
 
 PLACEMENTS.update({ALLGATHER: placement, REDUCESCATTER: placement})
