@@ -73,6 +73,19 @@ def rs_shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, in
           ("Llama-3 70B down M8192 K28672 N8192", 8192, 28672, 8192)]
 
 
+def _fused_variants(mesh, specs, kernel, tiles_type, variants, prefix: str, how: str):
+  """One contestant per tile variant of the fused ``kernel``: ``<prefix>[<m>x<n>x<k>/<rest>]``."""
+  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
+  out = []
+  for t in variants:
+    body = lambda a, b, tiles=tiles_type(*t): kernel(a, b, "x", tiles=tiles)
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2],
+                                                 check_vma=False))
+    name = f"{prefix}[{t[0]}x{t[1]}x{t[2]}/{'/'.join(map(str, t[3:]))}]"
+    out.append(harness.Contestant(name, "jaxmercury", fn, how, skip=skip))
+  return out
+
+
 def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_name: str, ring_how: str, kernel,
                     prefix: str):
   """jaxmercury's shard_map ring ``strategy`` (a baseline here) and the fused ``kernel`` at every tile variant."""
@@ -84,14 +97,7 @@ def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_nam
   ring = with_layouts(lib[strategy], [x_spec, w_spec], out_spec) if strategy in lib else None
   out = [harness.Contestant(ring_name, "baseline", lambda: jax.jit(ring.compile()),
                             f"jaxmercury {strategy}: {ring_how}", skip=None if ring else f"{strategy} does not apply")]
-  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
-  for t in TILES:
-    body = lambda a, b, tiles=Tiles(*t): kernel(a, b, "x", tiles=tiles)
-    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
-                                                 check_vma=False))
-    out.append(harness.Contestant(f"{prefix}[{t[0]}x{t[1]}x{t[2]}/{t[3]}]", "jaxmercury", fn, kernel.__name__,
-                                  skip=skip))
-  return out
+  return out + _fused_variants(mesh, specs, kernel, Tiles, TILES, prefix, kernel.__name__)
 
 
 def contestants(mesh, m: int, k: int, n: int):
@@ -147,14 +153,8 @@ def rs_contestants(mesh, m: int, k: int, n: int):
   from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
   out += _ring_and_fused(mesh, m, k, n, specs, "async_tp_reducescatter", "jm_async_tp_rs",
                          "shard_map ppermute ring of partial sums", fused_matmul_reducescatter, "fused_rs")
-  skip = base.pallas_unavailable(mesh, jnp.bfloat16)
-  for t in WS_TILES:
-    body = lambda a, b, tiles=WsTiles(*t): fused_matmul_reducescatter_ws(a, b, "x", tiles=tiles)
-    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2],
-                                                 check_vma=False))
-    out.append(harness.Contestant(f"fused_rs_ws[{t[0]}x{t[1]}x{t[2]}/{t[3]}/{t[4]}]", "jaxmercury", fn,
-                                  "fused_matmul_reducescatter_ws (two consumer warpgroups)", skip=skip))
-  return out
+  return out + _fused_variants(mesh, specs, fused_matmul_reducescatter_ws, WsTiles, WS_TILES, "fused_rs_ws",
+                               "fused_matmul_reducescatter_ws (two consumer warpgroups)")
 
 
 def run_rs_shape(mesh, label, m, k, n, iters):
