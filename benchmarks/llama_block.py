@@ -22,10 +22,17 @@ block's gap to a baseline can be traced to operators and edges.
 
   python -m benchmarks.llama_block --out results.json [--smoke] [--seq 4096 16384] [--iters 10]
       [--baselines xla_megatron_tp xla_megatron_tp_sp xla_sequence_parallel] [--config llama3_8b]
+      [--machines calibrated|reference] [--measure_iters N]
 
 ``--smoke``: the tiny configuration on 2 simulated CPU devices, sequence 128.
-On GPUs the plan is searched with the reference H200 figures below and the
-attention strategies whose blocks cuDNN takes whole.
+On GPUs the plan is searched over the attention strategies whose blocks
+cuDNN takes whole and, where they run, the fused collective-GEMM and
+ring-attention kernels (``<lowering>`` candidates); its cost-model figures
+are measured on the mesh before each sequence length (``--machines
+calibrated``, the GPU default: the GEMM rate, link, latency and ring
+overlap from a GEMM of the block's size, the attention kernel's rate from
+its blocks) or taken from the reference H200 figures below
+(``--machines reference``, the CPU default).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from benchmarks import harness  # noqa: E402
 from jaxmercury import graph as jg  # noqa: E402
 from jaxmercury.graph.dag import OP  # noqa: E402
 from jaxmercury.graph.layouts import Layout  # noqa: E402
+from jaxmercury import programs  # noqa: E402
+from jaxmercury.tuner import calibrate  # noqa: E402
 from jaxmercury.tuner.cost import Machine  # noqa: E402
 from models import CONFIGS, DecoderBlock  # noqa: E402
 from models import block_graph as bg  # noqa: E402
@@ -70,6 +79,25 @@ H200_MACHINES = {
     "*": Machine("H200 NVLink (reference figures)", 600e12, _H200_LINKS, 20e-6, memory_bytes_per_s=2.2e12),
 }
 CPU_MACHINES = {"*": Machine("simulated CPU devices", 20e9, {"*": 5e9}, 50e-6, memory_bytes_per_s=10e9)}
+
+
+def calibrated_machines(config, seq: int, mesh, attention_kernel: str) -> dict:
+  """Cost-model figures measured on ``mesh`` for one block (batch 1, ``seq`` tokens), by program pattern.
+
+  A ``[seq, dim] x [dim, dim]`` GEMM gives the GEMM rate, every level's
+  link, the latency, the all-gather factor, the ring overlap and the memory
+  bandwidth (``calibrate.calibrate``); the block's causal attention gives
+  ``attention_kernel``'s rate on its own blocks.
+  """
+  c = config
+  gemm = calibrate.calibrate(programs.matmul(seq, c.dim, c.dim, dtype=c.dtype), mesh, kernels=["xla"])
+  attention = programs.attention(1, c.heads, c.kv_heads, seq, seq, c.head_dim, causal=True, dtype=c.dtype)
+  rates, overhead = calibrate.kernel_rates(attention, mesh, [attention_kernel])
+  attention_machine = dataclasses.replace(gemm, name=f"{gemm.name}, {attention_kernel}", kernel_flops_per_s=rates,
+                                          flops_per_s=rates[attention_kernel], call_overhead_s=overhead)
+  return {"matmul": gemm, "attention": attention_machine, "*": gemm}
+
+
 # Library strategies on GPU: blocks of unequal query/key sizes (context_parallel, tree) fall back to the XLA
 # attention body under a causal mask, which materializes the scores at these lengths.
 GPU_STRATEGIES = ("ring", "ulysses", "allgather_matmul", "matmul_reducescatter", "async_tp",
@@ -290,6 +318,9 @@ def main(argv=None):
   p.add_argument("--baselines", nargs="*", default=list(BASELINES))
   p.add_argument("--config", default="llama3_8b", choices=sorted(CONFIGS), help="block sizes (without --smoke)")
   p.add_argument("--no_split", action="store_true", help="skip timing each operator alone")
+  p.add_argument("--machines", choices=("calibrated", "reference"), default=None,
+                 help="cost-model figures: measured on the mesh per sequence length, or the reference ones "
+                      "(default: calibrated on GPUs, reference on CPUs)")
   p.add_argument("--measure_iters", type=int, default=None,
                  help="time every operator candidate this many rounds before the search (default 0: the cost "
                       "model's predictions)")
@@ -318,8 +349,13 @@ def main(argv=None):
 
   measure_iters = args.measure_iters or 0
   out["measure_iters"] = measure_iters
+  out["machines_source"] = args.machines or ("calibrated" if gpu and not args.smoke else "reference")
   for s in seqs:
     cases.append({})
+    if out["machines_source"] == "calibrated":
+      machines = calibrated_machines(config, s, mesh, "cudnn_attention" if gpu else "xla")
+      cases[-1]["machines"] = {k: m.to_dict() for k, m in machines.items()}
+      print(f"seq {s}: calibrated", *machines.values(), sep="\n", flush=True)
     run_case(config, s, mesh, machines, strategies, iters, args.baselines, implementation,
              split=not args.no_split, case=cases[-1], saved=saved, measure_iters=measure_iters)
   print(json.dumps([{"seq": c["seq"], **c["summary"]} for c in cases], indent=1))

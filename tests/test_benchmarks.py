@@ -428,8 +428,11 @@ def test_training_check_smoke(tmp_path):
 
 def test_llama_block_smoke(tmp_path):
   """The graph plans of a tiny block (both residual layouts) run, print their plans and agree with plain JAX."""
-  (case,) = _smoke("llama_block", tmp_path, "--iters", "1")
+  (case,) = _smoke("llama_block", tmp_path, "--iters", "1", "--machines", "calibrated")
   assert set(case["plans"]) == {"jaxmercury_plan", "jaxmercury_plan_replicated"}
+  figures = case["machines"]  # measured on the simulated mesh before planning
+  assert figures["matmul"]["kernel_flops_per_s"]["xla"] > 0 and figures["attention"]["kernel_flops_per_s"]["xla"] > 0
+  assert 0 <= figures["matmul"]["overlap"] <= 1 and figures["matmul"]["link_bytes_per_s"]["x"] > 0
   for plan in case["plans"].values():
     assert "operators:" in plan["plan"] and "edges" in plan["plan"]
   timed = [c for c in case["contestants"] if "error" not in c]

@@ -286,3 +286,52 @@ def test_measured_candidates_replace_predictions_and_plan():
   h = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   want = x + (jax.nn.silu(h @ params["gate"]) * (h @ params["up"])) @ params["down"]
   assert rel_err(y, want) < 1e-5
+
+
+def test_fused_lowerings_are_candidates_and_their_plan_runs():
+  """On a mesh where fused kernels run (here one CPU device, interpreted), a strategy's fused variant is a
+  candidate of its own; a plan made of fused candidates runs and matches the plain MLP."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  dt, tokens, dim, hidden = jnp.bfloat16, 64, 64, 128
+  g = jg.Graph(mesh)
+  res = Layout((("x",), ()))
+  g.add(jg.input_node("x", (tokens, dim), dt, res))
+  ops = dict(mesh=mesh, machines=MACHINE, fused_lowerings=True)
+  g.add(jg.op_node("up", jm.programs.matmul(tokens, hidden, dim, dtype=dt), inputs={"A": "x"}, params={"B": "up"},
+                   **ops))
+  g.add(jg.op_node("down", jm.programs.matmul(tokens, dim, hidden, dtype=dt), inputs={"A": "up"},
+                   params={"B": "down"}, **ops))
+  g.add(jg.output_node("y", "down", (tokens, dim), dt, res))
+  names = {n.name: [c.name for c in n.candidates] for n in g.nodes if n.kind == "op"}
+  assert "async_tp <fused_allgather_matmul>" in names["up"]
+  assert "matmul_reducescatter <fused_matmul_reducescatter>" in names["down"]
+  # two strategies the same kernel runs with the same layouts give one candidate
+  assert not any(n.startswith("async_tp_reducescatter <") for n in names["down"])
+  plain = jg.op_node("up", jm.programs.matmul(tokens, hidden, dim, dtype=dt), inputs={"A": "x"},
+                     params={"B": "up"}, mesh=mesh, machines=MACHINE)
+  assert not any("<" in c.name for c in plain.candidates)  # by default: only where they run natively
+
+  def pick(node, name):
+    return next(c for c in g.node(node).candidates if c.name == name)
+  choice = {n.name: n.candidates[0] for n in g.nodes}
+  choice.update(up=pick("up", "async_tp <fused_allgather_matmul>"),
+                down=pick("down", "matmul_reducescatter <fused_matmul_reducescatter>"))
+  plan = jg.fixed(g, MACHINE, choice)
+  assert "<fused_matmul_reducescatter>" in str(plan)
+  params = {name: (jax.random.normal(fresh_key(), shape, jnp.float32) / 8).astype(dt)
+            for name, shape in (("up", (dim, hidden)), ("down", (hidden, dim)))}
+  x = jax.random.normal(fresh_key(), (tokens, dim), jnp.float32).astype(dt)
+  cot = jax.random.normal(fresh_key(), (tokens, dim), jnp.float32)
+  run = jg.compile_plan(plan).fn
+
+  def loss(f):
+    def value(p):
+      y = f(p)
+      return jnp.sum(y.astype(jnp.float32) * cot), y
+    return jax.jit(jax.value_and_grad(value, has_aux=True))
+
+  (_, y), grads = loss(lambda p: run({"x": x}, p)["y"])(params)
+  (_, want), want_grads = loss(lambda p: (x @ p["up"]) @ p["down"])(params)
+  assert y.dtype == dt and rel_err(y.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
+  for name in params:
+    assert rel_err(grads[name].astype(jnp.float32), want_grads[name].astype(jnp.float32)) < 2e-2

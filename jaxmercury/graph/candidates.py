@@ -8,6 +8,12 @@ partial sums, reduced on the edge by an all-reduce, or a reduce-scatter when
 the consumer wants only its part. Its time is the cost model's prediction
 (``jaxmercury.tuner.cost.predict``) without that reduction, or a measured
 time from the tuning database scaled the same way.
+
+Where a fused lowering (``jaxmercury.shard_map.fused``) runs a strategy's
+whole nest as one kernel per device on this mesh, the strategy also comes
+as a fused candidate, ``"strategy <lowering>"``: the same layouts, its
+output placed as the strategy places it (a fused reduce-scatter leaves no
+partial sums), priced by ``cost.fused_seconds``.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ def _database_seconds(record, native: Schedule, machine, core: float) -> float |
 
 def op_candidates(program, mesh, machines, *, activations: Sequence[str], strategies: Sequence[str] | None = None,
                   kernels: Sequence[str] | None = None, partial_outputs: bool = True,
-                  database=None) -> list[Candidate]:
+                  database=None, fused_lowerings: bool | None = None) -> list[Candidate]:
   """One candidate per library strategy (and local kernel) of ``program`` on ``mesh``.
 
   Args:
@@ -100,6 +106,8 @@ def op_candidates(program, mesh, machines, *, activations: Sequence[str], strate
       apply here (``"xla"`` when it has none).
     partial_outputs: leave a sum-reduced output partial (reduced on the edge).
     database: a ``Database``; a measured time of the strategy replaces the prediction.
+    fused_lowerings: add the fused candidates (see the module docstring);
+      default: where they run natively (Hopper GPUs), not in interpret mode.
   """
   machine = machine_for(machines, program.pattern)
   available = registry.candidates(program, mesh)
@@ -117,6 +125,35 @@ def op_candidates(program, mesh, machines, *, activations: Sequence[str], strate
                                 partial_outputs and isinstance(program.reduction, Sum), record))
       except ScheduleError:
         continue  # the strategy does not take these layouts
+    found.extend(_fused_candidates(name, native, program, machine, activations, params, record, fused_lowerings))
+  return _distinct_fused(found)
+
+
+def _distinct_fused(found: list[Candidate]) -> list[Candidate]:
+  """Drops a fused candidate equal to an earlier one (two strategies the same kernel runs alike)."""
+  seen, kept = set(), []
+  for c in found:
+    key = (c.schedule.lowering, c.inputs, c.output, c.params) if c.schedule.lowering else None
+    if key is None or key not in seen:
+      kept.append(c)
+      seen.add(key)
+  return kept
+
+
+def _fused_candidates(name, native, program, machine, activations, params, record, wanted) -> list[Candidate]:
+  """The strategy run by each fused lowering that applies to it (``wanted``: see ``op_candidates``)."""
+  from jaxmercury.shard_map import fused
+  if wanted is False:
+    return []
+  found = []
+  for lowering in fused.applicable(native):
+    if wanted is None and fused.lowering(lowering).interprets(native):
+      continue
+    try:
+      found.append(_candidate(f"{name} <{lowering}>", native.copy().lower_with(lowering), "xla", program, machine,
+                              activations, params, False, record))
+    except ScheduleError:
+      continue  # the kernel does not take these layouts
   return found
 
 

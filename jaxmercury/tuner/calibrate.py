@@ -193,15 +193,23 @@ def memory_figure(device, nbytes: int) -> float:
   return 2 * x.size * 4 / _per_repeat(make, x)
 
 
-def calibrate(program, mesh, *, kernels=None) -> Machine:
-  """Measures this machine's figures for ``program`` on ``mesh``."""
+def kernel_rates(program, mesh, kernels=None) -> tuple[dict, float]:
+  """Per local kernel (default: those that apply), its rate on ``program``'s blocks; and the median fixed cost
+  of one call."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   budget = (8 << 30) if gpu else (64 << 20)
-  link_bytes = (64 << 20) if gpu else (4 << 20)
   rates, overheads = {}, []
   for name in kernels or registry.candidates(program, mesh):
     rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
     overheads.append(overhead)
+  return rates, statistics.median(overheads) if overheads else 0.0
+
+
+def calibrate(program, mesh, *, kernels=None) -> Machine:
+  """Measures this machine's figures for ``program`` on ``mesh``."""
+  gpu = mesh.devices.flat[0].platform != "cpu"
+  link_bytes = (64 << 20) if gpu else (4 << 20)
+  rates, overhead = kernel_rates(program, mesh, kernels)
   links, latencies, factors, overlaps = {}, [], [], []
   for level in mesh.axis_names:
     if mesh.shape[level] > 1:
@@ -216,6 +224,6 @@ def calibrate(program, mesh, *, kernels=None) -> Machine:
       flops_per_s=max(rates.values()) if rates else 1e12, link_bytes_per_s=links,
       latency_s=statistics.median(latencies) if latencies else 0.0,
       kernel_flops_per_s=rates, gather_factor=statistics.median(factors) if factors else 1.0,
-      call_overhead_s=statistics.median(overheads) if overheads else 0.0,
+      call_overhead_s=overhead,
       overlap=statistics.median(overlaps) if overlaps else 1.0,
       memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)))
