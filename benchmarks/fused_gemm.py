@@ -8,8 +8,10 @@ column-sharded, output column-sharded), each output checked against the
 first: ``xla_allgather_dot`` (all_gather + dot in shard_map), ``jm_async_tp``
 (jaxmercury's ``async_tp`` schedule: the shard_map ``ppermute`` ring),
 ``pallas_mgpu`` (``collective_matmul_mgpu.all_gather_lhs_matmul``, fastest
-of its configurations) and ``fused[<tiles>]`` (``fused_allgather_matmul``,
-one record per tile variant). The floor is one device's local GEMM of the
+of its configurations), ``fused[<tiles>]`` (``fused_allgather_matmul``,
+one record per tile variant) and ``fused_ws[<tiles>/...]``
+(``fused_allgather_matmul_ws``: JAX's warp-specialized GEMM body with two
+consumer warpgroups, at JAX's kernel's configurations). The floor is one device's local GEMM of the
 gathered rows (``[M, K] @ [K, N / devices]``), timed alone. Shapes: per-shard
 M 1024 with K = N = 4096 (N per device), and the Llama-3 gate projections at
 global M 8192 (K, N) = (4096, 14336) and (8192, 28672). These are
@@ -53,6 +55,10 @@ from benchmarks.baselines import gemm as base  # noqa: E402
 
 TILES = ((128, 128, 64, 4), (128, 128, 64, 5), (64, 256, 64, 4), (128, 128, 128, 2))
 WS_TILES = ((128, 128, 64, 3, "n"), (128, 64, 64, 4, "n"), (64, 128, 64, 4, "m"))  # the warp-specialized RS kernel
+# The warp-specialized all-gather kernel, at JAX's kernel's configurations (base.PALLAS_CONFIGS): tile_m, tile_n,
+# tile_k, pipeline depth, the warpgroups' split, the grid's minor dimension and band width.
+WS_AG_TILES = ((128, 128, 64, 4, "n", "n", 8), (128, 128, 64, 4, "m", "m", 8), (256, 64, 64, 4, "n", "n", 8),
+               (128, 128, 64, 4, "m", "n", 16))
 
 
 def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:
@@ -102,6 +108,8 @@ def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_nam
 
 def contestants(mesh, m: int, k: int, n: int):
   from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
+  from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
+  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
   specs = base.layouts("allgather", "x")
   out = [harness.Contestant("xla_allgather_dot", "baseline", lambda: base.allgather_dot(mesh, "x"),
                             "all_gather + dot in shard_map")]
@@ -110,8 +118,10 @@ def contestants(mesh, m: int, k: int, n: int):
     out.append(harness.Contestant(f"pallas_mgpu[{i}]", "baseline",
                                   lambda c=config: base.pallas_allgather_matmul(mesh, "x", c),
                                   f"JAX all_gather_lhs_matmul {config}", skip=skip))
-  return out + _ring_and_fused(mesh, m, k, n, specs, "async_tp", "jm_async_tp", "shard_map ppermute ring",
-                               fused_allgather_matmul, "fused")
+  out += _ring_and_fused(mesh, m, k, n, specs, "async_tp", "jm_async_tp", "shard_map ppermute ring",
+                         fused_allgather_matmul, "fused")
+  return out + _fused_variants(mesh, specs, fused_allgather_matmul_ws, WsTiles, WS_AG_TILES, "fused_ws",
+                               "fused_allgather_matmul_ws (two consumer warpgroups)")
 
 
 def _measure(mesh, kind: str, m: int, k: int, n: int, iters: int, contestants_of, local_shapes):

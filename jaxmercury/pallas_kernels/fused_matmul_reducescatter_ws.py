@@ -54,35 +54,46 @@ class WsTiles:
   tile_k: int = 64
   max_concurrent_steps: int = 3
   split: str = "n"  # the dimension the two consumer warpgroups split: "n" or "m"
+  grid_minor: str = "n"  # the persistent loop's output-tile order: the fastest-moving dimension, "n" or "m"
+  grid_width: int = 1  # ... in bands this many tiles wide (L2 reuse)
 
   @property
   def cta(self) -> tuple[int, int]:
     return (2 * self.tile_m, self.tile_n) if self.split == "m" else (self.tile_m, 2 * self.tile_n)
 
-  def smem_bytes(self, itemsize: int = 2) -> int:
-    """Pipeline buffers plus the float32 epilogue (two warpgroups x two 64 x 64 slots)."""
+  def smem_bytes(self, itemsize: int = 2, out_itemsize: int = 4) -> int:
+    """Pipeline buffers plus the epilogue (two warpgroups x two 64 x 64 slots of the output's dtype)."""
     cm, cn = self.cta
-    return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize + 2 * 2 * 64 * 64 * 4
+    return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize + 2 * 2 * 64 * 64 * out_itemsize
 
-  def problem(self) -> str | None:
-    """Why these tiles cannot compile, or None."""
-    if self.split not in ("m", "n"):
-      return f"split={self.split!r} must be 'm' or 'n'"
+  def problem(self, out_itemsize: int = 4) -> str | None:
+    """Why these tiles cannot compile (with an output of ``out_itemsize`` bytes; float32 here), or None."""
+    for name in ("split", "grid_minor"):
+      if getattr(self, name) not in ("m", "n"):
+        return f"{name}={getattr(self, name)!r} must be 'm' or 'n'"
+    if self.grid_width < 1:
+      return f"grid_width={self.grid_width} must be at least 1"
     if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
       return f"tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k} must be multiples of 64"
     if self.tile_m * self.tile_n > 128 * 128:
       return f"tile_m x tile_n = {self.tile_m * self.tile_n} float32 accumulators exceed one warpgroup's registers"
     if self.max_concurrent_steps < 2:
       return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
-    if self.smem_bytes() > SMEM_BYTES:
-      return f"needs {self.smem_bytes()} bytes of shared memory, more than {SMEM_BYTES}"
+    if self.smem_bytes(out_itemsize=out_itemsize) > SMEM_BYTES:
+      return f"needs {self.smem_bytes(out_itemsize=out_itemsize)} bytes of shared memory, more than {SMEM_BYTES}"
     return None
 
   def config(self):
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     return hm.TuningConfig(tile_m=self.tile_m, tile_n=self.tile_n, tile_k=self.tile_k,
                            max_concurrent_steps=self.max_concurrent_steps, epi_tile_m=64, epi_tile_n=64,
-                           wg_dimension=hm.MatmulDimension.M if self.split == "m" else hm.MatmulDimension.N)
+                           wg_dimension=_dimension(self.split), grid_minor_dim=_dimension(self.grid_minor),
+                           grid_tile_width=self.grid_width)
+
+
+def _dimension(name: str):
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  return hm.MatmulDimension.M if name == "m" else hm.MatmulDimension.N
 
 
 def fused_matmul_reducescatter_ws(x, w, axis_name: str, *, tiles: WsTiles = WsTiles(), out_dtype=None):
