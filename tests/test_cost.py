@@ -335,3 +335,16 @@ def test_model_check_statistics(tmp_path):
   assert model_check.log_predictions(str(log)) == {
       "attention MHA B1 S8K H32 KV32 D128 causal": {"ring [cudnn_attention]": 0.738,
                                                     "par(i_gpu,gpu) tile(i,2) [cudnn_attention]": 0.892}}
+
+
+def test_partial_state_counts_each_leaf_in_its_own_shape():
+  """An attention partial result is its float32 output block plus a log-sum-exp without the head dimension (not
+  two output blocks); a GEMM's is its output block."""
+  mesh = _abstract(4)
+  att = jm.programs.attention(2, 8, 2, 256, 1024, 128, dtype=jnp.bfloat16)
+  tree = jm.library(att, mesh)["tree"]  # keys split over the devices, every device holds all queries
+  assert [len(leaf) for leaf in att.state_axes()] == [len(att.writes.axes), len(att.writes.axes) - 1]
+  assert cost.partial_state_bytes(tree, make_plan(tree)) == 4 * (2 * 256 * 8 * 128 + 2 * 256 * 8)
+  gemm = jm.programs.matmul(64, 32, 48)
+  tp = jm.library(gemm, mesh)["matmul_reducescatter"]  # k split: each device holds a partial [64, 32]
+  assert cost.partial_state_bytes(tp, make_plan(tp)) == 4 * 64 * 32

@@ -35,7 +35,6 @@ from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import replay
 from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.tuner import cost
-from jaxmercury.tuner.memory import local_elements
 from jaxmercury.tuner.tune import with_layouts
 
 SKIPPED_STRATEGIES = ("ring_zigzag",)  # stores sequences permuted: a whole-array reorder on every edge
@@ -67,9 +66,8 @@ def reduction_seconds(schedule: Schedule, machine: cost.Machine) -> float:
   Mirrors the reduction term of ``jaxmercury.tuner.cost.predict`` (which has
   no breakdown): keep the two in step.
   """
-  prog, plan = schedule.program, make_plan(schedule)
-  out = prog.writes
-  state = 4 * local_elements(schedule, out, plan.resident[out.name]) * len(prog.state_axes())
+  plan = make_plan(schedule)
+  state = cost.partial_state_bytes(schedule, plan)
   total = 0.0
   for red in plan.reductions:
     n = schedule.levels[red.level]

@@ -116,7 +116,7 @@ def predict(schedule, machine: Machine) -> float:
       exposed += machine.latency_s if st.op != reshard.SLICE else 0.0
       _apply(layout, st)
   out = prog.writes
-  state_bytes = 4 * local_elements(schedule, out, plan.resident[out.name]) * len(prog.state_axes())
+  state_bytes = partial_state_bytes(schedule, plan)
   for red in plan.reductions:
     n = levels[red.level]
     exposed += machine.gather_factor * 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level)
@@ -135,6 +135,19 @@ def predict(schedule, machine: Machine) -> float:
       nbytes += state_bytes
     ring += (r.size - 1) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
+
+
+def partial_state_bytes(schedule, plan) -> int:
+  """Bytes of one device's partial result: every leaf of the reduction's state (float32) in the output's resident
+  layout (attention: the output block, and its running max and sum, which have no head dimension)."""
+  out = schedule.program.writes
+  layout = dict(zip(out.axes, plan.resident[out.name]))
+  extents = {a: ax.extent for a, ax in schedule.program.axes.items()}
+  total = 0
+  for leaf in schedule.program.state_axes():
+    total += 4 * math.prod(schedule.padded.get(a, extents[a])
+                           // math.prod(schedule.levels[lv] for lv in layout.get(a, ())) for a in leaf)
+  return total
 
 
 def fused_seconds(schedule, machine: Machine) -> float:
