@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmercury.pallas_kernels import causal_dispatch
 from jaxmercury.pallas_kernels.registry import Kernel, register
-from jaxmercury.pallas_kernels.work import Block, Work, body_share
+from jaxmercury.pallas_kernels.work import Block, Work
 
 
 def _cudnn(q, k, v, causal):
@@ -39,21 +40,12 @@ def cudnn_attention_block(ctx, q, k, v, *, causal: bool, fallback):
     return fallback(ctx, q, k, v)  # padded keys, or a block spanning zigzag chunks
   if not causal:
     return _cudnn(q, k, v, False)
-  qs, ks = ctx.start("i"), ctx.start("j")
-
-  def masked(q, k, v):
-    b, i, hk, g, d = q.shape
-    return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
-
-  visible = ks + tk - 1 <= qs
-  hidden = ks > qs + tq - 1
   if tq == tk:  # blocks start at multiples of their size: a partial overlap is the diagonal
-    case = jnp.where(visible, 0, jnp.where(hidden, 1, 2))
-    return jax.lax.switch(case, [lambda q, k, v: _cudnn(q, k, v, False), masked,
-                                 lambda q, k, v: _cudnn(q, k, v, True)], q, k, v)
-  case = jnp.where(visible, 0, jnp.where(hidden, 1, 2))
-  return jax.lax.switch(case, [lambda q, k, v: _cudnn(q, k, v, False), masked,
-                               lambda q, k, v: fallback(ctx, q, k, v)], q, k, v)
+    partial = lambda q, k, v: _cudnn(q, k, v, True)  # noqa: E731
+  else:
+    partial = functools.partial(fallback, ctx)
+  return causal_dispatch.dispatch(ctx, (q, k, v), visible=lambda q, k, v: _cudnn(q, k, v, False),
+                                  hidden=causal_dispatch.empty_state, partial=partial)
 
 
 def _make(program):
@@ -61,26 +53,10 @@ def _make(program):
   return functools.partial(cudnn_attention_block, causal=causal, fallback=program.body)
 
 
-def _dispatch_work(block: Block, causal: bool, whole: bool) -> Work:
-  """The work of the dispatch above (``whole``: the kernel may take the block), statically."""
-  if not whole:
-    return Work(fast=0.0, fallback=body_share(block, causal))
-  if not causal:
-    return Work()
-  case = block.causal_case()
-  if case == "visible":
-    return Work()
-  if case == "hidden":
-    return Work(fast=0.0)
-  if block.sizes["i"] == block.sizes["j"]:  # the diagonal: cuDNN's causal mask skips what it hides
-    return Work(fast=block.causal_share())
-  return Work(fast=0.0, fallback=1.0)
-
-
 def cudnn_work(block: Block, *, causal: bool) -> Work:
   """``cudnn_attention_block``'s work: what runs on cuDNN and what on the XLA body."""
   whole = not block.padded("j") and block.contiguous("i") and block.contiguous("j")
-  return _dispatch_work(block, causal, whole)
+  return causal_dispatch.dispatch_work(block, causal, whole)
 
 
 register(Kernel("cudnn_attention", frozenset({"attention"}), _make,
@@ -124,19 +100,18 @@ def cudnn_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, f
     return fallback(ctx, q, k, v, o, do, lse)
   if not causal:
     return pick(*_cudnn_backward_masked(q, k, v, o, do, lse, False))
-  qs, ks = ctx.start("i"), ctx.start("j")
   shape = jax.eval_shape(lambda *x: pick(*_cudnn_backward_masked(*x, False)), q, k, v, o, do, lse)
-  case = jnp.where(ks + tk - 1 <= qs, 0, jnp.where(ks > qs + tq - 1, 1, 2))
-  return jax.lax.switch(case, [lambda *x: pick(*_cudnn_backward_masked(*x, False)),
-                               lambda *x: jnp.zeros(shape.shape, shape.dtype),
-                               lambda *x: pick(*_cudnn_backward_masked(*x, True))], q, k, v, o, do, lse)
+  return causal_dispatch.dispatch(ctx, (q, k, v, o, do, lse),
+                                  visible=lambda *x: pick(*_cudnn_backward_masked(*x, False)),
+                                  hidden=lambda *x: jnp.zeros(shape.shape, shape.dtype),
+                                  partial=lambda *x: pick(*_cudnn_backward_masked(*x, True)))
 
 
 def cudnn_backward_work(block: Block, *, causal: bool) -> Work:
   """``cudnn_backward_block``'s work (block pairs of two sizes fall back whole when causal)."""
   whole = (not block.padded("j") and not block.padded("i") and block.contiguous("i") and block.contiguous("j")
            and not (causal and block.sizes["i"] != block.sizes["j"]))
-  return _dispatch_work(block, causal, whole)
+  return causal_dispatch.dispatch_work(block, causal, whole)
 
 
 def _make_backward(part):

@@ -39,9 +39,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxmercury.pallas_kernels import causal_dispatch
 from jaxmercury.pallas_kernels.mosaic_matmul import HALF_DTYPES, SMEM_BYTES, hopper_only
 from jaxmercury.pallas_kernels.registry import Kernel, full_params, register
-from jaxmercury.pallas_kernels.work import Block, Work, body_share
+from jaxmercury.pallas_kernels.work import Block, Work
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -195,18 +196,6 @@ def backward(q, k, v, o, do, lse, config):
 # ------------------------------------------------------------------ block dispatch
 
 
-def _empty_state(q, k, v):
-  b, i, hk, g, d = q.shape
-  return jnp.zeros(q.shape, F32), jnp.full((b, i, hk, g), -jnp.inf, F32)
-
-
-def _position_case(ctx):
-  """0 if every key of the block precedes every query (visible), 1 if every key follows (hidden), else 2."""
-  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  qs, ks = ctx.start("i"), ctx.start("j")
-  return jnp.where(ks + tk - 1 <= qs, 0, jnp.where(ks > qs + tq - 1, 1, 2))
-
-
 def _whole(ctx) -> bool:
   """Whether the block's keys hold no padding and neither axis spans zigzag chunks."""
   return ctx.extents["j"] % ctx.sizes["j"] == 0 and ctx.contiguous("i") and ctx.contiguous("j")
@@ -221,11 +210,11 @@ def mosaic_attention_block(ctx, q, k, v, *, causal: bool, params: dict, fallback
   if not causal:
     return forward(q, k, v, config)
   if tq == tk:  # blocks start at multiples of their size: a partial overlap is the diagonal
-    diagonal = functools.partial(forward, config=dataclasses.replace(config, causal=True))
+    partial = functools.partial(forward, config=dataclasses.replace(config, causal=True))
   else:
-    diagonal = functools.partial(fallback, ctx)
-  return jax.lax.switch(_position_case(ctx), [functools.partial(forward, config=config), _empty_state, diagonal],
-                        q, k, v)
+    partial = functools.partial(fallback, ctx)
+  return causal_dispatch.dispatch(ctx, (q, k, v), visible=functools.partial(forward, config=config),
+                                  hidden=causal_dispatch.empty_state, partial=partial)
 
 
 def _pick(part: str):
@@ -249,8 +238,9 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
   if not causal:
     return run(q, k, v, o, do, lse)
   shape = jax.eval_shape(run, q, k, v, o, do, lse)
-  return jax.lax.switch(_position_case(ctx), [run, lambda *x: jnp.zeros(shape.shape, shape.dtype),
-                                              functools.partial(fallback, ctx)], q, k, v, o, do, lse)
+  return causal_dispatch.dispatch(ctx, (q, k, v, o, do, lse), visible=run,
+                                  hidden=lambda *x: jnp.zeros(shape.shape, shape.dtype),
+                                  partial=functools.partial(fallback, ctx))
 
 
 # ------------------------------------------------------------------ work, for the cost model
@@ -263,32 +253,16 @@ def _whole_block(block: Block) -> bool:
 
 def mosaic_work(block: Block, *, causal: bool, **params) -> Work:
   """``mosaic_attention_block``'s work: what runs on attention_mgpu and what on the XLA body."""
-  tq, tk = block.sizes["i"], block.sizes["j"]
-  if not (_forward_fits(tq, tk, block.sizes["d"], params) and _whole_block(block)):
-    return Work(fast=0.0, fallback=body_share(block, causal))
-  if not causal:
-    return Work()
-  case = block.causal_case()
-  if case == "hidden":
-    return Work(fast=0.0)
-  if case == "visible":
-    return Work()
-  if tq == tk:  # the diagonal: the causal kernel skips what it hides
-    return Work(fast=block.causal_share())
-  return Work(fast=0.0, fallback=1.0)
+  whole = _forward_fits(block.sizes["i"], block.sizes["j"], block.sizes["d"], params) and _whole_block(block)
+  return causal_dispatch.dispatch_work(block, causal, whole)
 
 
 def _backward_work(part: str):
   def work(block: Block, *, causal: bool, **params) -> Work:
     """``mosaic_backward_block``'s work: visible pairs on the kernel, diagonal ones on the XLA body."""
-    tq, tk = block.sizes["i"], block.sizes["j"]
-    fits = _backward_warpgroups(tq, tk, block.sizes["d"], part, params) is not None
-    if not (fits and not block.padded("i") and _whole_block(block)):
-      return Work(fast=0.0, fallback=body_share(block, causal))
-    if not causal:
-      return Work()
-    case = block.causal_case()
-    return {"visible": Work(), "hidden": Work(fast=0.0), "partial": Work(fast=0.0, fallback=1.0)}[case]
+    fits = _backward_warpgroups(block.sizes["i"], block.sizes["j"], block.sizes["d"], part, params) is not None
+    whole = fits and not block.padded("i") and _whole_block(block)
+    return causal_dispatch.dispatch_work(block, causal, whole, diagonal=False)
   return work
 
 
