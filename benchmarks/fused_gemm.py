@@ -11,7 +11,9 @@ first: ``xla_allgather_dot`` (all_gather + dot in shard_map), ``jm_async_tp``
 of its configurations), ``fused[<tiles>]`` (``fused_allgather_matmul``,
 one record per tile variant) and ``fused_ws[<tiles>/...]``
 (``fused_allgather_matmul_ws``: JAX's warp-specialized GEMM body with two
-consumer warpgroups, at JAX's kernel's configurations). The floor is one device's local GEMM of the
+consumer warpgroups, at JAX's kernel's configurations) and
+``fused_comm[<tiles>/<comm CTAs>]`` (``fused_allgather_matmul_comm``: 2, 4
+or 8 CTAs only move A around the ring). The floor is one device's local GEMM of the
 gathered rows (``[M, K] @ [K, N / devices]``), timed alone. Shapes: per-shard
 M 1024 with K = N = 4096 (N per device), and the Llama-3 gate projections at
 global M 8192 (K, N) = (4096, 14336) and (8192, 28672). These are
@@ -59,6 +61,7 @@ WS_TILES = ((128, 128, 64, 3, "n"), (128, 64, 64, 4, "n"), (64, 128, 64, 4, "m")
 # tile_k, pipeline depth, the warpgroups' split, the grid's minor dimension and band width.
 WS_AG_TILES = ((128, 128, 64, 4, "n", "n", 8), (128, 128, 64, 4, "m", "m", 8), (256, 64, 64, 4, "n", "n", 8),
                (128, 128, 64, 4, "m", "n", 16))
+COMM_TILES = ((128, 128, 64, 4, 2), (128, 128, 64, 4, 4), (128, 128, 64, 4, 8))  # + communication CTAs
 
 
 def shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, int]]:
@@ -79,17 +82,22 @@ def rs_shapes(devices: int, smoke: bool = False) -> list[tuple[str, int, int, in
           ("Llama-3 70B down M8192 K28672 N8192", 8192, 28672, 8192)]
 
 
-def _fused_variants(mesh, specs, kernel, tiles_type, variants, prefix: str, how: str):
-  """One contestant per tile variant of the fused ``kernel``: ``<prefix>[<m>x<n>x<k>/<rest>]``."""
+def _fused_variants(mesh, specs, kernel, options, variants, prefix: str, how: str):
+  """One contestant per variant ``t`` of the fused ``kernel`` (called with ``options(*t)`` as keywords):
+  ``<prefix>[<m>x<n>x<k>/<rest>]``."""
   skip = base.pallas_unavailable(mesh, jnp.bfloat16)
   out = []
   for t in variants:
-    body = lambda a, b, tiles=tiles_type(*t): kernel(a, b, "x", tiles=tiles)
+    body = lambda a, b, kw=options(*t): kernel(a, b, "x", **kw)
     fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs[:2], out_specs=specs[2],
                                                  check_vma=False))
     name = f"{prefix}[{t[0]}x{t[1]}x{t[2]}/{'/'.join(map(str, t[3:]))}]"
     out.append(harness.Contestant(name, "jaxmercury", fn, how, skip=skip))
   return out
+
+
+def _tiles(tiles_type):
+  return lambda *t: {"tiles": tiles_type(*t)}
 
 
 def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_name: str, ring_how: str, kernel,
@@ -103,13 +111,15 @@ def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_nam
   ring = with_layouts(lib[strategy], [x_spec, w_spec], out_spec) if strategy in lib else None
   out = [harness.Contestant(ring_name, "baseline", lambda: jax.jit(ring.compile()),
                             f"jaxmercury {strategy}: {ring_how}", skip=None if ring else f"{strategy} does not apply")]
-  return out + _fused_variants(mesh, specs, kernel, Tiles, TILES, prefix, kernel.__name__)
+  return out + _fused_variants(mesh, specs, kernel, _tiles(Tiles), TILES, prefix, kernel.__name__)
 
 
 def contestants(mesh, m: int, k: int, n: int):
   from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
+  from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
   from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
   from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
+  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
   specs = base.layouts("allgather", "x")
   out = [harness.Contestant("xla_allgather_dot", "baseline", lambda: base.allgather_dot(mesh, "x"),
                             "all_gather + dot in shard_map")]
@@ -120,8 +130,11 @@ def contestants(mesh, m: int, k: int, n: int):
                                   f"JAX all_gather_lhs_matmul {config}", skip=skip))
   out += _ring_and_fused(mesh, m, k, n, specs, "async_tp", "jm_async_tp", "shard_map ppermute ring",
                          fused_allgather_matmul, "fused")
-  return out + _fused_variants(mesh, specs, fused_allgather_matmul_ws, WsTiles, WS_AG_TILES, "fused_ws",
-                               "fused_allgather_matmul_ws (two consumer warpgroups)")
+  out += _fused_variants(mesh, specs, fused_allgather_matmul_ws, _tiles(WsTiles), WS_AG_TILES, "fused_ws",
+                         "fused_allgather_matmul_ws (two consumer warpgroups)")
+  comm = lambda *t: {"tiles": Tiles(*t[:4]), "comm_ctas": t[4]}  # noqa: E731
+  return out + _fused_variants(mesh, specs, fused_allgather_matmul_comm, comm, COMM_TILES, "fused_comm",
+                               "fused_allgather_matmul_comm (dedicated communication CTAs)")
 
 
 def _measure(mesh, kind: str, m: int, k: int, n: int, iters: int, contestants_of, local_shapes):
@@ -163,8 +176,8 @@ def rs_contestants(mesh, m: int, k: int, n: int):
   from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
   out += _ring_and_fused(mesh, m, k, n, specs, "async_tp_reducescatter", "jm_async_tp_rs",
                          "shard_map ppermute ring of partial sums", fused_matmul_reducescatter, "fused_rs")
-  return out + _fused_variants(mesh, specs, fused_matmul_reducescatter_ws, WsTiles, WS_TILES, "fused_rs_ws",
-                               "fused_matmul_reducescatter_ws (two consumer warpgroups)")
+  return out + _fused_variants(mesh, specs, fused_matmul_reducescatter_ws, _tiles(WsTiles), WS_TILES,
+                               "fused_rs_ws", "fused_matmul_reducescatter_ws (two consumer warpgroups)")
 
 
 def run_rs_shape(mesh, label, m, k, n, iters):

@@ -397,8 +397,8 @@ def test_fused_gemm_smoke(tmp_path):
   records = {r["name"]: r for r in case["records"]}
   assert records["xla_allgather_dot"]["median_ms"] > 0 and records["jm_async_tp"]["median_ms"] > 0
   assert records["jm_async_tp"]["numerics_ok"]
-  fused = [r for name, r in records.items() if name.startswith(("fused[", "fused_ws["))]
-  assert len(fused) == 8 and all("Hopper" in r["skipped"] for r in fused)
+  fused = [r for name, r in records.items() if name.startswith(("fused[", "fused_ws[", "fused_comm["))]
+  assert len(fused) == 11 and all("Hopper" in r["skipped"] for r in fused)
   (rs_case,) = json.loads((tmp_path / "fused_gemm.json").read_text())["reducescatter_cases"]
   records = {r["name"]: r for r in rs_case["records"]}
   assert records["xla_dot_psum_scatter"]["median_ms"] > 0 and records["jm_async_tp_rs"]["numerics_ok"]

@@ -80,8 +80,10 @@ def test_lower_with_raises_before_anything_runs():
   before = s.to_json()
   with pytest.raises(jm.PreconditionError, match=r"lower_with\('fused_allgather_matmul'\): .*Hopper"):
     s.lower_with(OURS)
-  with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'fused_matmul_reducescatter', "
-                                                 "'fused_matmul_reducescatter_ws', 'fused_ring_attention', 'jax_allgather_lhs_matmul'"):
+  with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'fused_allgather_matmul_comm', "
+                                                 "'fused_allgather_matmul_ws', 'fused_matmul_reducescatter', "
+                                                 "'fused_matmul_reducescatter_ws', 'fused_ring_attention', "
+                                                 "'jax_allgather_lhs_matmul'"):
     s.lower_with("fused_gemm")
   assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
 
@@ -259,8 +261,9 @@ H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 @pytest.mark.parametrize("strategy,lowering,attention", [
-    ("async_tp", OURS, False), ("matmul_reducescatter", OURS_RS, False), ("async_tp_reducescatter", WS_RS, False),
-    ("ring", RING, True)])
+    ("async_tp", OURS, False), ("allgather_matmul", "fused_allgather_matmul_comm", False),
+    ("async_tp", "fused_allgather_matmul_ws", False), ("matmul_reducescatter", OURS_RS, False),
+    ("async_tp_reducescatter", WS_RS, False), ("ring", RING, True)])
 def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
   """Each of our fused lowerings' per-device function, as the GPU runs it (no interpret mode), lowers to one
   Mosaic GPU kernel under the schedule's shard_map for an abstract 8 x H100 mesh. (JAX's all-gather kernel reads

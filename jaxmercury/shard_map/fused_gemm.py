@@ -8,9 +8,9 @@ A schedule's ``Placement`` (read from the plan's layouts) is one of:
   A's columns and B's rows split over L, C's rows too; a device computes its
   row block of ``sum over L of A_local @ B_local``.
 
-Registered lowerings: ``fused_allgather_matmul`` and ``jax_allgather_lhs_matmul``
-(all-gather), ``fused_matmul_reducescatter`` and
-``fused_matmul_reducescatter_ws`` (reduce-scatter).
+Registered lowerings: ``fused_allgather_matmul``, ``fused_allgather_matmul_comm``,
+``fused_allgather_matmul_ws`` and ``jax_allgather_lhs_matmul`` (all-gather),
+``fused_matmul_reducescatter`` and ``fused_matmul_reducescatter_ws`` (reduce-scatter).
 """
 
 from __future__ import annotations
@@ -183,6 +183,41 @@ def _ours_make(kernel: str) -> Callable:
   return make
 
 
+# ------------------------------------------------------------------ ours: fused_allgather_matmul_comm
+
+
+COMM_DEFAULTS = {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "comm_ctas": 4}
+
+
+def _comm_split(params) -> tuple[dict, int]:
+  """``(tile params, comm_ctas)``."""
+  tile_params = {key: v for key, v in params.items() if key != "comm_ctas"}
+  return tile_params, params["comm_ctas"]
+
+
+def _comm_params(params, itemsize) -> str | None:
+  tile_params, comm_ctas = _comm_split(params)
+  if not isinstance(comm_ctas, int) or isinstance(comm_ctas, bool) or comm_ctas < 1:
+    return f"comm_ctas={comm_ctas!r} must be a positive int"
+  return _ours_params(tile_params, itemsize)
+
+
+def _comm_tile(params):
+  return _ours_tile(_comm_split(params)[0])
+
+
+def _comm_make(p: Placement, params, interpret: bool):
+  """``make`` of ``pallas_kernels.fused_allgather_matmul_comm`` (chunks of ``tile_m`` rows)."""
+  from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+  tile_params, comm_ctas = _comm_split(params)
+  tiles, out_dtype = _tiles(tile_params), p.c.dtype
+
+  def per_device(a, b):
+    return fused_allgather_matmul_comm(a, b, p.level, tiles=tiles, comm_ctas=comm_ctas, out_dtype=out_dtype,
+                                       num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
+  return per_device
+
+
 # ------------------------------------------------------------------ JAX's: collective_matmul_mgpu
 
 
@@ -257,12 +292,16 @@ def _ws_tiles(params):
   return WsTiles(**params)
 
 
-def _ws_params(params, itemsize) -> str | None:
+def _ws_params(params, itemsize, out_itemsize: int = 4) -> str | None:
   del itemsize  # the kernel checks its operands' dtype
   for key, v in params.items():
-    if key != "split" and (not isinstance(v, int) or isinstance(v, bool)):
+    if key not in ("split", "grid_minor") and (not isinstance(v, int) or isinstance(v, bool)):
       return f"{key}={v!r} must be an int"
-  return _ws_tiles(params).problem()
+  return _ws_tiles(params).problem(out_itemsize)
+
+
+def _ws_ag_params(params, itemsize) -> str | None:
+  return _ws_params(params, itemsize, out_itemsize=itemsize)  # the epilogue stores the output's dtype
 
 
 def _ws_tile(params):
@@ -270,14 +309,17 @@ def _ws_tile(params):
   return (*t.cta, t.tile_k)
 
 
-def _ws_make(p: Placement, params, interpret: bool):
-  del interpret  # never: JAX's interpreter does not run the warp-specialized pipeline
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
-  tiles, out_dtype = _ws_tiles(params), p.c.dtype
+def _ws_make(kernel: str) -> Callable:
+  """``make`` of a warp-specialized kernel (never interpreted: JAX's interpreter does not run its pipeline)."""
+  def make(p: Placement, params, interpret: bool):
+    del interpret
+    module = importlib.import_module(f"jaxmercury.pallas_kernels.{kernel}")
+    fn, tiles, out_dtype = getattr(module, kernel), _ws_tiles(params), p.c.dtype
 
-  def per_device(a, b):
-    return fused_matmul_reducescatter_ws(a, b, p.level, tiles=tiles, out_dtype=out_dtype)
-  return per_device
+    def per_device(a, b):
+      return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype)
+    return per_device
+  return make
 
 
 register(FusedLowering(
@@ -286,6 +328,13 @@ register(FusedLowering(
     "stores into the left neighbour, overlapped with wgmma; shapes padded to its tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4}, "mosaic_matmul",
     interpretable_devices, _ours_params, _ours_tile, _ours_make("fused_allgather_matmul"), interpret=True))
+
+register(FusedLowering(
+    "fused_allgather_matmul_comm",
+    "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul_comm): comm_ctas CTAs of the persistent grid "
+    "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of rows; the other CTAs run "
+    "the GEMM, waiting per tile for its rows; shapes padded to its tiles",
+    COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True))
 
 register(FusedLowering(
     "jax_allgather_lhs_matmul",
@@ -307,7 +356,16 @@ register(FusedLowering(
     "body (two consumer warpgroups) per ring step, its epilogue adding the received sum and storing into the "
     "left neighbour; shapes padded to its CTA tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 3, "split": "n"}, "jax_mosaic_matmul",
-    hopper_devices(False), _ws_params, _ws_tile, _ws_make, kind=REDUCESCATTER))
+    hopper_devices(False), _ws_params, _ws_tile, _ws_make("fused_matmul_reducescatter_ws"), kind=REDUCESCATTER))
+
+register(FusedLowering(
+    "fused_allgather_matmul_ws",
+    "our warp-specialized Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul_ws): JAX's Hopper GEMM body "
+    "(two consumer warpgroups) per ring step, storing each A tile it reads into the left neighbour, one semaphore "
+    "per step; shapes padded to its CTA tiles",
+    {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "split": "n", "grid_minor": "n",
+     "grid_width": 8}, "jax_mosaic_matmul", hopper_devices(False), _ws_ag_params, _ws_tile,
+    _ws_make("fused_allgather_matmul_ws")))
 
 
 def gemm_shape(schedule) -> tuple[int, int, int, int]:

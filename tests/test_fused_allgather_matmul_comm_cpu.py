@@ -1,0 +1,112 @@
+"""The all-gather GEMM with dedicated communication CTAs: one device in Mosaic GPU interpret mode, its input
+checks, and its ring's lowering to Mosaic GPU for 8 abstract H100s (no GPU needed).
+
+Peer stores and remote semaphores have no interpreter; the ring runs in
+tests/gpu/test_fused_allgather_matmul_comm.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import fresh_key, rel_err
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm, reference
+from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+from jaxmercury.pallas_kernels.peer_gemm import round_up
+
+SMALL = Tiles(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)  # fewer interpreted steps
+SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+
+
+def _run(fn, a, b, devices=1):
+  mesh = jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+  return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(a, b)
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 128, 256), (200, 96, 130)])  # multiples of the tiles, and not
+def test_one_device_matches_gather_then_dot(m, k, n):
+  a = jax.random.normal(fresh_key(), (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(fresh_key(), (k, n), jnp.float32).astype(jnp.bfloat16)
+  got = _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=SMALL, num_ctas=3, interpret=True), a, b)
+  want = _run(lambda a, b: reference(a, b, "x"), a, b)
+  assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+  assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < 1e-2
+
+
+def test_inputs_and_counts_are_checked_before_anything_runs():
+  a, b = jnp.ones((128, 64), jnp.bfloat16), jnp.ones((64, 128), jnp.bfloat16)
+  with pytest.raises(PreconditionError, match="bf16 or fp16"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x"), a, jnp.ones((64, 128), jnp.float32))
+  with pytest.raises(PreconditionError, match=r"a \[m, k\] and b \[k, n\]"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x"), a, jnp.ones((32, 128), jnp.bfloat16))
+  with pytest.raises(PreconditionError, match="tile_m=96"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=Tiles(tile_m=96)), a, b)
+  with pytest.raises(PreconditionError, match="comm_ctas=0 must be a positive int"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x", comm_ctas=0, interpret=True), a, b)
+  with pytest.raises(PreconditionError, match="chunk_rows=96 must be a multiple of tile_m=64"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=SMALL, chunk_rows=96, interpret=True), a, b)
+  with pytest.raises(PreconditionError, match=r"chunk_rows=256 .* dividing the rows padded to the tiles \(128\)"):
+    _run(lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=SMALL, chunk_rows=256, interpret=True), a, b)
+
+
+@pytest.mark.parametrize("interpret,message", [(True, "no peer memory"), (False, "the process has 8")])
+def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, message):
+  fn = lambda a, b: fused_allgather_matmul_comm(a, b, "x", interpret=interpret)
+  with pytest.raises(PreconditionError, match=message):
+    _run(fn, jnp.ones((256, 64), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16), devices=2)
+
+
+def _lower(m, k, n, devices=8, **kwargs):
+  mesh = jax.sharding.AbstractMesh((devices,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda a, b: fused_allgather_matmul_comm(a, b, "x", **kwargs), mesh=mesh, **SPECS))
+    return f.trace(spec((m, k), P("x", None)), spec((k, n), P(None, "x"))).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("tiles,chunk_rows", [(Tiles(), None), (Tiles(64, 256, 64, 4), 128),
+                                              (Tiles(256, 64, 64, 2), None)], ids=["128x128", "64x256", "256x64"])
+@pytest.mark.parametrize("shape", [(8 * 512, 1024, 8 * 256), (8 * 200, 1000, 8 * 75)], ids=["tiled", "ragged"])
+def test_the_ring_lowers_for_eight_h100s(shape, tiles, chunk_rows):
+  """Communication CTAs (TMA through SMEM into the peer, per-chunk semaphores) and compute CTAs lower to one
+  Mosaic GPU kernel; lowering for an abstract H100 checks layouts and shared memory, it is no CUDA compile."""
+  assert chunk_rows is None or round_up(shape[0] // 8, tiles.tile_m) % chunk_rows == 0
+  assert _lower(*shape, tiles=tiles, chunk_rows=chunk_rows).count("custom_call @mosaic_gpu") == 1
+
+
+def test_the_grid_must_leave_compute_ctas():
+  with pytest.raises(PreconditionError, match="comm_ctas=132 must be less than the grid's 132 CTAs"):
+    _lower(8 * 256, 256, 8 * 128, comm_ctas=132)
+  with pytest.raises(PreconditionError, match="num_ctas=200 exceeds the device's 132 SMs"):
+    _lower(8 * 256, 256, 8 * 128, num_ctas=200)
+  assert _lower(8 * 256, 256, 8 * 128, comm_ctas=1, num_ctas=2).count("custom_call @mosaic_gpu") == 1
+
+
+def test_the_fused_lowering_runs_interpreted_on_one_device_and_checks_comm_ctas():
+  import numpy as np
+
+  import jaxmercury as jm
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(72, 136, 40, dtype=jnp.bfloat16)  # ragged: padded to the tiles
+  s = jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", tile_m=64,
+                                                    max_concurrent_steps=2, comm_ctas=2)
+  assert "lowered with fused_allgather_matmul_comm(tile_m=64, max_concurrent_steps=2, comm_ctas=2) " \
+         "(Mosaic GPU interpret mode)" in str(s)
+  a, b = prog.random_inputs(fresh_key())
+  f = s.compile()
+  y = f(a, b)
+  assert y.shape == prog.writes.shape and y.dtype == jnp.bfloat16
+  assert rel_err(y.astype(jnp.float32), jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))) < 2e-2
+  assert "wgmma" in str(jax.make_jaxpr(f)(a, b))  # the Mosaic GPU kernel ran, not the nest
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(f, a, b)
+  _, vjp_plain = jax.vjp(jm.library(prog, mesh)["async_tp"].compile(), a, b)
+  for got, want in zip(vjp(cot), vjp_plain(cot)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)
+  with pytest.raises(PreconditionError, match="comm_ctas=0 must be a positive int"):
+    jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", comm_ctas=0)
