@@ -185,6 +185,10 @@ def test_cost_model_overlaps_the_ring_with_the_gemm():
   ring = 7 * 1024 * 8192 * 4 / 150e9  # float32 partial sums of seven row blocks
   assert cost.predict(rs, machine) == pytest.approx(max(gemm, ring) + 20e-6)
   assert memory.memory_per_device(rs) == (8192 * 1024 + 1024 * 8192 + 1024 * 8192) * 2 + 8 * 1024 * 8192 * 4
+  # dedicated communication CTAs leave the GEMM the other SMs (an H100's 132 where the mesh names none)
+  comm = lib["allgather_matmul"].copy().lower_with("fused_allgather_matmul_comm", comm_ctas=12)
+  gemm = 2 * 8192 * 8192 * 1024 / 500e12
+  assert cost.predict(comm, fast) == pytest.approx(gemm * 132 / 120 + 20e-6)
   cands = {c.name: c for c in tune_module.predict_candidates(prog, mesh, machine, space=2)}
   assert {f"matmul_reducescatter {{{OURS_RS}}}", f"async_tp_reducescatter {{{WS_RS}}}"} <= set(cands)
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{JAXS}}}"} <= set(cands)

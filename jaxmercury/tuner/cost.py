@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 
 from jaxmercury.pallas_kernels import registry
@@ -160,7 +161,8 @@ def fused_seconds(schedule, machine: Machine) -> float:
   and passes ``L - 1`` blocks to its neighbour over the level's link: A shards
   in A's dtype (all-gather) or float32 partial sums of one row block
   (reduce-scatter). The kernels send each tile as they compute it, so the two
-  overlap fully.
+  overlap fully. A kernel that leaves ``comm_ctas`` of the device's SMs to
+  communication (``fused_allgather_matmul_comm``) computes on the others.
   """
   from jaxmercury.shard_map import fused, fused_gemm
   low = fused.lowering(schedule.lowering)
@@ -169,11 +171,22 @@ def fused_seconds(schedule, machine: Machine) -> float:
     return _ring_attention_seconds(schedule, p, low, machine)
   size, m, k, n = fused_gemm.gemm_shape(schedule)
   gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
+  comm_ctas = low.params(**schedule.lowering_params).get("comm_ctas", 0) if size > 1 else 0
+  if comm_ctas:
+    sms = _sm_count(schedule.mesh)
+    gemm *= sms / max(sms - comm_ctas, 1)
   if p.kind == fused_gemm.ALLGATHER:
     sent = m * k * np.dtype(schedule.program.reads[0].dtype).itemsize
   else:
     sent = m * n * 4
   return max(gemm, (size - 1) * sent / machine.bandwidth(p.level)) + machine.latency_s
+
+
+def _sm_count(mesh, default: int = 132) -> int:
+  """The SM count of the mesh's devices (an abstract mesh's device, else the first device's), else an H100's."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return getattr(mesh.abstract_device, "num_cores", None) or default
+  return getattr(mesh.devices.flat[0], "core_count", None) or default
 
 
 def _ring_attention_seconds(schedule, p, low, machine: Machine) -> float:
