@@ -1,5 +1,5 @@
-"""The fused ring-attention kernel on one device in Mosaic GPU interpret mode, its input checks, its
-gradient, and the 8-device ring's lowering to Mosaic GPU (no GPU needed).
+"""The fused ring-attention kernel on one device in Mosaic GPU interpret mode, causal or not, its input
+checks, its gradient, its global positions, and the 8-device ring's lowering to Mosaic GPU (no GPU needed).
 
 Peer stores and remote semaphores have no interpreter; the ring runs in
 tests/gpu/test_fused_ring_attention.py. In interpret mode the P V product is a
@@ -16,8 +16,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, fused_ring_attention, reference,
-                                                            ring_attention)
+from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, fused_ring_attention, positions,
+                                                            reference, ring_attention)
+from jaxmercury.schedules import orders
 
 SEQ = P(None, "x")
 SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
@@ -74,6 +75,101 @@ def test_the_gradient_is_the_references():
     assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 2e-2
 
 
+# ------------------------------------------------------------------ causal
+# (order, zigzag chunks, local sequence length): with one device, the default zigzag (2 chunks) is the natural
+# order, 4 chunks store true chunks 0, 3, 1, 2: hidden, visible and partial tiles in every ring-step run.
+ORDERS = [("natural", None, 256), ("zigzag", None, 256), ("zigzag", 4, 512)]
+
+
+def _true_order(x, chunks):
+  """``x [b, s, ...]`` stored in zigzag order (``chunks`` chunks) -> true sequence order."""
+  return x if chunks is None else x[:, np.argsort(orders.permutation(x.shape[1], chunks))]
+
+
+@pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),
+                                    dict(block_q=64, block_kv=128, max_concurrent_steps=3)], ids=str)
+@pytest.mark.parametrize("b,h,kv", [(1, 2, 2), (2, 4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("order,chunks,s", ORDERS, ids=["natural", "zigzag", "zigzag4"])
+def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv, blocks):
+  q, k, v = _inputs(b, s, h, kv, 64)
+  mask = dict(causal=True, order=order, chunks=chunks)
+  out, lse = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True, **mask, **blocks),
+                  q, k, v)
+  want_out, want_lse = _run(lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16 and lse.shape == (b, h, s)
+  assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
+  assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2
+  assert rel_err(lse, want_lse) < 1e-3
+  # the same as causal attention of the sequence in true order
+  dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+  assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
+
+
+def test_the_causal_reference_is_dot_product_attention():
+  q, k, v = _inputs(1, 128, 4, 2, 64, jnp.float32)
+  out, lse = _run(lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v)
+  assert rel_err(out, jax.nn.dot_product_attention(q, k, v, is_causal=True)) < 1e-5
+  scores = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(64)
+  scores = jnp.where(jnp.tril(jnp.ones((128, 128), bool)), scores, -jnp.inf)
+  assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-5
+
+
+@pytest.mark.parametrize("order,chunks", [("natural", None), ("zigzag", 4)], ids=["natural", "zigzag4"])
+def test_the_causal_gradient_is_the_references(order, chunks):
+  q, k, v = _inputs(1, 256, 4, 2, 64)
+  cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
+  mask = dict(causal=True, order=order, chunks=chunks)
+
+  def loss(attention):
+    def f(q, k, v):
+      out, lse = jax.shard_map(attention, mesh=_mesh(1), **SPECS)(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(lse))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  got = loss(lambda q, k, v: ring_attention(q, k, v, "x", block_kv=64, num_ctas=4, interpret=True, **mask))(q, k, v)
+  want = loss(lambda q, k, v: reference(q, k, v, "x", **mask))(q, k, v)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 2e-2
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_device", [2, 4])
+def test_positions_are_the_stored_zigzag_order(n, per_device):
+  """Device r's positions are the true positions ``Schedule.zigzag`` stores at ``[r s, (r + 1) s)``."""
+  s, chunks = 8, per_device * n
+  chunk = s // per_device
+  local = np.arange(s)
+  stored = orders.permutation(n * s, chunks)
+  for r in range(n):
+    got = np.asarray(positions("zigzag", r, n, s, local, None if per_device == 2 else chunks))
+    want = [orders.zigzag_chunk(r * per_device + j // chunk, chunks) * chunk + j % chunk for j in local]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, stored[r * s:(r + 1) * s])
+    np.testing.assert_array_equal(positions("natural", r, n, s, local), r * s + local)
+    for j in range(0, s, chunk):  # ints in, ints out: the kernel's tile starts; traced too
+      assert positions("zigzag", r, n, s, j, chunks) == got[j]
+      assert int(jax.jit(lambda r, j: positions("zigzag", r, n, s, j, chunks))(r, j)) == got[j]
+  if per_device == 2:  # ring_zigzag's layout: device r holds true chunks r and 2 n - 1 - r
+    starts = [[int(positions("zigzag", r, n, s, j)) // chunk for j in (0, chunk)] for r in range(n)]
+    assert starts == [[r, 2 * n - 1 - r] for r in range(n)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(order="diagonal"), r"order='diagonal' must be one of \('natural', 'zigzag'\)"),
+    (dict(order="zigzag", chunks=3), "zigzag chunks=3 must be even"),
+    (dict(order="natural", chunks=2), "chunks=2 applies to order='zigzag' only"),
+    (dict(order="zigzag", chunks=4), "zigzag chunks of 32 positions are not a multiple of block_q=64"),
+    (dict(order="zigzag", chunks=2, block_kv=128), "zigzag chunks of 64 positions are not a multiple of block_kv=128"),
+])
+def test_orders_are_checked(kwargs, message):
+  q = k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(PreconditionError, match=message):
+    _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
+                                              **{"block_kv": 64, **kwargs}), q, k, v)
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(dtype=jnp.float32), "bf16 or fp16"),
     (dict(k_shape=(1, 128, 2, 64, 1)), r"q \[b, s, h, d\] and k, v \[b, s, kv, d\] expected"),
@@ -120,6 +216,23 @@ def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
   spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
   kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132, block_q=blocks.block_q,
                                                 block_kv=blocks.block_kv,
+                                                max_concurrent_steps=blocks.max_concurrent_steps)
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(kernel, mesh=mesh, **SPECS))
+    text = f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+@pytest.mark.parametrize("blocks", [CONFIGS[0], Blocks(64, 64, 2)], ids=str)
+@pytest.mark.parametrize("order", ["natural", "zigzag"])
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)], ids=["gqa", "small"])
+def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
+  """The causal ring (runs skipped by a cond, tiles classified by a switch, iota masks) lowers too."""
+  mesh = jax.sharding.AbstractMesh((8,), ("x",), abstract_device=H100)
+  spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
+  kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, order=order, num_ctas=132,
+                                                block_q=blocks.block_q, block_kv=blocks.block_kv,
                                                 max_concurrent_steps=blocks.max_concurrent_steps)
   with jax.sharding.use_abstract_mesh(mesh):
     f = jax.jit(jax.shard_map(kernel, mesh=mesh, **SPECS))

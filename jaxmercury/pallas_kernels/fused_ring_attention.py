@@ -3,8 +3,16 @@
 Inside ``shard_map`` over a mesh axis of ``n`` devices, with the sequence
 sharded over that axis, device ``r`` holds ``q_r [b, s, h, d]`` and
 ``k_r, v_r [b, s, kv, d]`` (GQA: query head ``h`` reads key/value head
-``h // (h / kv)``) and computes non-causal softmax attention of its queries
-over the keys of every device, with scores scaled by ``1 / sqrt(d)``.
+``h // (h / kv)``) and computes softmax attention of its queries over the
+keys of every device, with scores scaled by ``1 / sqrt(d)``; causal or not.
+
+Causal means: a query attends to the keys at global sequence positions up
+to its own. Which global positions a device holds is the ``order``
+(``positions``): ``"natural"``, device ``r`` holds ``[r s, (r + 1) s)``;
+``"zigzag"``, the sequence is cut into ``c`` chunks (default ``c = 2 n``)
+stored in the order ``Schedule.zigzag`` gives them (``schedules.orders``:
+true chunks ``0, c-1, 1, c-2, ...``), so with ``c = 2 n`` device ``r`` holds
+chunks ``r`` and ``2 n - 1 - r`` and every device has the same causal work.
 
 The unfused program (``reference``)::
 
@@ -20,10 +28,16 @@ the loop nest is one kernel::
     acc, m, l = 0, -inf, 0                        # online softmax state, in registers
     for s in 0 .. n-1:                            # ring step: keys of device (r + s) % n
       source = k_r, v_r if s == 0 else received_k[s - 1], received_v[s - 1]
-      if s > 0: wait until device r + 1 has filled received[s - 1]
-      for kv tile j of source[bi, :, hi // g]:    # TMA to SMEM, pipelined
-        if forwarder and s < n - 1: store the K and V tiles into received[s] of device r - 1
-        acc, m, l = online_softmax(acc, m, l, q_tile @ k_tile.T, v_tile)   # wgmma, wgmma
+      needed(run) = forwarder and s < n - 1, or not causal, or run's first key <= q_tile's last query
+      if s > 0 and any run is needed: wait until device r + 1 has filled received[s - 1]
+      for run of source:                          # causal: one per chunk of contiguous positions; else one
+        if not needed(run): skip it (no loads)
+        for kv tile j of run[bi, :, hi // g]:     # TMA to SMEM, pipelined
+          if forwarder and s < n - 1: store the K and V tiles into received[s] of device r - 1
+          match class(q_tile, k_tile) by global positions (causal; else visible):
+            hidden:  nothing                      # every key follows every query
+            visible: acc, m, l = online_softmax(acc, m, l, q_tile @ k_tile.T, v_tile)   # wgmma, wgmma
+            partial: the same with scores where key > query set to MASKED
       if forwarder and s < n - 1: signal step s to device r - 1
     out[bi, qi, hi], lse[bi, hi, qi] = acc / l, m + log(l)
 
@@ -44,6 +58,16 @@ Design:
   through.
 - The merge across ring steps is the online softmax itself: ``m`` and ``l``
   run across all tiles of all steps, so no per-step log-sum-exp merge exists.
+- Causal masking classifies each (query tile, key tile) pair by global
+  positions (tiles never straddle a chunk, so each is a contiguous range):
+  hidden pairs skip both wgmmas, visible ones run unmasked, partial ones
+  mask elementwise with ``MASKED``, a large finite negative score (with
+  ``-inf`` a row whose first tile is all masked would compute
+  ``exp(-inf - -inf)``, NaN). Its first visible key rescales such a row's
+  state by ``exp2(MASKED - m) = 0``; every row sees its own key, so ``l > 0``
+  at the end. A run of keys wholly after the tile is not even loaded, except
+  by a forwarder: it still stores every K and V tile into the left
+  neighbour and signals every step, so the ring never stalls on the mask.
 - One warpgroup per CTA computes ``S = Q K^T`` and ``P V`` with wgmma (``P``
   from registers); ``plgpu.emit_pipeline`` streams K and V tiles
   ``max_concurrent_steps - 1`` ahead of the tile in use. A forwarder issues
@@ -64,10 +88,12 @@ every forwarder finishes, and every other item waits only for forwarders.
 Preconditions (``PreconditionError`` otherwise): q, k, v bf16 or fp16 of one
 dtype, ``q [b, s, h, d]`` and ``k, v [b, s, kv, d]`` with ``kv`` dividing
 ``h``; ``s`` a multiple of ``block_q`` and ``block_kv``; ``d`` a multiple of
-64 and at most 256; for ``n > 1``: the axis spans every device of the process
-(Mosaic GPU addresses peers by their index in the whole mesh), at least
-``b * kv`` CTAs, and no interpret mode (the interpreter has no peer memory).
-Hopper only.
+64 and at most 256; ``order`` natural or zigzag; for zigzag, ``c`` even and
+a multiple of ``n``, and the chunks (``s / 2`` positions with ``c = 2 n``,
+so ``s`` even) multiples of ``block_q`` and ``block_kv``; for ``n > 1``: the
+axis spans every device of the process (Mosaic GPU addresses peers by their
+index in the whole mesh), at least ``b * kv`` CTAs, and no interpret mode
+(the interpreter has no peer memory). Hopper only.
 
 Interpret mode (CPU, one device) runs the same loop nest except ``P V``: the
 interpreter's wgmma reads its left operand from SMEM only, so there ``P V``
@@ -76,8 +102,11 @@ is a plain dot added to the accumulator.
 Not done yet: one warpgroup per CTA issues the loads' consumers, both
 wgmmas and the softmax in turn (no warp specialization, no second
 warpgroup to overlap softmax with the tensor cores), so the local attention
-is slower than FlashAttention-3; and the backward pass of ``ring_attention``
-is the unfused reference's.
+is slower than FlashAttention-3; the backward pass of ``ring_attention``
+is the unfused reference's; a causal forwarder loads every K and V tile,
+hidden ones too, to pass them on; and in natural order causal work is
+unbalanced (device ``n - 1`` computes ``2 n - 1`` times device 0's share):
+zigzag balances it.
 """
 
 from __future__ import annotations
@@ -95,6 +124,7 @@ from jax import lax
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
 from jaxmercury.pallas_kernels.peer_gemm import ring_size, sm_count, step_semaphores
+from jaxmercury.schedules import orders
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -135,9 +165,10 @@ class Blocks:
 CONFIGS = (Blocks(64, 128, 2), Blocks(64, 128, 3), Blocks(64, 64, 4))
 
 
-def fused_ring_attention(q, k, v, axis_name: str, *, block_q: int = 64, block_kv: int = 128,
+def fused_ring_attention(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
+                         chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
                          max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False):
-  """Non-causal attention over the keys of every device of ``axis_name``; call inside ``shard_map``.
+  """Attention over the keys of every device of ``axis_name``, causal or not; call inside ``shard_map``.
 
   Args:
     q: this device's queries ``[b, s, h, d]``, bf16 or fp16.
@@ -145,6 +176,13 @@ def fused_ring_attention(q, k, v, axis_name: str, *, block_q: int = 64, block_kv
     v: this device's values, like ``k``.
     axis_name: the ``shard_map`` axis the sequence is sharded over; it must
       span every device of the process when it has more than one.
+    causal: each query attends only to keys at global positions up to its
+      own (``positions`` says which global positions a device holds).
+    order: how the sequence is laid out over the devices: ``"natural"``
+      (device ``r`` holds ``[r s, (r + 1) s)``) or ``"zigzag"`` (cut into
+      ``chunks`` chunks stored in the order ``Schedule.zigzag`` gives them).
+    chunks: zigzag chunks of the whole sequence (even, a multiple of the
+      device count); default ``2 n``, the ``ring_zigzag`` strategy's.
     block_q: query rows per work item (multiple of 64).
     block_kv: key rows per pipelined K/V tile (multiple of 64, at most 256).
     max_concurrent_steps: K/V tiles in flight (at least 2).
@@ -157,17 +195,75 @@ def fused_ring_attention(q, k, v, axis_name: str, *, block_q: int = 64, block_kv
     ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32, natural log``)``.
 
   Raises:
-    PreconditionError: the inputs, blocks or mesh do not fit (module docstring).
+    PreconditionError: the inputs, blocks, order or mesh do not fit (module docstring).
   """
   blocks = Blocks(block_q, block_kv, max_concurrent_steps)
   n_dev = _check(q, k, v, axis_name, blocks, interpret)
+  seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
   b, kv = k.shape[0], k.shape[2]
   num_ctas = num_ctas or sm_count() or INTERPRET_CTAS
   if n_dev > 1 and num_ctas < b * kv:
     raise PreconditionError(
         f"{NAME}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "
         f"but the grid has {num_ctas} CTAs")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
+
+
+ORDERS = ("natural", "zigzag")
+
+
+def positions(order: str, device, n: int, s: int, local, chunks: int | None = None):
+  """Global sequence positions of local positions ``local`` of ``device`` (of ``n``, ``s`` positions each).
+
+  ``"natural"``: ``device * s + local``. ``"zigzag"``: the sequence is cut
+  into ``chunks`` chunks (default ``2 n``) stored in zigzag order, as
+  ``Schedule.zigzag`` stores an axis (``schedules.orders``): stored position
+  ``device * s + local`` holds the true position this returns. ``device``
+  and ``local`` may be ints, arrays or traced scalars.
+  """
+  stored = device * s + local
+  if order == "natural":
+    return stored
+  if order != "zigzag":
+    raise PreconditionError(f"{NAME}: order={order!r} must be one of {ORDERS}")
+  return orders.true_positions(stored, n * s, chunks or 2 * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceOrder:
+  """How a device's ``s`` positions map to global ones: contiguous runs (``segment`` long) of ``order``."""
+
+  order: str
+  chunks: int | None
+  n: int
+  s: int
+  segment: int
+
+  @staticmethod
+  def make(order: str, chunks: int | None, n: int, s: int, blocks: Blocks) -> "SequenceOrder":
+    """Checks the order's preconditions; ``PreconditionError`` naming the problem."""
+    if order not in ORDERS:
+      raise PreconditionError(f"{NAME}: order={order!r} must be one of {ORDERS}")
+    if order == "natural":
+      if chunks is not None:
+        raise PreconditionError(f"{NAME}: chunks={chunks} applies to order='zigzag' only")
+      return SequenceOrder(order, None, n, s, s)
+    chunks = 2 * n if chunks is None else chunks
+    if not isinstance(chunks, int) or chunks < 2 or chunks % 2 or chunks % n:
+      raise PreconditionError(f"{NAME}: zigzag chunks={chunks!r} must be even and a multiple of the {n} devices")
+    per_device = chunks // n
+    if s % per_device:
+      raise PreconditionError(f"{NAME}: the local sequence length {s} does not split into {per_device} zigzag chunks")
+    segment = s // per_device
+    for name, block in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv)):
+      if segment % block:
+        raise PreconditionError(f"{NAME}: zigzag chunks of {segment} positions are not a multiple of "
+                                f"{name}={block}: a tile must lie in one chunk")
+    return SequenceOrder(order, chunks, n, s, segment)
+
+  def first(self, device, local):
+    """Global position of local position ``local`` of ``device`` (the start of a run when tiles align)."""
+    return positions(self.order, device, self.n, self.s, local, self.chunks)
 
 
 def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
@@ -208,24 +304,28 @@ def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
   return group // kv, lax.rem(group, kv) * g + j // nq, lax.rem(j, nq), forwards
 
 
-def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, interpret: bool):
+def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, interpret: bool, causal: bool,
+            order: SequenceOrder):
   b, s_loc, h, d = q.shape
   kv = k.shape[2]
   g = h // kv
   bq, bkv = blocks.block_q, blocks.block_kv
-  nq, kv_steps = s_loc // bq, s_loc // bkv
+  nq = s_loc // bq
   forwarders, per_group = b * kv, g * nq
   work = b * h * nq
   grid = min(work, num_ctas)
   ring = n_dev > 1
   scale_log2 = LOG2E / math.sqrt(d)  # scores in base-2 units: exp2(qk * scale_log2) = exp(qk / sqrt(d))
   dtype = q.dtype
+  # Causal: the keys a ring step brings are visited as runs of contiguous global positions (one per zigzag
+  # chunk), each streamed by its own pipeline; non-causal: one run, the whole block.
+  run = order.segment if causal else s_loc
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     recv_k, recv_v, qo_smem, lse_smem, q_barrier = rest if ring else (None, None, *rest)
     cta = lax.axis_index("cta")
+    dev = lax.axis_index(axis_name) if ring else 0
     if ring:
-      dev = lax.axis_index(axis_name)
       left = lax.rem(dev + n_dev - 1, n_dev)
       arrived = step_semaphores(n_dev)
       to_left = plgpu.remote_ref(recv_k, left), plgpu.remote_ref(recv_v, left)
@@ -235,26 +335,43 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
       bi, hi, qi, forwards = _item(t, forwarders, per_group, nq, g, kv)
       kvh = hi // g
       q_rows = pl.ds(qi * bq, bq)
+      q_first = order.first(dev, qi * bq) if causal else None  # global position of the tile's first query
       plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], qo_smem, q_barrier.at[0])
       plgpu.barrier_wait(q_barrier.at[0])
 
-      def ring_step(keys, values, s, carry):
-        forwarding = forwards & (s < n_dev - 1) if ring else None
+      def ring_step(keys, values, s, carry, *, received: bool):
+        forwarding = forwards & (s < n_dev - 1) if ring else False
+        source = lax.rem(dev + s, n_dev) if ring else 0  # the device whose keys this step brings
+        starts = range(0, s_loc, run)
+        # Causal: a run whose first key follows the tile's last query is all masked: no loads unless forwarded.
+        needed = [(order.first(source, start) <= q_first + bq - 1) | forwarding if causal else True
+                  for start in starts]
+        if received:  # every forwarder of r + 1 has filled received[s - 1]; waited for only where it is read
+          @pl.when(functools.reduce(jnp.logical_or, needed) if causal else True)
+          def _wait():
+            pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)
 
-        def forward(j, k_smem, v_smem):
-          @pl.when(forwarding)
-          def _():
-            rows = pl.ds(j * bkv, bkv)
-            plgpu.copy_smem_to_gmem(k_smem, to_left[0].at[s, bi, rows, kvh])
-            plgpu.copy_smem_to_gmem(v_smem, to_left[1].at[s, bi, rows, kvh])
+        for start, run_needed in zip(starts, needed):
+          def forward(j, k_smem, v_smem, start=start):
+            @pl.when(forwarding)
+            def _():
+              rows = pl.ds(start + j * bkv, bkv)
+              plgpu.copy_smem_to_gmem(k_smem, to_left[0].at[s, bi, rows, kvh])
+              plgpu.copy_smem_to_gmem(v_smem, to_left[1].at[s, bi, rows, kvh])
 
-        def release(_):
-          @pl.when(forwarding)
-          def _():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the slot the pipeline refills
+          def release(_):
+            @pl.when(forwarding)
+            def _():
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the slot the pipeline refills
 
-        carry = _attend(qo_smem, keys.at[bi, :, kvh], values.at[bi, :, kvh], carry, blocks, kv_steps,
-                        scale_log2, dtype, interpret, forward if ring else None, release if ring else None)
+          def attend(carry, start=start, forward=forward, release=release):
+            keys_run = pl.ds(start, run)
+            offset = q_first - order.first(source, start) if causal else None
+            return _attend(qo_smem, keys.at[bi, keys_run, kvh], values.at[bi, keys_run, kvh], carry, blocks,
+                           scale_log2, dtype, interpret, forward if ring else None, release if ring else None,
+                           offset)
+
+          carry = lax.cond(run_needed, attend, lambda carry: carry, carry) if causal else attend(carry)
         if ring:
           @pl.when(forwarding)
           def _signal():
@@ -262,11 +379,10 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
             pl.semaphore_signal(arrived.at[s], device_id=left)
         return carry
 
-      carry = ring_step(k_ref, v_ref, 0, _initial_state(bq, d))
+      carry = ring_step(k_ref, v_ref, 0, _initial_state(bq, d), received=False)
       if ring:
         def later_step(s, carry):
-          pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)  # every forwarder of r + 1
-          return ring_step(recv_k.at[s - 1], recv_v.at[s - 1], s, carry)
+          return ring_step(recv_k.at[s - 1], recv_v.at[s - 1], s, carry, received=True)
         carry = lax.fori_loop(1, n_dev, later_step, carry)
       _finish(carry, qo_smem, lse_smem, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
 
@@ -293,23 +409,36 @@ def _initial_state(bq: int, d: int):
           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row))
 
 
-def _attend(q_smem, keys, values, carry, blocks: Blocks, kv_steps: int, scale_log2: float, dtype,
-            interpret: bool, on_tile=None, after_tile=None):
-  """Online softmax of the Q tile over ``keys, values [s, d]``, streamed through SMEM; returns the new state.
+# Causal classes of a (query tile, key tile) pair, the branches of _attend's switch.
+HIDDEN, VISIBLE, PARTIAL = 0, 1, 2
+# A masked score in base-2 units: finite, so that a row whose first tile is all masked gets m = MASKED and
+# exp2(MASKED - MASKED) = 1 rather than exp2(-inf - -inf) = NaN; its first visible key then rescales that
+# row's sum and accumulator by exp2(MASKED - m) = 0. Every row sees its own key, so one comes.
+MASKED = -1e30
+
+
+def _attend(q_smem, keys, values, carry, blocks: Blocks, scale_log2: float, dtype, interpret: bool,
+            on_tile=None, after_tile=None, offset=None):
+  """Online softmax of the Q tile over ``keys, values [r, d]``, streamed through SMEM; returns the new state.
 
   ``on_tile(j, k_smem, v_smem)`` runs when tile ``j`` has arrived, before its
   wgmmas (a forwarder stores the tiles from there); ``after_tile(j)`` runs at
   the end of the step, after the wgmmas have retired: the pipeline refills
   the slot right after it, so stores started by ``on_tile`` must have read
   the slot by then.
+
+  ``offset``: None (non-causal), else the global position of the Q tile's
+  first row minus that of ``keys``' first row (``keys`` are contiguous in
+  global positions). Tile ``j`` is then hidden (every key follows every
+  query: no compute), visible (no key follows any query: no mask) or
+  partial (an elementwise mask).
   """
   bq, bkv = blocks.block_q, blocks.block_kv
   d = keys.shape[-1]
 
-  def step(indices, k_smem, v_smem, carry):
+  def update(carry, k_smem, v_smem, mask_from=None):
+    """One tile's online softmax step; ``mask_from``: keep scores where query row - key row >= it."""
     acc, m, l = carry
-    if on_tile is not None:
-      on_tile(indices[0], k_smem, v_smem)
 
     def scores(acc_ref):
       plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
@@ -317,6 +446,10 @@ def _attend(q_smem, keys, values, carry, blocks: Blocks, kv_steps: int, scale_lo
       return acc_ref[...]
 
     qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32)) * scale_log2
+    if mask_from is not None:
+      rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+      cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+      qk = jnp.where(rows - cols >= mask_from, qk, MASKED)
     m_new = jnp.maximum(m, qk.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
@@ -331,12 +464,26 @@ def _attend(q_smem, keys, values, carry, blocks: Blocks, kv_steps: int, scale_lo
       acc = acc + jnp.dot(p.astype(dtype), v_smem[...], preferred_element_type=jnp.float32)
     else:  # P from registers, accumulated into acc's registers
       acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
-    if after_tile is not None:
-      after_tile(indices[0])
     return acc, m_new, l
 
+  def step(indices, k_smem, v_smem, carry):
+    j = indices[0]
+    if on_tile is not None:
+      on_tile(j, k_smem, v_smem)
+    if offset is None:
+      carry = update(carry, k_smem, v_smem)
+    else:
+      gap = offset - j * bkv  # first query's position minus the tile's first key's
+      kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
+      carry = lax.switch(kind, [lambda c, k_, v_: c,
+                                lambda c, k_, v_: update(c, k_, v_),
+                                lambda c, k_, v_: update(c, k_, v_, mask_from=-gap)], carry, k_smem, v_smem)
+    if after_tile is not None:
+      after_tile(j)
+    return carry
+
   specs = [plgpu.BlockSpec((bkv, d), lambda j: (j, 0), transforms=_swizzled(d, dtype))] * 2
-  pipeline = plgpu.emit_pipeline(step, grid=(kv_steps,), in_specs=specs,
+  pipeline = plgpu.emit_pipeline(step, grid=(keys.shape[0] // bkv,), in_specs=specs,
                                  max_concurrent_steps=blocks.max_concurrent_steps, init_carry=carry)
   return pipeline(keys, values)
 
@@ -352,8 +499,11 @@ def _finish(carry, qo_smem, lse_smem, out_tile, lse_row):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the SMEM tiles may be reused by the next item
 
 
-def reference(q, k, v, axis_name: str):
+def reference(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural", chunks: int | None = None):
   """The unfused program: ``all_gather`` K and V over ``axis_name``, float32 softmax attention.
+
+  ``causal``, ``order`` and ``chunks`` as for ``fused_ring_attention``: the
+  mask compares the global positions ``positions`` gives.
 
   Returns:
     ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32``)``.
@@ -364,6 +514,11 @@ def reference(q, k, v, axis_name: str):
   v_all = lax.all_gather(v, axis_name, axis=1, tiled=True)
   qg = q.reshape(b, s, kv, h // kv, d)
   scores = jnp.einsum("bskgd,btkd->bkgst", qg, k_all, preferred_element_type=jnp.float32) / math.sqrt(d)
+  if causal:
+    n = lax.axis_size(axis_name)
+    mine = positions(order, lax.axis_index(axis_name), n, s, jnp.arange(s), chunks)
+    every = positions(order, 0, n, s, jnp.arange(n * s), chunks)  # gathered keys: device-major storage order
+    scores = jnp.where(mine[:, None] >= every[None, :], scores, MASKED)  # finite: no NaN in the gradient
   lse = jax.nn.logsumexp(scores, axis=-1)
   p = jnp.exp(scores - lse[..., None])
   out = jnp.einsum("bkgst,btkd->bskgd", p, v_all.astype(jnp.float32))
@@ -380,7 +535,8 @@ def _forward(q, k, v, axis_name, kernel_params):
 
 
 def _backward(axis_name, kernel_params, residuals, cotangents):
-  _, pullback = jax.vjp(lambda q, k, v: reference(q, k, v, axis_name), *residuals)
+  mask = {key: value for key, value in kernel_params if key in ("causal", "order", "chunks")}
+  _, pullback = jax.vjp(lambda q, k, v: reference(q, k, v, axis_name, **mask), *residuals)
   return pullback(cotangents)
 
 
@@ -390,9 +546,10 @@ _ring_attention.defvjp(_forward, _backward)
 def ring_attention(q, k, v, axis_name: str, **kernel_params):
   """``fused_ring_attention`` with a gradient; call inside ``shard_map``.
 
-  The backward pass recomputes the unfused ``reference`` and differentiates
-  it (its ``all_gather`` transposes to a reduce-scatter of the K and V
-  gradients), so training works; only the forward pass is fused.
+  The backward pass recomputes the unfused ``reference`` (with the same
+  ``causal``, ``order`` and ``chunks``) and differentiates it (its
+  ``all_gather`` transposes to a reduce-scatter of the K and V gradients),
+  so training works; only the forward pass is fused.
 
   Args:
     q, k, v, axis_name: as for ``fused_ring_attention``.

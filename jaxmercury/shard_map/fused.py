@@ -13,8 +13,9 @@ reads the plan's layouts, not the strategy's name):
   device computes its row block of ``sum over L of A_local @ B_local``.
 
 Those two live in ``jaxmercury.shard_map.fused_gemm``; a third kind,
-non-causal ring attention (``ring``: the sequence of q, k, v and o split
-over L), in ``jaxmercury.shard_map.fused_attention``. This module holds what
+ring attention, causal or not (``ring``, ``ring_zigzag``: the sequence of
+q, k, v and o split over L, in natural or zigzag order), in
+``jaxmercury.shard_map.fused_attention``. This module holds what
 they share: ``FusedLowering``, the registry and the lookups the schedule,
 tuner and printer use, and ``compile_fused``.
 ``Schedule.lower_with(name)`` picks one of the lowerings registered here;
@@ -84,12 +85,18 @@ def interprets_on(schedule, p) -> bool:
   return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu" and p.size == 1
 
 
-def whole_nest_problem(schedule) -> str | None:
-  """Why no fused lowering can replace ``schedule``'s nest (a patched block, a zigzag axis), or None."""
+def whole_nest_problem(schedule, *, zigzag: bool = False) -> str | None:
+  """Why no fused lowering can replace ``schedule``'s nest (a patched block, a zigzag axis), or None.
+
+  Args:
+    schedule: the schedule.
+    zigzag: whether the caller's placement takes axes stored in zigzag order
+      (and checks them itself); the GEMM placements do not.
+  """
   if schedule.kernel not in (None, "xla"):
     return (f"the block is patched with kernel {schedule.kernel!r}; a fused lowering replaces the whole nest, "
             "so it takes an unpatched schedule")
-  if schedule.zigzags:
+  if schedule.zigzags and not zigzag:
     return f"axis {next(iter(schedule.zigzags))!r} is stored in zigzag order; a fused lowering takes the natural order"
   return None
 

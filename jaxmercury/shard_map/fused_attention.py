@@ -1,13 +1,19 @@
-"""The fused ring-attention lowering: a non-causal ``ring`` schedule run as one Mosaic GPU kernel per device.
+"""The fused ring-attention lowering: a ``ring`` schedule, causal or not, run as one Mosaic GPU kernel per device.
 
 Where a schedule stores the queries, keys, values and output with their
 sequence axes split over one mesh level L holding every device, and nothing
-else split (the ``ring`` strategy does; the check reads the plan's layouts),
-device ``r``'s output block is the attention of its queries over every
-device's keys: ``pallas_kernels.fused_ring_attention`` computes it in one
-launch, K and V travelling the ring inside the kernel. Registered in
-``jaxmercury.shard_map.fused`` as ``fused_ring_attention`` (kind
-``"ring_attention"``); gradients come from the ordinary lowering.
+else split (the ``ring`` and ``ring_zigzag`` strategies do; the check reads
+the plan's layouts), device ``r``'s output block is the attention of its
+queries over every device's keys: ``pallas_kernels.fused_ring_attention``
+computes it in one launch, K and V travelling the ring inside the kernel.
+
+Causal programs too: the sequence is taken in natural order or with both
+sequence axes in the same zigzag order (``Schedule.zigzag``, as
+``ring_zigzag`` stores them: ``2 n`` chunks over the ``n`` devices of L, or
+any even multiple of ``n``), and the kernel masks by the global positions
+that order gives each device. Registered in ``jaxmercury.shard_map.fused`` as
+``fused_ring_attention`` (kind ``"ring_attention"``); gradients come from the
+ordinary lowering.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ class AttentionPlacement:
     level, size: the mesh level L and its size.
     q, k, v, o: the program's buffers in the attention pattern's roles.
     axes: program axis of each pattern role (``b``, ``i``, ``j``, ``hk``, ``g``, ``d``).
+    causal: whether the program masks keys after the query.
+    order, chunks: how the sequence is stored, the kernel's ``order``
+      (``"natural"`` or ``"zigzag"``) and zigzag chunks (None for natural).
   """
 
   level: str
@@ -43,6 +52,9 @@ class AttentionPlacement:
   o: object
   axes: dict
   kind: str = RING_ATTENTION
+  causal: bool = False
+  order: str = "natural"
+  chunks: int | None = None
 
   def local_shape(self, schedule) -> tuple[int, ...]:
     """``(b, s_local, kv heads, group, d)`` of one device's blocks."""
@@ -71,11 +83,9 @@ def placement(schedule) -> AttentionPlacement | str:
     match = patterns.match("attention", prog)
   except PreconditionError as e:
     return f"the fused ring-attention kernel computes attention (loop-nest pattern 'attention'): {e}"
-  if match.params.get("causal"):
-    return "the fused ring-attention kernel is non-causal; this program is causal"
   if match.params.get("emit_lse"):
     return "the fused ring-attention lowering writes the output only; this program also writes the log-sum-exp"
-  if reason := fused.whole_nest_problem(schedule):
+  if reason := fused.whole_nest_problem(schedule, zigzag=True):  # zigzag sequence axes: checked below
     return reason
   axes = {role: ax for ax, role in match.to_pattern.items()}
   (q, k, v), o = prog.reads, prog.writes
@@ -98,12 +108,41 @@ def placement(schedule) -> AttentionPlacement | str:
   split_axes = [(q, axes["i"]), (k, axes["j"]), (v, axes["j"]), (o, axes["i"])]
   if reason := fused.split_problem(schedule, level, split_axes, need):
     return reason
-  p = AttentionPlacement(level, schedule.levels[level], q, k, v, o, axes)
-  s_local = extent("i") // p.size
+  size = schedule.levels[level]
+  s_local = extent("i") // size
   if s_local % max(DEFAULTS["block_q"], DEFAULTS["block_kv"]):
     return (f"each device holds {s_local} positions of {axes['i']!r}, not a multiple of the kernel's blocks "
             f"({DEFAULTS['block_q']}, {DEFAULTS['block_kv']})")
-  return p
+  chunks = _zigzag_chunks(schedule, axes, level, size)
+  if isinstance(chunks, str):
+    return chunks
+  return AttentionPlacement(level, size, q, k, v, o, axes, causal=bool(match.params.get("causal")),
+                            order="natural" if chunks is None else "zigzag", chunks=chunks)
+
+
+def _zigzag_chunks(schedule, axes, level: str, size: int) -> int | None | str:
+  """The zigzag chunks of the sequence axes (None: natural order), or why the kernel cannot take their order."""
+  zigzags, i, j = schedule.zigzags, axes["i"], axes["j"]
+  if not zigzags:
+    return None
+  kernel = "the fused ring-attention kernel"
+  other = [a for a in zigzags if a not in (i, j)]
+  if other:
+    return (f"axis {other[0]!r} is stored in zigzag order; {kernel} takes zigzag order on the sequence axes "
+            f"{i!r} and {j!r} only")
+  if zigzags.get(i) != zigzags.get(j):
+    said = lambda a: f"in zigzag order in {zigzags[a]} chunks" if a in zigzags else "in natural order"
+    return (f"axis {i!r} is stored {said(i)} but axis {j!r} {said(j)}; {kernel} takes queries and keys in one "
+            "order")
+  chunks = zigzags[i]
+  if chunks % size:
+    return (f"axis {i!r} is stored in zigzag order in {chunks} chunks, not a multiple of the {size} devices of "
+            f"level {level!r}; {kernel} takes whole chunks per device")
+  chunk = schedule.program.axes[i].extent // chunks
+  if chunk % max(DEFAULTS["block_q"], DEFAULTS["block_kv"]):
+    return (f"axis {i!r} is stored in zigzag chunks of {chunk} positions, not a multiple of the kernel's blocks "
+            f"({DEFAULTS['block_q']}, {DEFAULTS['block_kv']}): a tile must lie in one chunk")
+  return chunks
 
 
 def _blocks(params):
@@ -138,18 +177,20 @@ def _make(p: AttentionPlacement, params, interpret: bool):
   def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
     b, s, hk, g, d = q.shape
     ctas = fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * sm_count()
-    out, _ = fused_ring_attention(q.reshape(b, s, hk * g, d), k, v, p.level, block_q=blocks.block_q,
-                                  block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
-                                  num_ctas=ctas, interpret=interpret)
+    out, _ = fused_ring_attention(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order,
+                                  chunks=p.chunks, block_q=blocks.block_q, block_kv=blocks.block_kv,
+                                  max_concurrent_steps=blocks.max_concurrent_steps, num_ctas=ctas,
+                                  interpret=interpret)
     return out.reshape(b, s, hk, g, d)
   return per_device
 
 
 fused.PLACEMENTS[RING_ATTENTION] = placement
-fused.KIND_NAMES[RING_ATTENTION] = "non-causal ring attention"
+fused.KIND_NAMES[RING_ATTENTION] = "ring attention"
 fused.register(fused.FusedLowering(
     "fused_ring_attention",
     "our Mosaic GPU kernel (pallas_kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "
-    "neighbour as they are consumed, online softmax across the ring steps; ctas_per_sm CTAs share each SM",
+    "neighbour as they are consumed, online softmax across the ring steps, causal tiles masked or skipped by "
+    "global position; ctas_per_sm CTAs share each SM",
     DEFAULTS, "fused_ring_attention", fused.interpretable_devices, _params, _tile, _make, interpret=True,
     kind=RING_ATTENTION))

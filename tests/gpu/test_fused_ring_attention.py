@@ -1,5 +1,6 @@
 """The fused ring-attention kernel on real GPUs: every block configuration against the unfused program
-and against all_gather + ``jax.nn.dot_product_attention`` (skipped on CPU).
+and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag order
+(skipped on CPU).
 
 Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention.py -x -q``
 (the timeout: a ring that deadlocks hangs rather than fails).
@@ -15,12 +16,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
+from jaxmercury.schedules import orders
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
 SEQ = P(None, "x")
 SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
 HEADS = [(8, 8), (8, 2)]  # (query heads, key/value heads): MHA and GQA
+MASKS = [dict(causal=True), dict(causal=True, order="zigzag")]  # zigzag: 2 n chunks, as ring_zigzag stores them
 
 
 def _one_gpu():
@@ -38,21 +41,47 @@ def _run(mesh, fn, *xs):
   return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(*xs)
 
 
-def _check(mesh, s_local, h, kv, blocks):
+def _true_order(x, mesh, mask):
+  """A global ``[b, S, ...]`` array stored in ``mask``'s order -> true sequence order."""
+  if mask.get("order") != "zigzag":
+    return x
+  return x[:, np.argsort(orders.permutation(x.shape[1], 2 * mesh.devices.size))]
+
+
+def _check(mesh, s_local, h, kv, blocks, **mask):
   q, k, v = _inputs(mesh, s_local, h, kv)
-  params = dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps)
+  params = dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
+                **mask)
   out, lse = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
-  want_out, want_lse = _run(mesh, lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  want_out, want_lse = _run(mesh, lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
   assert out.shape == q.shape and lse.shape == (q.shape[0], h, q.shape[1])
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
   assert rel_err(lse, want_lse) < 1e-3, blocks
+  assert np.all(np.isfinite(np.asarray(lse)))
   if q.shape[1] <= 16384:  # the same numbers as jax.nn.dot_product_attention (XLA) of the global arrays
-    dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))(q, k, v)
-    assert rel_err(out.astype(jnp.float32), dpa.astype(jnp.float32)) < 2e-2, blocks
+    true = lambda x: _true_order(x, mesh, mask)
+    dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=mask.get("causal", False)))
+    want = dpa(true(q), true(k), true(v))
+    assert rel_err(true(out).astype(jnp.float32), want.astype(jnp.float32)) < 2e-2, blocks
   # A second call: the per-step semaphores start from zero each launch, the received buffers are fresh.
   again, _ = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
   assert rel_err(again.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("s_local", [1024, 4096])
+def test_every_gpu_causal(s_local, h, kv, blocks, mask):
+  """Hidden tiles skipped, partial ones masked, and a forwarder still passes every tile on: no stall, no NaN."""
+  _check(gpu_mesh(), s_local, h, kv, blocks, **mask)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+def test_one_gpu_causal(h, kv, mask):
+  _check(_one_gpu(), 1024, h, kv, CONFIGS[0], **mask)
 
 
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
@@ -87,7 +116,8 @@ def test_every_gpu_matches_cudnn():
   assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
 
 
-def test_the_gradient_on_every_gpu():
+@pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
+def test_the_gradient_on_every_gpu(mask):
   mesh = gpu_mesh()
   q, k, v = _inputs(mesh, 1024, 8, 2)
   cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
@@ -98,7 +128,7 @@ def test_the_gradient_on_every_gpu():
       return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(lse)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-  got = grads(lambda q, k, v: ring_attention(q, k, v, "x"))
-  want = grads(lambda q, k, v: reference(q, k, v, "x"))
+  got = grads(lambda q, k, v: ring_attention(q, k, v, "x", **mask))
+  want = grads(lambda q, k, v: reference(q, k, v, "x", **mask))
   for g, w in zip(got, want):
     assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 3e-2
