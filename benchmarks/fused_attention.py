@@ -1,12 +1,13 @@
 """Fused ring attention (one Mosaic GPU kernel) against the unfused programs, in one process.
 
   python -m benchmarks.fused_attention --out results.json [--seq 16384 32768 65536 131072] [--kv_heads 32 8]
+      [--causal]
   python -m benchmarks.fused_attention --smoke --out /tmp/fused_attention.json   # tiny, 8 simulated CPU devices
 
 One mesh level ``"x"`` over every device; the sequence is sharded over it
-(``P(None, "x")``), B1 H32 D128 bf16, non-causal; ``--seq`` are global
-sequence lengths. Contestants per case, all on the same inputs, each output
-checked against the first's:
+(``P(None, "x")``), B1 H32 D128 bf16, non-causal (``--causal``: causal);
+``--seq`` are global sequence lengths. Contestants per case, all on the same
+inputs, each output checked against the first's:
 
 - ``cp_allgather_cudnn`` (baseline): all-gathered K/V + cuDNN flash attention
   in ``shard_map`` (``benchmarks.baselines.attention.context_parallel``);
@@ -18,6 +19,13 @@ checked against the first's:
   ``fused_ring_attention``, one record per block configuration
   (``CONFIGS``, one CTA per SM; ``TWO_PER_SM``, ``,2/SM``: twice as many
   CTAs); the case's summary names the fastest.
+
+Causal cases add ``ulysses_cudnn`` (baseline: all-to-all to heads, cuDNN's
+causal mask) and ``fused_zigzag[...]`` (jaxmercury: the ``ring_zigzag``
+schedule lowered with the fused kernel, which balances the causal work; it
+takes natural-order arrays and pays putting them in zigzag order and back,
+which a model keeping its sequence in zigzag order would not); ``fused[...]``
+then runs the natural order, where the last device does the most work.
 
 Each record has the median ms, its ratio to the best baseline (above 1:
 faster) and TFLOP/s per device. The JSON file is rewritten after every case,
@@ -67,22 +75,52 @@ def _jm_ring(mesh, prog, spec, impl: str):
   return with_layouts(ring, [spec] * 3, spec), None
 
 
+def _jm_zigzag_fused(mesh, prog, spec, blocks, per_sm: int):
+  """jaxmercury's ``ring_zigzag`` schedule lowered with the fused kernel, for natural-order callers (it puts the
+  sequence into zigzag order and back), or the reason it does not apply."""
+  import jaxmercury as jm
+  from jaxmercury.shard_map import fused
+  from jaxmercury.tuner.tune import with_layouts
+  lib = jm.library(prog, mesh)
+  if "ring_zigzag" not in lib:
+    return None, f"jaxmercury's library has no ring_zigzag schedule here ({sorted(lib)})"
+  zigzag = with_layouts(lib["ring_zigzag"], [spec] * 3, spec)
+  if why := fused.why_not("fused_ring_attention", zigzag):
+    return None, why
+  return zigzag.lower_with("fused_ring_attention", block_q=blocks.block_q, block_kv=blocks.block_kv,
+                           max_concurrent_steps=blocks.max_concurrent_steps, ctas_per_sm=per_sm), None
+
+
 def contestants(mesh, prog, spec, impl: str):
   from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
+  causal = bool(prog.params.get("causal"))
   out = [harness.Contestant("cp_allgather_" + impl, "baseline",
-                            lambda: attn.context_parallel(mesh, LEVELS, causal=False, impl=impl),
+                            lambda: attn.context_parallel(mesh, LEVELS, causal=causal, impl=impl),
                             f"all-gathered K/V + {impl} in shard_map"),
-         harness.Contestant("ring_" + impl, "baseline", lambda: attn.ring(mesh, LEVELS, causal=False, impl=impl),
+         harness.Contestant("ring_" + impl, "baseline", lambda: attn.ring(mesh, LEVELS, causal=causal, impl=impl),
                             f"RingAttention baseline: ppermute ring + {impl} blocks")]
+  if causal:  # the fastest causal baseline measured (shared/REFERENCE.md): all-to-all to heads, cuDNN's causal mask
+    heads, kv = prog.axes["hk"].extent * prog.axes["g"].extent, prog.axes["hk"].extent
+    out.append(harness.Contestant("ulysses_" + impl, "baseline",
+                                  lambda: attn.ulysses(mesh, LEVELS, causal=True, impl=impl, heads=heads, kv_heads=kv),
+                                  f"Ulysses: all-to-all to heads + {impl}"))
   ring, why = _jm_ring(mesh, prog, spec, impl)
   out.append(harness.Contestant("jm_ring", "baseline", lambda: jax.jit(ring.compile()),
                                 f"jaxmercury ring schedule: shard_map ppermute ring, {impl} blocks", skip=why))
   skip = pallas_unavailable(mesh, jnp.bfloat16)
   sms = getattr(jax.devices()[0], "core_count", None) or 1
-  for c, per_sm in [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]:
+  variants = [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]
+  if causal:  # the balanced order: the schedule's lowering, reordering the sequence in and out
+    for c, per_sm in variants:
+      zigzag, why = (None, skip) if skip else _jm_zigzag_fused(mesh, prog, spec, c, per_sm)
+      name = f"fused_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}{'' if per_sm == 1 else f',{per_sm}/SM'}]"
+      out.append(harness.Contestant(name, "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
+                                    "ring_zigzag lowered with fused_ring_attention (sequence put in zigzag order "
+                                    "and back)", skip=why))
+  for c, per_sm in variants:
     body = lambda q, k, v, c=c, per_sm=per_sm: fused_ring_attention(
-        q, k, v, "x", block_q=c.block_q, block_kv=c.block_kv, max_concurrent_steps=c.max_concurrent_steps,
-        num_ctas=per_sm * sms)[0]
+        q, k, v, "x", causal=causal, block_q=c.block_q, block_kv=c.block_kv,
+        max_concurrent_steps=c.max_concurrent_steps, num_ctas=per_sm * sms)[0]
     fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                                                  check_vma=False))
     name = f"fused[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}{'' if per_sm == 1 else f',{per_sm}/SM'}]"
@@ -92,13 +130,13 @@ def contestants(mesh, prog, spec, impl: str):
   return out
 
 
-def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str) -> dict:
+def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str, causal: bool = False) -> dict:
   """One case: global sequence ``seq``, ``kv_heads`` key/value heads; every contestant checked and timed."""
   import jaxmercury as jm
   n = mesh.devices.size
-  label = f"B{BATCH} S{seq} H{HEADS} KV{kv_heads} D{HEAD_DIM} bf16 non-causal"
+  label = f"B{BATCH} S{seq} H{HEADS} KV{kv_heads} D{HEAD_DIM} bf16 {'causal' if causal else 'non-causal'}"
   harness.log(f"case {label} on {n} devices")
-  prog = jm.programs.attention(BATCH, HEADS, kv_heads, seq, seq, HEAD_DIM, causal=False, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(BATCH, HEADS, kv_heads, seq, seq, HEAD_DIM, causal=causal, dtype=jnp.bfloat16)
   spec = attn.seq_spec(LEVELS)
   keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 3)
   sharding = NamedSharding(mesh, spec)
@@ -107,7 +145,7 @@ def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str) -> dict:
   prepared = harness.prepare(contestants(mesh, prog, spec, impl), inputs, warmup=3, iters=iters, max_timing_s=10.0)
   harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, inputs))
   del inputs
-  flops = 4 * BATCH * HEADS * seq * (seq // n) * HEAD_DIM  # QK^T and PV, per device
+  flops = 4 * BATCH * HEADS * seq * (seq // n) * HEAD_DIM * (0.5 if causal else 1)  # QK^T and PV, per device
   records = list(prepared.records.values())
   best_base = harness.rank(records, None, flops)
   mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r and r.get("numerics_ok", True)]
@@ -116,7 +154,7 @@ def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str) -> dict:
              "best_baseline": best_base and best_base["name"], "best_baseline_ms": best_base and best_base["median_ms"],
              "fused_over_best_baseline": best and best.get("ratio_to_best_baseline")}
   harness.log(json.dumps({"case": label, **summary}))
-  return {"case": label, "seq": seq, "seq_per_device": seq // n, "batch": BATCH, "heads": HEADS,
+  return {"case": label, "seq": seq, "causal": causal, "seq_per_device": seq // n, "batch": BATCH, "heads": HEADS,
           "kv_heads": kv_heads, "head_dim": HEAD_DIM, "flops_per_device": flops, "reference": prepared.reference,
           "records": records, "summary": summary}
 
@@ -128,6 +166,7 @@ def main(argv=None):
                  help="global sequence lengths")
   p.add_argument("--kv_heads", type=int, nargs="+", default=[32, 8])
   p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--causal", action="store_true", help="causal attention (unmasked work counted in TFLOP/s)")
   p.add_argument("--smoke", action="store_true", help="a tiny case on 8 simulated CPU devices, XLA attention")
   args = p.parse_args(argv)
   n = len(jax.devices())
@@ -139,7 +178,8 @@ def main(argv=None):
          "cases": []}
   for kv in kv_heads:
     for seq in seqs:
-      out["cases"].append(run_case(mesh, seq, kv, 2 if args.smoke else args.iters, "xla" if args.smoke else "cudnn"))
+      out["cases"].append(run_case(mesh, seq, kv, 2 if args.smoke else args.iters, "xla" if args.smoke else "cudnn",
+                                   causal=args.causal))
       with open(args.out, "w", encoding="utf-8") as f:  # after every case: a run cut short keeps its data
         json.dump(out, f, indent=1)
   bad = [r["name"] for c in out["cases"] for r in c["records"] if "error" in r or r.get("numerics_ok") is False]

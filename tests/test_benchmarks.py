@@ -406,14 +406,17 @@ def test_fused_gemm_smoke(tmp_path):
   assert len(fused) == 7 and all("Hopper" in r["skipped"] for r in fused)
 
 
-def test_fused_attention_smoke(tmp_path):
-  """The unfused ring and all-gather contestants run and agree on the CPU; the fused kernel is skipped."""
-  (case,) = _smoke("fused_attention", tmp_path)
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_fused_attention_smoke(tmp_path, causal):
+  """The unfused ring and all-gather contestants (and Ulysses, causal) run and agree on the CPU; the fused kernel
+  is skipped."""
+  (case,) = _smoke("fused_attention", tmp_path, *(["--causal"] if causal else []))
+  assert case["causal"] == causal
   records = {r["name"]: r for r in case["records"]}
-  for name in ("cp_allgather_xla", "ring_xla", "jm_ring"):
+  for name in ("cp_allgather_xla", "ring_xla", "jm_ring") + (("ulysses_xla",) if causal else ()):
     assert records[name]["median_ms"] > 0 and records[name]["numerics_ok"], records[name]
-  fused = [r for name, r in records.items() if name.startswith("fused[")]
-  assert fused and all("Hopper" in r["skipped"] for r in fused)
+  fused = [r for name, r in records.items() if name.startswith(("fused[", "fused_zigzag["))]
+  assert len(fused) == (8 if causal else 4) and all("Hopper" in r["skipped"] for r in fused)
 
 
 def test_training_check_smoke(tmp_path):

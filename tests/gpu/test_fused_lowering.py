@@ -1,12 +1,14 @@
 """Fused lowerings on real GPUs (skipped on CPU): every GEMM strategy they apply to, with each fused kernel.
 
-``async_tp`` and ``allgather_matmul`` lowered with ``fused_allgather_matmul``
-(ours) and ``jax_allgather_lhs_matmul`` (JAX's), ``matmul_reducescatter`` and
+``async_tp`` and ``allgather_matmul`` lowered with ``fused_allgather_matmul``,
+``fused_allgather_matmul_ws``, ``fused_allgather_matmul_comm`` (ours) and
+``jax_allgather_lhs_matmul`` (JAX's), ``matmul_reducescatter`` and
 ``async_tp_reducescatter`` with ``fused_matmul_reducescatter`` and
 ``fused_matmul_reducescatter_ws`` (ours), over every local GPU: the output
 and both gradients against the float32 reference, the gradients against the
 ordinary schedule's, and the tuner offering and timing them; ``ring`` and
-``context_parallel`` attention lowered with ``fused_ring_attention``.
+``context_parallel`` attention, and causal ``ring`` and ``ring_zigzag``,
+lowered with ``fused_ring_attention``.
 
 Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_fused_lowering.py -x -q``
 """
@@ -99,12 +101,13 @@ def test_the_tuner_offers_and_times_them():
   assert result.best is not None
 
 
-@pytest.mark.parametrize("strategy", ["ring", "context_parallel"])
+@pytest.mark.parametrize("strategy,causal", [("ring", False), ("context_parallel", False), ("ring", True),
+                                             ("ring_zigzag", True)])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_ring_attention_every_gpu(strategy, kv_heads):
+def test_ring_attention_every_gpu(strategy, causal, kv_heads):
   """The fused ring-attention lowering: output and gradients against the float32 reference and the ordinary ones."""
   n = len(jax.devices())
-  prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, causal=causal, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
   assert fused.why_not("fused_ring_attention", plain) is None
   s = plain.copy().lower_with("fused_ring_attention")
