@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks of the fused kernels and the Llama block, in stages that each fit one 10-minute device command.
+#
+#   bash benchmarks/gpu_checks.sh STAGE...      # from the repository root; results under $OUT/w (default /tmp/w)
+#
+# Stages:
+#   tests-gemm       GPU tests of the fused GEMM kernels (every tile variant, 1 GPU and all GPUs)
+#   tests-attention  GPU tests of the fused ring attention, causal and not, and its warp-specialized variant
+#   tests-lowering   GPU tests of every fused lowering under its schedules (outputs, gradients, tuner)
+#   bench-ag         all-gather GEMM table: XLA, the shard_map ring, JAX's kernel, our three kernels
+#   bench-rs         reduce-scatter GEMM table
+#   bench-causal     causal fused ring attention (S 32K, KV 8) against Ulysses, all-gathered K/V and rings
+#   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
+#   llama-16384      the same at 16K tokens
+# Every job runs under `timeout`: a ring that deadlocks hangs rather than fails.
+set -u
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast is off on our machines
+W=${OUT:-/tmp}/w
+mkdir -p "$W"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpus.txt" 2>&1
+python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$W/gpus.txt" 2>&1
+
+gpu_tests() {  # name, seconds, test files...
+  local name=$1 limit=$2
+  shift 2
+  JAX_PLATFORMS=cuda timeout "$limit" python3 -m pytest -x -q -p no:cacheprovider "$@" > "$W/$name.log" 2>&1
+  echo "$name rc=$?" | tee -a "$W/stages.txt"
+}
+
+job() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "$name rc=$?" | tee -a "$W/stages.txt"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests-gemm) gpu_tests "$stage" 540 tests/gpu/test_fused_allgather_matmul.py \
+        tests/gpu/test_fused_allgather_matmul_comm.py tests/gpu/test_fused_matmul_reducescatter.py ;;
+    tests-attention) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention.py \
+        $(ls tests/gpu/test_fused_ring_attention_ws.py 2>/dev/null) ;;
+    tests-lowering) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
+    bench-ag) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind allgather --iters 20 --out "$W/fused_ag.json" ;;
+    bench-rs) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind reducescatter --iters 20 \
+        --out "$W/fused_rs.json" ;;
+    bench-causal) job "$stage" 560 python3 -m benchmarks.fused_attention --causal --seq 32768 --kv_heads 8 \
+        --iters 10 --out "$W/fused_attention_causal.json" ;;
+    llama-4096|llama-16384) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
+        --measure_iters 5 --iters 10 --out "$W/$stage.json" ;;
+    *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
+  esac
+done
