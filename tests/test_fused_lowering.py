@@ -292,3 +292,23 @@ def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
     f = lower(s, per_device=fused.lowering(lowering).build(s, **s.lowering_params))
     text = f.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_ring_attention_parameters_are_checked_against_the_schedule():
+  """lower_with refuses blocks that do not divide the local sequence (or a zigzag chunk) or whose shared memory
+  at the program's head dimension does not fit, before anything runs."""
+  one = _one_device_mesh()
+  s = jm.library(_attention(192), one)["ring"]
+  with pytest.raises(jm.PreconditionError, match=r"block_q=128 does not divide each device's positions of 'i' "
+                                                 r"\(192\)"):
+    s.copy().lower_with(RING, block_q=128)
+  wide = jm.library(_attention(256, d=128), one)["ring"]
+  with pytest.raises(jm.PreconditionError,
+                     match=r"ctas_per_sm=2: 2 CTAs of \d+ bytes of shared memory \(head dim 128\)"):
+    wide.copy().lower_with(RING, block_kv=128, ctas_per_sm=2)
+  assert wide.copy().lower_with(RING).lowering == RING  # the defaults fit
+  assert "at most 192" in fused.why_not(RING, jm.library(_attention(256, d=256), one)["ring"])
+  zigzag = jm.library(_attention(384, causal=True), one)["ring_zigzag"]  # two chunks of 192 positions
+  with pytest.raises(jm.PreconditionError, match=r"block_kv=128 does not divide each zigzag chunk's positions of "
+                                                 r"'i' \(192\)"):
+    zigzag.copy().lower_with(RING, block_kv=128)

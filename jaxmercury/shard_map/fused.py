@@ -144,6 +144,9 @@ class FusedLowering:
     make: ``(placement, params, interpret) -> per-device function``.
     interpret: it runs on a one-device CPU mesh in Mosaic GPU interpret mode.
     kind: the placement kind it computes (``KIND_NAMES``).
+    fit_problem: ``(placement, params, schedule) -> reason | None``: whether
+      the parameters fit this schedule's blocks (a kernel that does not pad
+      them); None: any that pass ``param_problem`` do.
   """
 
   name: str
@@ -156,6 +159,7 @@ class FusedLowering:
   make: Callable
   interpret: bool = False
   kind: str = "allgather"
+  fit_problem: Callable | None = None
 
   def params(self, **given) -> dict:
     return {**self.defaults, **given}
@@ -182,7 +186,10 @@ class FusedLowering:
       if unknown:
         raise UnknownNameError(f"lower_with({self.name!r}): no parameter {unknown[0]!r}; parameters: "
                                f"{sorted(self.defaults)}")
-      reason = self.param_problem(self.params(**(params or {})), np.dtype(schedule.program.reads[0].dtype).itemsize)
+      chosen = self.params(**(params or {}))
+      reason = self.param_problem(chosen, np.dtype(schedule.program.reads[0].dtype).itemsize)
+      if reason is None and self.fit_problem is not None:
+        reason = self.fit_problem(self.place(schedule), chosen, schedule)
     if reason is not None:
       raise PreconditionError(f"lower_with({self.name!r}): {reason}")
 

@@ -96,8 +96,8 @@ def placement(schedule) -> AttentionPlacement | str:
     return f"axis {padded[0]!r} is padded; the fused kernel takes no padding (padded keys would be attended)"
   if extent("i") != extent("j"):
     return f"queries ({extent('i')}) and keys ({extent('j')}) differ in length; the fused kernel takes self-attention"
-  if extent("d") % 64 or extent("d") > 256:
-    return f"head dimension {axes['d']!r} = {extent('d')} must be a multiple of 64 and at most 256"
+  if extent("d") % 64 or extent("d") > 192:  # 64 query rows x (64 keys + d) float32 values in one warpgroup
+    return f"head dimension {axes['d']!r} = {extent('d')} must be a multiple of 64 and at most 192"
   q_layout = schedule.plan().storage[q.name]
   need = (f"the fused ring attention needs {q.name}[{axes['i']}@L], {k.name}[{axes['j']}@L], {v.name}[{axes['j']}@L], "
           f"{o.name}[{axes['i']}@L], nothing else split")
@@ -151,16 +151,29 @@ def _blocks(params):
 
 
 def _params(params, itemsize) -> str | None:
-  from jaxmercury.pallas_kernels.mosaic_matmul import SMEM_BYTES
   for key, v in params.items():
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       return f"{key}={v!r} must be a positive int"
+  return None
+
+
+def _fit(p: AttentionPlacement, params, schedule) -> str | None:
+  """Whether the blocks fit this schedule: shared memory at its head dimension, its local sequence and chunks."""
+  from jaxmercury.pallas_kernels.mosaic_matmul import SMEM_BYTES
+  b, s_local, hk, g, d = p.local_shape(schedule)
+  itemsize = np.dtype(p.q.dtype).itemsize
   blocks, per_sm = _blocks(params), params["ctas_per_sm"]
-  if reason := blocks.problem(128, itemsize):
+  if reason := blocks.problem(d, itemsize):
     return reason
-  if per_sm * blocks.smem_bytes(128, itemsize) > SMEM_BYTES:  # every CTA must be resident: the ring waits on them
-    return (f"ctas_per_sm={per_sm}: {per_sm} CTAs of {blocks.smem_bytes(128, itemsize)} bytes of shared memory "
-            f"(head dim 128) exceed one SM's {SMEM_BYTES}")
+  smem = blocks.smem_bytes(d, itemsize)
+  if per_sm * smem > SMEM_BYTES:  # every CTA must be resident: the ring waits on them
+    return (f"ctas_per_sm={per_sm}: {per_sm} CTAs of {smem} bytes of shared memory (head dim {d}) exceed one SM's "
+            f"{SMEM_BYTES}")
+  run = s_local if p.chunks is None else schedule.program.axes[p.axes["i"]].extent // p.chunks
+  where = "each device's positions" if p.chunks is None else "each zigzag chunk's positions"
+  for name in ("block_q", "block_kv"):
+    if run % params[name]:
+      return f"{name}={params[name]} does not divide {where} of {p.axes['i']!r} ({run})"
   return None
 
 
@@ -193,4 +206,4 @@ fused.register(fused.FusedLowering(
     "neighbour as they are consumed, online softmax across the ring steps, causal tiles masked or skipped by "
     "global position; ctas_per_sm CTAs share each SM",
     DEFAULTS, "fused_ring_attention", fused.interpretable_devices, _params, _tile, _make, interpret=True,
-    kind=RING_ATTENTION))
+    kind=RING_ATTENTION, fit_problem=_fit))
