@@ -230,8 +230,8 @@ def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
   plain = jm.library(prog, mesh)["ring"]
   s = plain.copy().lower_with(RING, block_kv=128, ctas_per_sm=1)
   assert "lowered with fused_ring_attention(block_kv=128, ctas_per_sm=1) (Mosaic GPU interpret mode)" in str(s)
-  with pytest.raises(jm.PreconditionError, match="ctas_per_sm=2: 2 CTAs of .* exceed one SM's"):
-    plain.copy().lower_with(RING, block_kv=128, max_concurrent_steps=3)
+  with pytest.raises(jm.PreconditionError, match=r"ctas_per_sm=2: 2 CTAs of .* \(head dim 64\) exceed one SM's"):
+    plain.copy().lower_with(RING, block_kv=192, max_concurrent_steps=3)
   q, k, v = prog.random_inputs(fresh_key())
   f = s.compile()
   out = f(q, k, v)
