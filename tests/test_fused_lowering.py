@@ -6,6 +6,7 @@ checks the numerics and the backward. Rings of several GPUs run in
 tests/gpu/test_fused_lowering.py.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -312,3 +313,22 @@ def test_ring_attention_parameters_are_checked_against_the_schedule():
   with pytest.raises(jm.PreconditionError, match=r"block_kv=128 does not divide each zigzag chunk's positions of "
                                                  r"'i' \(192\)"):
     zigzag.copy().lower_with(RING, block_kv=128)
+
+
+def test_kernels_not_yet_run_on_gpus_are_not_offered(monkeypatch):
+  """A lowering not yet verified on GPUs for a placement is left out of what the tuner and the graph search offer
+  (lower_with still takes it); in interpret mode, where the tuner checks it on the CPU, it is offered."""
+  one = _one_device_mesh()
+  s = jm.library(_bf16(256, 256, 128), one)["async_tp"]
+  assert "fused_allgather_matmul_comm" in fused.offered(s)  # interpreted here
+  as_on_gpus = dataclasses.replace(fused.LOWERINGS["fused_allgather_matmul_comm"], interpret=False,
+                                   device_problem=lambda schedule, p: None)
+  monkeypatch.setitem(fused.LOWERINGS, "fused_allgather_matmul_comm", as_on_gpus)
+  assert "fused_allgather_matmul_comm" in fused.applicable(s)
+  assert "fused_allgather_matmul_comm" not in fused.offered(s) and OURS in fused.offered(s)
+  assert "not yet run on a GPU" in as_on_gpus.unverified(as_on_gpus.place(s))
+  assert s.copy().lower_with("fused_allgather_matmul_comm").lowering == "fused_allgather_matmul_comm"
+  ring = fused.LOWERINGS[RING]
+  causal = jm.library(_attention(256, causal=True), one)["ring"]
+  assert "causal masking" in ring.unverified(ring.place(causal))
+  assert ring.unverified(ring.place(jm.library(_attention(256), one)["ring"])) is None

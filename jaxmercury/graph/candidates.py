@@ -144,7 +144,7 @@ def _fused_candidates(name, native, program, machine, activations, params, recor
   if wanted is False:
     return []
   found = []
-  for lowering in fused.applicable(native):
+  for lowering in fused.offered(native):
     if wanted is None and fused.lowering(lowering).interprets(native):
       continue
     try:

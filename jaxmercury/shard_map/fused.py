@@ -147,6 +147,10 @@ class FusedLowering:
     fit_problem: ``(placement, params, schedule) -> reason | None``: whether
       the parameters fit this schedule's blocks (a kernel that does not pad
       them); None: any that pass ``param_problem`` do.
+    unverified: ``placement -> reason | None``: why the kernel is not yet
+      trusted on GPUs for this placement (it has not run there); the tuner and
+      the graph search then leave it out (``offered``), ``lower_with`` still
+      takes it. None: verified.
   """
 
   name: str
@@ -160,6 +164,7 @@ class FusedLowering:
   interpret: bool = False
   kind: str = "allgather"
   fit_problem: Callable | None = None
+  unverified: Callable | None = None
 
   def params(self, **given) -> dict:
     return {**self.defaults, **given}
@@ -263,6 +268,14 @@ def why_not(name: str, schedule) -> str | None:
 def applicable(schedule) -> list[str]:
   """Names of the lowerings that apply to ``schedule`` (``why_not`` is None), in registration order."""
   return [name for name, low in LOWERINGS.items() if low.why_not(schedule) is None]
+
+
+def offered(schedule) -> list[str]:
+  """The applicable lowerings the tuner and the graph search offer: those verified on GPUs for this placement,
+  and in Mosaic GPU interpret mode (a one-device CPU mesh, where the tuner checks them) every one."""
+  def trusted(low):
+    return low.unverified is None or low.interprets(schedule) or low.unverified(low.place(schedule)) is None
+  return [name for name in applicable(schedule) if trusted(LOWERINGS[name])]
 
 
 def check(schedule):

@@ -152,7 +152,7 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
 
 def _fused_lowerings(schedule, in_shardings, out_sharding) -> list[str]:
   """The fused lowerings the tuner offers for ``schedule`` (compiled for the caller's layouts)."""
-  names = [n for n in fused.applicable(schedule)
+  names = [n for n in fused.offered(schedule)
            if registry.interpreting() or not fused.lowering(n).interprets(schedule)]
   if names and (in_shardings is not None or out_sharding is not None):
     try:

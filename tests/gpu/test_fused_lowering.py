@@ -74,7 +74,8 @@ def test_one_gpu_of_several():
   prog = jm.programs.matmul(512, 512, 256, dtype=jnp.bfloat16)
   lib = jm.library(prog, mesh)
   plain = lib["async_tp"]
-  _check(plain.copy().lower_with("fused_allgather_matmul"), plain)
+  for lowering in ("fused_allgather_matmul", "fused_allgather_matmul_ws", "fused_allgather_matmul_comm"):
+    _check(plain.copy().lower_with(lowering), plain)
   for lowering in ("fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"):
     _check(lib["matmul_reducescatter"].copy().lower_with(lowering), lib["matmul_reducescatter"])
   reason = fused.why_not("jax_allgather_lhs_matmul", plain)
@@ -86,8 +87,9 @@ def test_the_tuner_offers_and_times_them():
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   mesh = gpu_mesh()
   names = {name for name, _ in tune_module.default_candidates(prog, mesh, space=2)}
+  verified = {f"{s} {{{low}}}" for s, low in PAIRS if fused.LOWERINGS[low].unverified is None}
+  assert verified <= names, names  # kernels not yet run on GPUs are timed below, but not offered
   offered = {f"{s} {{{low}}}" for s, low in PAIRS}
-  assert offered <= names, names
   machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
   lib = jm.library(prog, mesh)
   candidates = [(s, lib[s]) for s in STRATEGIES] + [(f"{s} {{{low}}}", lib[s].copy().lower_with(low))
