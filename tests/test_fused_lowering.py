@@ -332,3 +332,15 @@ def test_kernels_not_yet_run_on_gpus_are_not_offered(monkeypatch):
   causal = jm.library(_attention(256, causal=True), one)["ring"]
   assert "causal masking" in ring.unverified(ring.place(causal))
   assert ring.unverified(ring.place(jm.library(_attention(256), one)["ring"])) is None
+
+
+def test_a_zigzag_order_is_another_kernel():
+  """Two schedules storing the same blocks in natural and zigzag order run different kernels: the tuner keeps
+  both."""
+  one = _one_device_mesh()
+  lib = jm.library(_attention(256, causal=True), one)
+  natural, zigzag = (lib[name].copy().lower_with(RING) for name in ("ring", "ring_zigzag"))
+  assert fused.signature(natural) != fused.signature(zigzag)
+  with registry.interpret_mode():
+    names = [n for n, _ in tune_module.default_candidates(_attention(256, causal=True), one, space=2)]
+  assert {f"ring {{{RING}}}", f"ring_zigzag {{{RING}}}"} <= set(names)

@@ -289,7 +289,8 @@ def signature(schedule) -> tuple:
   p = lowering(schedule.lowering).place(schedule)
   plan = schedule.plan()
   return (schedule.lowering, tuple(sorted(schedule.lowering_params.items())),
-          tuple(sorted(plan.storage.items())), p.local_shape(schedule) if not isinstance(p, str) else p)
+          tuple(sorted(plan.storage.items())), tuple(sorted(schedule.zigzags.items())),
+          p.local_shape(schedule) if not isinstance(p, str) else p)
 
 
 def summary(schedule) -> str:
