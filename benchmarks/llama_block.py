@@ -5,7 +5,8 @@ The plan comes from ``jaxmercury.graph.search`` over the block's DAG
 schedule, every edge the fused resharding between them; with
 ``--measure_iters N`` every operator candidate is first timed on the mesh
 and the search uses those times instead of the cost model's. One plan is
-searched per residual-stream layout (sequence-split and replicated). The baselines are the
+searched per residual-stream layout (sequence-split and replicated) and per
+objective (the forward alone, or a training step). The baselines are the
 same block as one plain function (``models.block_graph.block_apply``) under
 ``jax.jit`` with sharded parameters and input, partitioned by XLA itself:
 Megatron tensor parallelism (column-split q/k/v/gate/up, row-split o/down)
@@ -101,7 +102,7 @@ def calibrated_machines(config, seq: int, mesh, attention_kernel: str) -> dict:
 # Library strategies on GPU: blocks of unequal query/key sizes (context_parallel, tree) fall back to the XLA
 # attention body under a causal mask, which materializes the scores at these lengths.
 GPU_STRATEGIES = ("ring", "ulysses", "allgather_matmul", "matmul_reducescatter", "async_tp",
-                  "async_tp_reducescatter")
+                  "async_tp_reducescatter", "data_parallel")
 
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
 ROW = ("wo", "w_down")
@@ -133,7 +134,11 @@ def place(tree: dict, mesh, specs: dict):
 
 # The residual stream's layouts the plan is searched for: tokens split (sequence parallel), or replicated
 # (what Megatron tensor parallelism keeps between blocks); the block's input and output take it.
-RESIDUALS = {"jaxmercury_plan": ("sequence", P(None, "x", None)), "jaxmercury_plan_replicated": ("replicated", P())}
+RESIDUALS = {"sequence": P(None, "x", None), "replicated": P()}
+# The plans searched: per residual layout and per objective (the forward alone, or a training step: forward and
+# backward, with replicated weights' gradients all-reduced; ``jaxmercury.graph.search``).
+PLANS = {"jaxmercury_plan": ("sequence", False), "jaxmercury_plan_replicated": ("replicated", False),
+         "jaxmercury_plan_training": ("sequence", True), "jaxmercury_plan_replicated_training": ("replicated", True)}
 
 
 def residual_layout(kind: str, mesh) -> Layout:
@@ -141,12 +146,13 @@ def residual_layout(kind: str, mesh) -> Layout:
 
 
 def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "sequence", measure_iters: int = 0,
-               measured: dict | None = None):
+               measured: dict | None = None, training: bool = False):
   """The searched plan of one block (batch 1) for a residual layout kind, and the seconds planning took.
 
   ``measure_iters > 0``: every operator candidate is first timed on the mesh
   (``jaxmercury.graph.measure_candidates``, its timings kept in ``measured``)
-  and the search uses those times.
+  and the search uses those times. ``training``: the search minimizes a
+  training step's time, not the forward's.
   """
   t0 = time.perf_counter()
   graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies,
@@ -154,7 +160,7 @@ def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "se
   if measure_iters:
     graph = jg.measure_candidates(graph, machines, iters=measure_iters, log=lambda line: print(line, flush=True),
                                   cache=measured)
-  plan = jg.search(graph, machines)
+  plan = jg.search(graph, machines, training=training)
   return plan, time.perf_counter() - t0
 
 
@@ -210,12 +216,12 @@ def operator_split(plan, iters: int, implementation, rows: list | None = None, s
 
 
 def block_contestants(plans: dict, config, mesh, baselines, implementation) -> dict:
-  """``name -> (f(params, x), param specs, input spec)``: each plan (keyed by its ``RESIDUALS`` name), then each
+  """``name -> (f(params, x), param specs, input spec)``: each plan (keyed by its ``PLANS`` name), then each
   plain-jit baseline (the block as one function, attention constrained to a head split)."""
   contestants = {}
   for name, plan in plans.items():
     planned, plan_specs = bg.planned_block(plan)
-    contestants[name] = (planned, plan_specs, RESIDUALS[name][1])
+    contestants[name] = (planned, plan_specs, RESIDUALS[PLANS[name][0]])
   heads = NamedSharding(mesh, P(None, None, "x", None))  # what a Megatron user constrains attention to
   split_fn = lambda p, x: bg.block_apply(p, x, config, implementation=implementation, attention_sharding=heads)
   for name in baselines:
@@ -239,18 +245,25 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
              case: dict | None = None, saved=lambda: None, measure_iters: int = 0) -> dict:
   """Times the plans and the baselines on one sequence length; fills ``case`` as results come, calling ``saved()``.
 
-  One plan is searched per residual layout (``RESIDUALS``); jaxmercury's time
-  is the faster plan's, as a tuner picking between them by measurement would.
+  One plan is searched per residual layout and objective (``PLANS``); a
+  training plan that chose what the forward plan of its layout chose is not
+  timed twice. jaxmercury's time is the fastest plan's, as a tuner picking
+  between them by measurement would.
   """
-  plans, measured = {}, {}
-  for name, (kind, _) in RESIDUALS.items():
-    plans[name] = plan_block(config, seq, mesh, machines, strategies, kind, measure_iters, measured)
+  plans, measured, same_as = {}, {}, {}
+  for name, (kind, training) in PLANS.items():
+    plans[name] = plan_block(config, seq, mesh, machines, strategies, kind, measure_iters, measured, training)
     print(name, plans[name][0], sep="\n", flush=True)
+    twin = next((other for other, (k, t) in PLANS.items() if k == kind and not t), None) if training else None
+    if twin and {n: c.name for n, c in plans[twin][0].choice.items()} == \
+            {n: c.name for n, c in plans[name][0].choice.items()}:
+      same_as[name] = twin
   case = {} if case is None else case
   rows, split_rows = [], []
   case.update({"config": f"Llama block dim {config.dim} heads {config.heads} kv {config.kv_heads} head_dim "
                          f"{config.head_dim} hidden {config.hidden}, batch 1, seq {seq}, {np.dtype(config.dtype)}",
-               "seq": seq, "plans": {name: {"residual": RESIDUALS[name][0], "plan": str(plan),
+               "seq": seq, "plans": {name: {"residual": PLANS[name][0], "training": PLANS[name][1],
+                                            "same_as": same_as.get(name), "plan": str(plan),
                                             "predicted_ms": plan.seconds * 1e3, "search_s": search_s,
                                             "choice": {n: c.name for n, c in plan.choice.items()}}
                                      for name, (plan, search_s) in plans.items()},
@@ -273,8 +286,8 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
   _, want_grads = jax.jit(with_grad(ref_fn))(*ref_args)
   want_grads = jax.tree.leaves(want_grads)
 
-  contestants = block_contestants({name: plan for name, (plan, _) in plans.items()}, config, mesh, baselines,
-                                  implementation)
+  contestants = block_contestants({name: plan for name, (plan, _) in plans.items() if name not in same_as}, config,
+                                  mesh, baselines, implementation)
   for name, (f, specs, x_spec) in contestants.items():
     row = {"name": name, "param_specs": {k: str(v) for k, v in specs.items()}, "input_spec": str(x_spec)}
     try:
@@ -294,8 +307,8 @@ def run_case(config, seq: int, mesh, machines, strategies, iters: int, baselines
     print(json.dumps(row), flush=True)
     rows.append(row)
     saved()
-  ok = [r for r in rows if "error" not in r and r["name"] not in RESIDUALS]
-  ours = [r for r in rows if "error" not in r and r["name"] in RESIDUALS]
+  ok = [r for r in rows if "error" not in r and r["name"] not in PLANS]
+  ours = [r for r in rows if "error" not in r and r["name"] in PLANS]
   for key in ("forward_ms", "forward_backward_ms"):
     if ok and ours:
       best, mine = min(ok, key=lambda r: r[key]), min(ours, key=lambda r: r[key])

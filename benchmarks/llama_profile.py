@@ -2,7 +2,7 @@
 
   python -m benchmarks.llama_profile --seq 4096 --out_dir DIR
 
-For the searched plans (one per residual layout, ``llama_block.RESIDUALS``) and the ``xla_megatron_tp`` and
+For the searched plans (one per residual layout, ``llama_block.PLANS``) and the ``xla_megatron_tp`` and
 ``xla_megatron_tp_sp`` baselines of ``benchmarks.llama_block``: the count of
 each collective in the compiled HLO, then ``--iters`` forward calls under
 ``jax.profiler.trace``, whose device-0 kernels are summed by name
@@ -63,8 +63,9 @@ def main(argv=None):
   config = CONFIGS["llama3_8b"].with_dtype(jnp.bfloat16)
   params = bg.block_params(DecoderBlock(config, rngs=nnx.Rngs(1)))
   x = jax.random.normal(jax.random.key(2), (1, args.seq, config.dim), config.dtype)
-  plans = {name: lb.plan_block(config, args.seq, mesh, lb.H200_MACHINES, lb.GPU_STRATEGIES, kind)[0]
-           for name, (kind, _) in lb.RESIDUALS.items()}
+  plans = {name: lb.plan_block(config, args.seq, mesh, lb.H200_MACHINES, lb.GPU_STRATEGIES, kind,
+                               training=training)[0]
+           for name, (kind, training) in lb.PLANS.items()}
   contestants = lb.block_contestants(plans, config, mesh, ("xla_megatron_tp", "xla_megatron_tp_sp"), "cudnn")
   report = {}
   for name, (f, specs, x_spec) in contestants.items():

@@ -432,14 +432,18 @@ def test_training_check_smoke(tmp_path):
 def test_llama_block_smoke(tmp_path):
   """The graph plans of a tiny block (both residual layouts) run, print their plans and agree with plain JAX."""
   (case,) = _smoke("llama_block", tmp_path, "--iters", "1", "--machines", "calibrated")
-  assert set(case["plans"]) == {"jaxmercury_plan", "jaxmercury_plan_replicated"}
+  assert set(case["plans"]) == {"jaxmercury_plan", "jaxmercury_plan_replicated", "jaxmercury_plan_training",
+                                "jaxmercury_plan_replicated_training"}
+  assert [p["training"] for p in case["plans"].values()] == [False, False, True, True]
+  assert "training step" in case["plans"]["jaxmercury_plan_training"]["plan"]
   figures = case["machines"]  # measured on the simulated mesh before planning
   assert figures["matmul"]["kernel_flops_per_s"]["xla"] > 0 and figures["attention"]["kernel_flops_per_s"]["xla"] > 0
   assert 0 <= figures["matmul"]["overlap"] <= 1 and figures["matmul"]["link_bytes_per_s"]["x"] > 0
   for plan in case["plans"].values():
     assert "operators:" in plan["plan"] and "edges" in plan["plan"]
   timed = [c for c in case["contestants"] if "error" not in c]
-  assert [c["name"] for c in timed[:2]] == ["jaxmercury_plan", "jaxmercury_plan_replicated"] and len(timed) >= 3
+  plans = [name for name, p in case["plans"].items() if p["same_as"] is None]  # a training plan equal to its
+  assert [c["name"] for c in timed[:len(plans)]] == plans and len(timed) >= len(plans) + 1  # forward's: timed once
   for c in timed:
     assert c["out_rel_err"] < 5e-2 and c["grad_rel_err"] < 5e-2, c
   assert case["summary"]["forward_ms"]["jaxmercury"] > 0

@@ -17,6 +17,7 @@ from jaxmercury.graph import collectives as cl
 from jaxmercury.graph import fusion, hlo
 from jaxmercury.graph.collectives import Collective as C
 from jaxmercury.graph.layouts import Layout
+from jaxmercury.graph.search import BACKWARD_FACTOR
 from jaxmercury.shard_map import reshard
 from jaxmercury.tuner import cost
 from jaxmercury.tuner.tune import with_layouts
@@ -335,3 +336,27 @@ def test_fused_lowerings_are_candidates_and_their_plan_runs():
   assert y.dtype == dt and rel_err(y.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
   for name in params:
     assert rel_err(grads[name].astype(jnp.float32), want_grads[name].astype(jnp.float32)) < 2e-2
+
+
+def test_training_objective_prices_replicated_weights_gradients():
+  """data_parallel keeps the weights whole and splits the rows: no communication forward, but every device holds
+  a partial weight gradient to all-reduce in training. The training objective counts it (and the backward), so
+  it can prefer another plan than the forward objective."""
+  from jaxmercury.graph.candidates import op_candidates
+  mesh = make_mesh("8")
+  prog = jm.programs.matmul(256, 512, 512)
+  found = {c.name: c for c in op_candidates(prog, mesh, MACHINE, activations=["A"])}
+  weight = 512 * 512 * 4  # B whole on every device, float32
+  want = 2 * weight * 7 / 8 / 1e9 + 50e-6
+  assert found["data_parallel"].grad_sync_seconds == pytest.approx(want)
+  assert found["allgather_matmul"].grad_sync_seconds == 0.0  # B split: each device's gradient columns are whole
+  assert found["async_tp"].grad_sync_seconds == 0.0  # the rows travel the ring: every device sees all of them
+  g = _mlp_graph(mesh)
+  forward, training = jg.search(g, MACHINE), jg.search(g, MACHINE, training=True)
+  assert training.training and not forward.training
+  assert "training step" in str(training) and "forward" in str(forward)
+  same = jg.fixed(g, MACHINE, forward.choice, training=True)
+  assert training.seconds <= same.seconds + 1e-12  # the training plan is the best for training
+  assert same.seconds == pytest.approx(BACKWARD_FACTOR * forward.node_seconds
+                                       + sum(c.grad_sync_seconds for c in forward.choice.values())
+                                       + 2 * forward.edge_seconds)

@@ -34,7 +34,8 @@ def test_attention_library(mesh, config, causal):
 def test_matmul_library(mesh, shape):
   prog = jm.programs.matmul(*shape)
   lib = jm.library(prog, mesh)
-  assert set(lib) == {"allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter"}
+  assert set(lib) == {"allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter",
+                      "data_parallel"}
   for schedule in lib.values():
     assert_matches(schedule)
 
@@ -46,7 +47,8 @@ def test_attention_library_bf16(name):
   assert_matches(jm.library(prog, make_mesh("8"))[name])
 
 
-@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter"])
+@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter",
+                                  "data_parallel"])
 def test_matmul_library_bf16(name):
   from conftest import make_mesh
   prog = jm.programs.matmul(64, 48, 96, dtype=jnp.bfloat16)

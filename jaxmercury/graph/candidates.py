@@ -31,10 +31,12 @@ from jaxmercury.graph.layouts import Layout, enumerate_layouts
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.reductions import Sum
 from jaxmercury.schedules.library import library
+from jaxmercury.schedules.loops import PARALLEL
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import replay
 from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.tuner import cost
+from jaxmercury.tuner.memory import local_elements
 from jaxmercury.tuner.tune import with_layouts
 
 SKIPPED_STRATEGIES = ("ring_zigzag",)  # stores sequences permuted: a whole-array reorder on every edge
@@ -179,7 +181,27 @@ def _candidate(name, native, kernel, program, machine, activations, params, part
     seconds, source = measured, "database"
   inputs = tuple(Layout.from_spec(specs[a], len(program.buffer(a).shape)) for a in activations)
   output = Layout.from_spec(out_spec, len(out.shape), partial)
-  return Candidate(name, inputs, output, seconds, realized, tuple((p, specs[p]) for p in params), source)
+  return Candidate(name, inputs, output, seconds, realized, tuple((p, specs[p]) for p in params), source,
+                   grad_sync_seconds(realized, params, machine))
+
+
+def grad_sync_seconds(schedule: Schedule, params: Sequence[str], machine: cost.Machine) -> float:
+  """In training: the all-reduce of each parameter's gradient over every mesh level that parallelizes a loop
+  over an axis the parameter lacks while leaving the parameter whole (``data_parallel``'s replicated weights:
+  each device's rows give a partial gradient). Predicted seconds."""
+  plan = make_plan(schedule)
+  prog = schedule.program
+  total = 0.0
+  for name in params:
+    buf = prog.buffer(name)
+    stored = {lv for levels in plan.storage[name] for lv in levels}
+    levels = {lp.level for lp in schedule.loops if lp.role == PARALLEL and lp.axis not in buf.axes} - stored
+    nbytes = local_elements(schedule, buf, plan.storage[name]) * buf.dtype.itemsize
+    for lv in levels:
+      n = schedule.levels[lv]
+      if n > 1:
+        total += machine.gather_factor * 2 * nbytes * (n - 1) / n / machine.bandwidth(lv) + machine.latency_s
+  return total
 
 
 def glue_candidates(shape: Sequence[int], dtype, n_inputs: int, mesh, machines, *,

@@ -43,6 +43,10 @@ class Candidate:
     params: ``op`` nodes: ``PartitionSpec`` per parameter buffer (weights).
     source: where ``seconds`` comes from: ``"predicted"``, ``"database"`` or
       ``"measured"`` (``measure_candidates``).
+    grad_sync_seconds: ``op`` nodes, in training: the all-reduce of the
+      gradients of parameters the schedule keeps whole on a mesh level that
+      splits the computation along another axis (each device holds a partial
+      gradient), predicted.
   """
 
   name: str
@@ -52,6 +56,7 @@ class Candidate:
   schedule: object = None
   params: tuple = ()
   source: str = "predicted"
+  grad_sync_seconds: float = 0.0
 
 
 @dataclasses.dataclass

@@ -7,6 +7,16 @@ to the consumer's input layout by the fused collectives
 Consumers of one tensor that want it in the same layout and shape share one
 resharding (the all-gather before q, k and v projections happens once).
 
+With ``training=True`` the objective is a training step's forward and
+backward: every node costs ``BACKWARD_FACTOR`` times its forward time (a
+GEMM's backward is two GEMMs of its size, and a strategy's backward moves
+what its forward moves, transposed) plus, for an operator, the all-reduce of
+the partial gradients of parameters it keeps whole where it splits other
+axes (``Candidate.grad_sync_seconds``); every edge costs twice its forward
+resharding (the backward runs its transpose: all-gather and reduce-scatter
+swap, moving the same bytes). A plan with replicated weights and split
+tokens may win the forward and lose training.
+
 ``exhaustive`` tries every assignment; ``dynamic`` walks the nodes in
 topological order keeping, for each combination of the output layouts of the
 tensors still waiting for a consumer (the frontier), the cheapest partial
@@ -28,6 +38,15 @@ from jaxmercury.graph.candidates import machine_for
 from jaxmercury.graph.dag import GLUE, INPUT, OP, OUTPUT, Graph
 from jaxmercury.graph.fusion import RULES, fuse
 from jaxmercury.graph.layouts import Layout, view
+
+BACKWARD_FACTOR = 3.0  # forward + backward over forward, in training
+
+
+def node_seconds(candidate, training: bool) -> float:
+  """A candidate's time in the objective: its forward, or in training its forward and backward."""
+  if not training:
+    return candidate.seconds
+  return BACKWARD_FACTOR * candidate.seconds + candidate.grad_sync_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +100,11 @@ class Plan:
   seconds: float
   method: str
   explored: int
+  training: bool = False
 
   @property
   def node_seconds(self) -> float:
-    return sum(c.seconds for c in self.choice.values())
+    return sum(node_seconds(c, self.training) for c in self.choice.values())
 
   @property
   def edge_seconds(self) -> float:
@@ -92,7 +112,8 @@ class Plan:
 
   def __str__(self) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in self.graph.sizes.items())
-    lines = [f"graph plan on mesh ({sizes}): {self.seconds * 1e3:.4f} ms predicted "
+    objective = "training step (forward + backward)" if self.training else "forward"
+    lines = [f"graph plan on mesh ({sizes}), {objective}: {self.seconds * 1e3:.4f} ms predicted "
              f"({self.node_seconds * 1e3:.4f} ms in operators, {self.edge_seconds * 1e3:.4f} ms on edges; "
              f"{self.method}, {self.explored} evaluations)", "operators:"]
     for node in self.graph.nodes:
@@ -100,8 +121,10 @@ class Plan:
       if c is None or node.kind == OUTPUT:
         continue
       ins = " ".join(str(lay) for lay in c.inputs) or "-"
+      sync = (f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
+              if self.training and c.grad_sync_seconds else "")
       lines.append(f"  {node.name:<18} {node.kind:<6} {c.name:<34} in {ins:<32} out {str(c.output):<22} "
-                   f"{c.seconds * 1e3:9.4f} ms ({c.source})")
+                   f"{c.seconds * 1e3:9.4f} ms ({c.source}){sync}")
     lines.append("edges (after fusion; bytes one device sends, fused / naive):")
     for e in self.edges:
       moved = "(shared with an earlier edge)" if e.shared else ", ".join(map(str, e.fused)) or "nothing"
@@ -123,9 +146,10 @@ def _bytes(n: float) -> str:
 class _Edges:
   """Edge plans, memoized by (shapes, dtype, layouts)."""
 
-  def __init__(self, graph: Graph, machines):
+  def __init__(self, graph: Graph, machines, scale: float = 1.0):
     self.graph = graph
     self.machine = machine_for(machines, "*")
+    self.scale = scale  # training: the forward resharding and its transpose
     self.sizes = graph.sizes
     self.multi = {n.name: len(graph.consumers(n.name)) > 1 for n in graph.nodes}
 
@@ -149,7 +173,7 @@ class _Edges:
     return EdgePlan("", "", 0, tuple(shape_to), src, dst, tuple(naive), tuple(fused), tuple(rules),
                     cl.sequence_bytes(src, naive, shape_to, itemsize, self.sizes),
                     cl.sequence_bytes(src, fused, shape_to, itemsize, self.sizes),
-                    cl.sequence_seconds(src, fused, shape_to, itemsize, self.machine, self.sizes))
+                    self.scale * cl.sequence_seconds(src, fused, shape_to, itemsize, self.machine, self.sizes))
 
   def _realizable(self, src, fused, shape_to, shape_from) -> bool:
     """Whether the layout after the leading reductions exists in the producer's shape."""
@@ -167,16 +191,20 @@ def _check(graph: Graph):
       raise ValueError(f"node {n.name!r}: unknown kind {n.kind!r}")
 
 
-def exhaustive(graph: Graph, machines) -> Plan:
-  """Tries every joint assignment of candidates."""
+def _edges(graph: Graph, machines, training: bool) -> _Edges:
+  return _Edges(graph, machines, 2.0 if training else 1.0)
+
+
+def exhaustive(graph: Graph, machines, *, training: bool = False) -> Plan:
+  """Tries every joint assignment of candidates (``training``: see the module docstring)."""
   _check(graph)
-  edges = _Edges(graph, machines)
+  edges = _edges(graph, machines, training)
   nodes = graph.nodes
   index = {n.name: k for k, n in enumerate(nodes)}
   best, best_pick, explored = math.inf, None, 0
   for pick in itertools.product(*[range(len(n.candidates)) for n in nodes]):
     explored += 1
-    total = sum(n.candidates[i].seconds for n, i in zip(nodes, pick))
+    total = sum(node_seconds(n.candidates[i], training) for n, i in zip(nodes, pick))
     done = set()
     for prod, cons, k in graph.edges():
       out = nodes[index[prod]].candidates[pick[index[prod]]].output
@@ -194,17 +222,17 @@ def exhaustive(graph: Graph, machines) -> Plan:
   if best_pick is None:
     raise ValueError("no assignment connects every edge")
   return _finish(graph, edges, {n.name: n.candidates[i] for n, i in zip(nodes, best_pick)}, "exhaustive search",
-                 explored)
+                 explored, training)
 
 
-def dynamic(graph: Graph, machines) -> Plan:
-  """Dynamic programming over the nodes in order.
+def dynamic(graph: Graph, machines, *, training: bool = False) -> Plan:
+  """Dynamic programming over the nodes in order (``training``: see the module docstring).
 
   The state is, for every tensor still waiting for a consumer, its output
   layout and the (shape, layout) pairs it was already moved into.
   """
   _check(graph)
-  edges = _Edges(graph, machines)
+  edges = _edges(graph, machines, training)
   last_use = {}
   for k, n in enumerate(graph.nodes):
     for p in n.inputs:
@@ -218,7 +246,7 @@ def dynamic(graph: Graph, machines) -> Plan:
       live = dict(key)
       for ci, cand in enumerate(node.candidates):
         explored += 1
-        total, moved = cost + cand.seconds, {p: set(done) for p, (_, done) in live.items()}
+        total, moved = cost + node_seconds(cand, training), {p: set(done) for p, (_, done) in live.items()}
         for i, prod in enumerate(node.inputs):
           e = edges.plan(prod, node.name, i, live[prod][0], cand.inputs[i])
           if e is None:
@@ -245,10 +273,10 @@ def dynamic(graph: Graph, machines) -> Plan:
     _, prev, ci = layer[key]
     choice[node.name] = node.candidates[ci]
     key = prev
-  return _finish(graph, edges, choice, "dynamic programming over the frontier", explored)
+  return _finish(graph, edges, choice, "dynamic programming over the frontier", explored, training)
 
 
-def _finish(graph, edges, choice, method, explored) -> Plan:
+def _finish(graph, edges, choice, method, explored, training: bool = False) -> Plan:
   plans, done = [], set()
   for prod, cons, k in graph.edges():
     e = edges.plan(prod, cons, k, choice[prod].output, choice[cons].inputs[k])
@@ -256,18 +284,21 @@ def _finish(graph, edges, choice, method, explored) -> Plan:
       e = dataclasses.replace(e, seconds=0.0, shared=True)
     done.add(e.key)
     plans.append(e)
-  total = sum(c.seconds for c in choice.values()) + sum(e.seconds for e in plans)
-  return Plan(graph, choice, plans, total, method, explored)
+  total = sum(node_seconds(c, training) for c in choice.values()) + sum(e.seconds for e in plans)
+  return Plan(graph, choice, plans, total, method, explored, training)
 
 
-def search(graph: Graph, machines, *, exhaustive_limit: int = 4096) -> Plan:
-  """The cheapest plan: ``exhaustive`` when the space has at most ``exhaustive_limit`` assignments, else ``dynamic``."""
+def search(graph: Graph, machines, *, exhaustive_limit: int = 4096, training: bool = False) -> Plan:
+  """The cheapest plan: ``exhaustive`` when the space has at most ``exhaustive_limit`` assignments, else ``dynamic``.
+
+  ``training``: minimize a training step's time instead of the forward's (module docstring).
+  """
   if graph.space_size() <= exhaustive_limit:
-    return exhaustive(graph, machines)
-  return dynamic(graph, machines)
+    return exhaustive(graph, machines, training=training)
+  return dynamic(graph, machines, training=training)
 
 
-def fixed(graph: Graph, machines, choice: dict) -> Plan:
+def fixed(graph: Graph, machines, choice: dict, *, training: bool = False) -> Plan:
   """The plan of a given assignment (for comparisons)."""
-  return _finish(graph, _Edges(graph, machines), dict(choice), "given assignment", 1)
+  return _finish(graph, _edges(graph, machines, training), dict(choice), "given assignment", 1, training)
 

@@ -146,8 +146,14 @@ def matmul_library(program, mesh) -> dict[str, Schedule]:
       s.shift(m, p)
     return s
 
+  def data_parallel():
+    s = Schedule(program, mesh)
+    split(s, "m", levels)
+    return s
+
   for name, build in (("allgather_matmul", allgather), ("matmul_reducescatter", reducescatter),
-                      ("async_tp", async_tp), ("async_tp_reducescatter", async_tp_reducescatter)):
+                      ("async_tp", async_tp), ("async_tp_reducescatter", async_tp_reducescatter),
+                      ("data_parallel", data_parallel)):
     _try(out, name, build)
   return out
 
@@ -206,7 +212,9 @@ def library(program, mesh) -> dict[str, Schedule]:
   meshes), ``tree`` (keys spread, log-sum-exp merge). matmul:
   ``allgather_matmul``, ``matmul_reducescatter``, ``async_tp`` (all-gather
   ring overlapped with the GEMM), ``async_tp_reducescatter`` (partial outputs
-  passed around the ring). Other programs get ``parallel_<loop>`` and
+  passed around the ring), ``data_parallel`` (rows spread, B replicated: no
+  communication for callers whose rows are split, as in a sequence-parallel
+  block with replicated weights). Other programs get ``parallel_<loop>`` and
   ``ring_<loop>_over_<loop>`` strategies.
   """
   build = _BY_PATTERN.get(program.pattern, generic_library)
