@@ -1,0 +1,254 @@
+"""The warp-specialized fused ring-attention kernel without a GPU: Mosaic GPU interpret mode on one device
+(non-causal and causal, and the forwarding path in a one-device loopback ring), its input checks, and the 1- and
+8-device lowering to Mosaic GPU for abstract H100s.
+
+JAX's Mosaic GPU interpreter runs the kernel's three warpgroups as threads,
+with ``plgpu.Barrier`` arrive and wait between them (and it checks at the end
+that every waiter observed every barrier phase, so a protocol slip fails
+here), ``set_max_registers`` (a no-op there), wgmma with an SMEM left
+operand, and TMA copies. It has no peer memory and no semaphores, so the
+ring itself runs only in tests/gpu/test_fused_ring_attention_ws.py; the
+loopback ring here (``_kernel(..., loopback=True)``, one CTA) stores every
+forwarded tile into the device's own ``received`` and reads it back at the
+next step, which covers the forwarders' lagged stores, the slot reuse and
+the tile counts of every ring step. In interpret mode ``P V`` is a plain dot
+(the interpreter's wgmma reads its left operand from SMEM only); the
+lowering tests cover the register-operand wgmma the GPU runs. Its race
+detector (``detect_races=True``) is not used: it reports every
+read / release / refill of an SMEM slot as a race, even in a four-line
+producer-consumer kernel.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_key, rel_err
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, positions, reference
+from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRET_CTAS, WsBlocks, _kernel,
+                                                               fused_ring_attention_ws)
+from jaxmercury.schedules import orders
+
+SEQ = P(None, "x")
+SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+
+
+def _mesh(devices: int):
+  return jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+
+
+def _run(fn, q, k, v, devices=1):
+  return jax.jit(jax.shard_map(fn, mesh=_mesh(devices), **SPECS))(q, k, v)
+
+
+def _inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
+  shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
+  return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
+
+
+def _assert_close(out, lse, want_out, want_lse, q):
+  b, s, h, _ = q.shape
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
+  assert rel_err(out.astype(jnp.float32), np.asarray(want_out, np.float32)) < 2e-2
+  assert rel_err(lse, want_lse) < 1e-3
+
+
+BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=3), dict(block_q=64, block_kv=128, max_concurrent_steps=2)]
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=str)
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 256, 2, 2, 64), (2, 256, 4, 2, 128)], ids=["mha", "gqa"])
+def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
+  """Three CTAs over b * h * s / 128 items: every CTA runs several items through the same slots and barriers."""
+  q, k, v = _inputs(b, s, h, kv, d)
+  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True, **blocks),
+                  q, k, v)
+  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+
+
+# (order, zigzag chunks, local sequence length): with one device the default zigzag (2 chunks) is the natural
+# order; 4 chunks of 128 store true chunks 0, 3, 1, 2: hidden, visible and partial tiles in one ring step.
+ORDERS = [("natural", None, 256), ("zigzag", None, 256), ("zigzag", 4, 512)]
+
+
+def _true_order(x, chunks):
+  """``x [b, s, ...]`` stored in zigzag order (``chunks`` chunks) -> true sequence order."""
+  return x if chunks is None else x[:, np.argsort(orders.permutation(x.shape[1], chunks))]
+
+
+@pytest.mark.parametrize("b,h,kv", [(1, 2, 2), (2, 4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("order,chunks,s", ORDERS, ids=["natural", "zigzag", "zigzag4"])
+def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv):
+  q, k, v = _inputs(b, s, h, kv, 64)
+  mask = dict(causal=True, order=order, chunks=chunks)
+  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True, block_kv=64,
+                                                          **mask), q, k, v)
+  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
+  # the same as causal attention of the sequence in true order
+  dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+  assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
+
+
+def _loopback_reference(q, k, v, n, causal, order, chunks):
+  """Device 0 of a ring of ``n`` devices that all hold ``k, v``: keys at every device's global positions."""
+  b, s, h, d = q.shape
+  g = h // k.shape[2]
+  key_pos = np.concatenate([np.asarray(positions(order, j, n, s, np.arange(s), chunks)) for j in range(n)])
+  query_pos = key_pos[:s]
+  keys, values = (np.repeat(np.tile(np.asarray(x, np.float32), (1, n, 1, 1)), g, axis=2) for x in (k, v))
+  scores = np.einsum("bshd,bthd->bhst", np.asarray(q, np.float32), keys) / math.sqrt(d)
+  if causal:
+    scores = np.where(query_pos[:, None] >= key_pos[None, :], scores, -np.inf)
+  lse = np.asarray(jax.nn.logsumexp(scores, axis=-1))
+  out = np.einsum("bhst,bthd->bshd", np.exp(scores - lse[..., None]), values)
+  return out, lse
+
+
+@pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots", [
+    (3, 2, 4, 2, False, "natural", None, 128, 2),  # b * kv = 4 forwarders, 4 non-forwarders, 3 ring steps
+    (3, 1, 2, 1, True, "natural", None, 256, 3),  # steps 1, 2 hidden: only the forwarder loads (and passes) them
+    (2, 1, 2, 1, True, "zigzag", 8, 512, 2),  # 4 chunks a device: hidden, partial and visible runs in each step
+    (4, 2, 2, 2, True, "zigzag", None, 256, 2),  # ring_zigzag's layout, every item a forwarder
+], ids=["mha-3", "causal-3", "zigzag8-2", "zigzag-4"])
+def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chunks, s, slots):
+  """Forwarders store each tile from SMEM into ``received[s]`` and every item reads step ``s + 1`` from there.
+
+  One device, one CTA, ``n`` ring steps: the forwarders (the CTA's first
+  items) store into this device's own ``received``; unwritten ``received``
+  rows would be NaN (the interpreter's uninitialised memory).
+  """
+  q, k, v = _inputs(b, s, h, kv, 64)
+  blocks = WsBlocks(64, 64, slots)
+  seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
+  out, lse = _run(lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order, loopback=True), q, k, v)
+  _assert_close(out, lse, *_loopback_reference(q, k, v, n, causal, order, chunks), q)
+
+
+def test_the_default_grid_without_an_sm_count():
+  q, k, v = _inputs(1, 512, 2, 2, 64)
+  assert INTERPRET_CTAS < 1 * 2 * 512 // 128  # some CTA runs several items
+  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", interpret=True), q, k, v)
+  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+
+
+# ------------------------------------------------------------------ lowering for abstract H100s (no GPU)
+def _lower(devices: int, b: int, s: int, h: int, kv: int, d: int, dtype=jnp.bfloat16, **params):
+  mesh = jax.sharding.AbstractMesh((devices,), ("x",), abstract_device=H100)
+  spec = lambda heads: jax.ShapeDtypeStruct((b, devices * s, heads, d), dtype, sharding=NamedSharding(mesh, SEQ))
+  with jax.sharding.use_abstract_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), mesh=mesh, **SPECS))
+    return f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _blocks(blocks: WsBlocks):
+  return dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps)
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 32, 128), (1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)],
+                         ids=["mha", "gqa", "small"])
+def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
+  """Three warpgroups, barriers, remote TMA stores, per-step semaphores, wgmma with P from registers lower.
+
+  Lowering for an abstract H100 runs Mosaic GPU's own passes (layouts,
+  shared memory: a kernel over 227 KiB fails here); it is no CUDA compile
+  (register pressure is ptxas's) and no run.
+  """
+  text = _lower(8, b, s, h, kv, d, num_ctas=132, **_blocks(blocks))
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+@pytest.mark.parametrize("blocks", [CONFIGS[0], CONFIGS[2]], ids=str)
+@pytest.mark.parametrize("order", ["natural", "zigzag"])
+@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)], ids=["gqa", "small"])
+def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
+  """Tile counts by position, hidden tiles that keep the barrier protocol, iota masks: they lower too."""
+  text = _lower(8, b, s, h, kv, d, causal=True, order=order, num_ctas=132, **_blocks(blocks))
+  assert text.count("custom_call @mosaic_gpu") == 1
+  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["non-causal", "causal"])
+def test_one_device_lowers_without_peers(causal):
+  """One device: no received buffers, no semaphores; the default grid is the abstract device's 132 SMs."""
+  text = _lower(1, 1, 512, 8, 8, 128, jnp.float16, causal=causal)
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+# ------------------------------------------------------------------ preconditions
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype=jnp.float32), "fused_ring_attention_ws: q, k and v must all be bf16 or fp16"),
+    (dict(k_shape=(1, 128, 2, 64, 1)), r"q \[b, s, h, d\] and k, v \[b, s, kv, d\] expected"),
+    (dict(k_shape=(1, 64, 2, 64)), "must agree on b, s and d"),
+    (dict(k_shape=(1, 128, 3, 64), v_shape=(1, 128, 3, 64)), "4 query heads are not a multiple of 3"),
+    (dict(d=96), "head dimension d=96"),
+    (dict(s=96), "sequence length 96 is not a multiple of block_q=64"),
+    (dict(s=192, blocks=dict(block_kv=64)), r"192 is not a multiple of 2 \* block_q = 128: a work item is two"),
+    (dict(blocks=dict(block_q=96)), "block_q=96 must be a multiple of 64"),
+    (dict(blocks=dict(block_kv=320)), "block_kv=320 must be a multiple of 64 and at most 256"),
+    (dict(blocks=dict(max_concurrent_steps=1)), "at least 2"),
+    (dict(blocks=dict(block_q=128, block_kv=256)), "exceed one warpgroup's registers"),
+    (dict(d=128, blocks=dict(block_kv=128, max_concurrent_steps=3)), "needs 232960 bytes of shared memory"),
+    (dict(blocks=dict(num_ctas=-1)), "num_ctas=-1 must be a positive int"),
+])
+def test_inputs_are_checked_before_anything_runs(change, message):
+  s, d, dtype = change.get("s", 128), change.get("d", 64), change.get("dtype", jnp.bfloat16)
+  q = jnp.ones((1, s, 4, d), dtype)
+  k = jnp.ones(change.get("k_shape", (1, s, 2, d)), dtype)
+  v = jnp.ones(change.get("v_shape", k.shape), dtype)
+  params = {"num_ctas": 4, **change.get("blocks", {})}
+  fn = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params)
+  with pytest.raises(PreconditionError, match=message):
+    jax.jit(jax.shard_map(fn, mesh=_mesh(1), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()), check_vma=False))(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(order="diagonal"), r"fused_ring_attention_ws: order='diagonal' must be one of"),
+    (dict(order="zigzag", chunks=3), "zigzag chunks=3 must be even"),
+    (dict(order="natural", chunks=2), "chunks=2 applies to order='zigzag' only"),
+    (dict(order="zigzag", chunks=8), "zigzag chunks of 32 positions are not a multiple of block_q=64"),
+    (dict(order="zigzag", chunks=4),  # chunks of 64 positions: one query tile, not a pair
+     r"zigzag chunks of 64 positions are not a multiple of 2 \* block_q = 128: a work item's two query tiles"),
+])
+def test_orders_are_checked(kwargs, message):
+  q = k = v = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
+  with pytest.raises(PreconditionError, match=message):
+    _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
+                                                 block_kv=64, **kwargs), q, k, v)
+
+
+@pytest.mark.parametrize("interpret,devices,message", [
+    (True, 2, "fused_ring_attention_ws: interpret mode runs one device.*no peer memory"),
+    (False, 2, "fused_ring_attention_ws: axis 'x' has 2 devices, but the process has 8"),
+    (False, 8, r"fused_ring_attention_ws: the ring needs one resident CTA per forwarder, b \* kv = 2 \* 4 = 8, "
+               "but the grid has 4 CTAs"),
+])
+def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
+  q, k, v = [jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16)] * 3
+  with pytest.raises(PreconditionError, match=message):
+    _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=4, interpret=interpret), q, k, v, devices)
+
+
+def test_a_ring_grid_must_be_resident():
+  """Over 132 CTAs on 132 SMs some would wait for others to finish: the ring could deadlock."""
+  with pytest.raises(PreconditionError, match="num_ctas=133 exceeds the 132 SMs"):
+    _lower(8, 1, 256, 4, 2, 64, num_ctas=133)
+  assert _lower(1, 1, 256, 4, 2, 64, num_ctas=264).count("custom_call @mosaic_gpu") == 1  # one device: no ring
+
+
+def test_the_blocks_count_their_shared_memory():
+  """The estimate covers Mosaic GPU's count (measured: buffers + about 2.7 KiB); every config fits with d = 128."""
+  for blocks in CONFIGS:
+    assert blocks.problem(128) is None, blocks
+  assert WsBlocks(64, 128, 2).smem_bytes(128, 2) >= 167000  # Mosaic GPU's smem_bytes for it, lowered for an H100
+  assert "shared memory" in WsBlocks(64, 128, 3).problem(128)  # 232568 bytes > 227 KiB in Mosaic GPU
