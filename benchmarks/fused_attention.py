@@ -18,7 +18,10 @@ inputs, each output checked against the first's:
 - ``fused[<block_q>x<block_kv>/<steps>]`` (jaxmercury):
   ``fused_ring_attention``, one record per block configuration
   (``CONFIGS``, one CTA per SM; ``TWO_PER_SM``, ``,2/SM``: twice as many
-  CTAs); the case's summary names the fastest.
+  CTAs); the case's summary names the fastest;
+- ``fused_ws[<block_q>x<block_kv>/<steps>]`` (jaxmercury):
+  ``fused_ring_attention_ws``, two consumer warpgroups and a memory
+  warpgroup per CTA (FlashAttention-3's structure), one per ``CONFIGS``.
 
 Causal cases add ``ulysses_cudnn`` (baseline: all-to-all to heads, cuDNN's
 causal mask) and ``fused_zigzag[...]`` (jaxmercury: the ``ring_zigzag``
@@ -93,6 +96,8 @@ def _jm_zigzag_fused(mesh, prog, spec, blocks, per_sm: int):
 
 def contestants(mesh, prog, spec, impl: str):
   from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
+  from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS as WS_CONFIGS
+  from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
   causal = bool(prog.params.get("causal"))
   out = [harness.Contestant("cp_allgather_" + impl, "baseline",
                             lambda: attn.context_parallel(mesh, LEVELS, causal=causal, impl=impl),
@@ -117,6 +122,15 @@ def contestants(mesh, prog, spec, impl: str):
       out.append(harness.Contestant(name, "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
                                     "ring_zigzag lowered with fused_ring_attention (sequence put in zigzag order "
                                     "and back)", skip=why))
+  for c in WS_CONFIGS:  # two consumer warpgroups and a memory warpgroup per CTA, one CTA per SM
+    body = lambda q, k, v, c=c: fused_ring_attention_ws(
+        q, k, v, "x", causal=causal, block_q=c.block_q, block_kv=c.block_kv,
+        max_concurrent_steps=c.max_concurrent_steps)[0]
+    fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                                                 check_vma=False))
+    out.append(harness.Contestant(f"fused_ws[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]", "jaxmercury", fn,
+                                  "fused_ring_attention_ws: warp-specialized (FA3-style), K/V forwarded by the "
+                                  "memory warpgroup", skip=skip))
   for c, per_sm in variants:
     body = lambda q, k, v, c=c, per_sm=per_sm: fused_ring_attention(
         q, k, v, "x", causal=causal, block_q=c.block_q, block_kv=c.block_kv,

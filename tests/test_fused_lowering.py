@@ -84,7 +84,7 @@ def test_lower_with_raises_before_anything_runs():
   with pytest.raises(jm.UnknownNameError, match="known: .*'fused_allgather_matmul', 'fused_allgather_matmul_comm', "
                                                  "'fused_allgather_matmul_ws', 'fused_matmul_reducescatter', "
                                                  "'fused_matmul_reducescatter_ws', 'fused_ring_attention', "
-                                                 "'jax_allgather_lhs_matmul'"):
+                                                 "'fused_ring_attention_ws', 'jax_allgather_lhs_matmul'"):
     s.lower_with("fused_gemm")
   assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
 
@@ -274,7 +274,7 @@ H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 @pytest.mark.parametrize("strategy,lowering,attention", [
     ("async_tp", OURS, False), ("allgather_matmul", "fused_allgather_matmul_comm", False),
     ("async_tp", "fused_allgather_matmul_ws", False), ("matmul_reducescatter", OURS_RS, False),
-    ("async_tp_reducescatter", WS_RS, False), ("ring", RING, True)])
+    ("async_tp_reducescatter", WS_RS, False), ("ring", RING, True), ("ring", "fused_ring_attention_ws", True)])
 def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
   """Each of our fused lowerings' per-device function, as the GPU runs it (no interpret mode), lowers to one
   Mosaic GPU kernel under the schedule's shard_map for an abstract 8 x H100 mesh. (JAX's all-gather kernel reads
@@ -344,3 +344,25 @@ def test_a_zigzag_order_is_another_kernel():
   with registry.interpret_mode():
     names = [n for n, _ in tune_module.default_candidates(_attention(256, causal=True), one, space=2)]
   assert {f"ring {{{RING}}}", f"ring_zigzag {{{RING}}}"} <= set(names)
+
+
+@pytest.mark.parametrize("strategy,causal", [("ring", False), ("ring_zigzag", True)])
+def test_warp_specialized_ring_attention_lowering_runs_interpreted(strategy, causal):
+  """The warp-specialized fused ring attention as a lowering: interpreted on one CPU device, it matches the
+  reference and gives the ordinary lowering's gradients; blocks that do not fit the schedule are refused."""
+  mesh = _one_device_mesh()
+  prog = _attention(256, causal=causal)
+  plain = jm.library(prog, mesh)[strategy]
+  s = plain.copy().lower_with("fused_ring_attention_ws", block_kv=64)
+  q, k, v = prog.random_inputs(fresh_key())
+  f = s.compile()
+  out = f(q, k, v)
+  assert rel_err(out.astype(jnp.float32), prog.reference(q, k, v).astype(jnp.float32)) < 2e-2
+  cot = jax.random.normal(fresh_key(), out.shape, jnp.float32).astype(jnp.bfloat16)
+  _, vjp = jax.vjp(f, q, k, v)
+  _, vjp_plain = jax.vjp(plain.compile(), q, k, v)
+  for got, ref in zip(vjp(cot), vjp_plain(cot)):
+    assert rel_err(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
+  odd = jm.library(_attention(192, causal=causal), mesh)["ring"]  # a work item is 128 query rows
+  assert "2 x block_q=128 does not divide each device's positions of 'i' (192)" in fused.why_not(
+      "fused_ring_attention_ws", odd)

@@ -181,7 +181,10 @@ class FusedLowering:
     if p.kind != self.kind:
       return (f"{self.name} computes {KIND_NAMES[self.kind]}; this schedule stores {p.describe(schedule)}: "
               f"{KIND_NAMES[p.kind]}")
-    return p.dtype_problem() or self.device_problem(schedule, p)
+    reason = p.dtype_problem() or self.device_problem(schedule, p)
+    if reason is None and self.fit_problem is not None:  # its default parameters must fit
+      reason = self.fit_problem(p, self.params(), schedule)
+    return reason
 
   def check(self, schedule, params: Mapping | None = None):
     """Raises ``PreconditionError`` with ``why_not``'s reason, or a parameter's problem."""

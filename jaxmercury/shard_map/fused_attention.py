@@ -13,7 +13,9 @@ sequence axes in the same zigzag order (``Schedule.zigzag``, as
 any even multiple of ``n``), and the kernel masks by the global positions
 that order gives each device. Registered in ``jaxmercury.shard_map.fused`` as
 ``fused_ring_attention`` (kind ``"ring_attention"``); gradients come from the
-ordinary lowering.
+ordinary lowering. ``fused_ring_attention_ws`` runs the same schedules with
+the warp-specialized kernel (``pallas_kernels.fused_ring_attention_ws``: two
+consumer warpgroups and a memory warpgroup per CTA).
 """
 
 from __future__ import annotations
@@ -204,6 +206,47 @@ def _make(p: AttentionPlacement, params, interpret: bool):
   return per_device
 
 
+# ------------------------------------------------------------------ the warp-specialized kernel
+WS_DEFAULTS = {"block_q": 64, "block_kv": 128, "max_concurrent_steps": 2}
+
+
+def _ws_blocks(params):
+  from jaxmercury.pallas_kernels.fused_ring_attention_ws import WsBlocks
+  return WsBlocks(params["block_q"], params["block_kv"], params["max_concurrent_steps"])
+
+
+def _ws_fit(p: AttentionPlacement, params, schedule) -> str | None:
+  """The blocks at the program's head dimension; a work item's two query tiles and the key tiles in each device's
+  positions (each zigzag chunk's)."""
+  b, s_local, hk, g, d = p.local_shape(schedule)
+  if reason := _ws_blocks(params).problem(d, np.dtype(p.q.dtype).itemsize):
+    return reason
+  run = s_local if p.chunks is None else schedule.program.axes[p.axes["i"]].extent // p.chunks
+  where = "each device's positions" if p.chunks is None else "each zigzag chunk's positions"
+  for name, rows in (("2 x block_q", 2 * params["block_q"]), ("block_kv", params["block_kv"])):
+    if run % rows:
+      return f"{name}={rows} does not divide {where} of {p.axes['i']!r} ({run})"
+  return None
+
+
+def _ws_make(p: AttentionPlacement, params, interpret: bool):
+  from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
+
+  def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
+    b, s, hk, g, d = q.shape
+    out, _ = fused_ring_attention_ws(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order,
+                                     chunks=p.chunks, block_q=params["block_q"], block_kv=params["block_kv"],
+                                     max_concurrent_steps=params["max_concurrent_steps"],
+                                     num_ctas=fused.INTERPRET_CTAS if interpret else None, interpret=interpret)
+    return out.reshape(b, s, hk, g, d)
+  return per_device
+
+
+def _not_run_yet(p: AttentionPlacement) -> str:
+  del p  # every placement
+  return "not yet run on a GPU (checked on CPUs only): offered once its GPU tests pass"
+
+
 fused.PLACEMENTS[RING_ATTENTION] = placement
 fused.KIND_NAMES[RING_ATTENTION] = "ring attention"
 fused.register(fused.FusedLowering(
@@ -213,3 +256,11 @@ fused.register(fused.FusedLowering(
     "global position; ctas_per_sm CTAs share each SM",
     DEFAULTS, "fused_ring_attention", fused.interpretable_devices, _params, _tile, _make, interpret=True,
     kind=RING_ATTENTION, fit_problem=_fit, unverified=_unverified))
+fused.register(fused.FusedLowering(
+    "fused_ring_attention_ws",
+    "our warp-specialized Mosaic GPU kernel (pallas_kernels.fused_ring_attention_ws): two consumer warpgroups "
+    "take turns on the tensor cores while a memory warpgroup loads K and V tiles and forwards them to the left "
+    "neighbour; one CTA per SM",
+    WS_DEFAULTS, "fused_ring_attention_ws", fused.interpretable_devices, _params,
+    lambda params: (2 * params["block_q"], params["block_kv"], 64), _ws_make, interpret=True, kind=RING_ATTENTION,
+    fit_problem=_ws_fit, unverified=_not_run_yet))

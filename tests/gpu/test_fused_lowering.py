@@ -106,13 +106,15 @@ def test_the_tuner_offers_and_times_them():
 @pytest.mark.parametrize("strategy,causal", [("ring", False), ("context_parallel", False), ("ring", True),
                                              ("ring_zigzag", True)])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_ring_attention_every_gpu(strategy, causal, kv_heads):
-  """The fused ring-attention lowering: output and gradients against the float32 reference and the ordinary ones."""
+@pytest.mark.parametrize("lowering", ["fused_ring_attention", "fused_ring_attention_ws"])
+def test_ring_attention_every_gpu(strategy, causal, kv_heads, lowering):
+  """The fused ring-attention lowerings: output and gradients against the float32 reference and the ordinary
+  ones."""
   n = len(jax.devices())
   prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, causal=causal, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
-  assert fused.why_not("fused_ring_attention", plain) is None
-  s = plain.copy().lower_with("fused_ring_attention")
+  assert fused.why_not(lowering, plain) is None
+  s = plain.copy().lower_with(lowering)
   q, k, v = prog.random_inputs(fresh_key())
   cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
   out, vjp = jax.vjp(s.compile(), q, k, v)
