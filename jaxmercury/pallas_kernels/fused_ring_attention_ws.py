@@ -145,7 +145,7 @@ from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels import fused_ring_attention as fra
 from jaxmercury.pallas_kernels.fused_ring_attention import (HIDDEN, LOG2E, MASKED, PARTIAL, VISIBLE, SequenceOrder,
                                                             _finish, _initial_state, _item, reference)
-from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, SMEM_BYTES, _swizzled
+from jaxmercury.pallas_kernels.mosaic_matmul import _swizzled
 from jaxmercury.pallas_kernels.peer_gemm import sm_count, step_semaphores
 
 __all__ = ["CONFIGS", "WsBlocks", "fused_ring_attention_ws", "reference"]
@@ -161,33 +161,16 @@ SMEM_OVERHEAD = 3 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class WsBlocks:
-  """Tile sizes and pipeline depth: ``block_q`` rows per consumer warpgroup (``2 block_q`` per work item)."""
+class WsBlocks(fra.Blocks):
+  """Tile sizes and pipeline depth: ``block_q`` rows per consumer warpgroup (``2 block_q`` per work item).
 
-  block_q: int = 64
-  block_kv: int = 128
-  max_concurrent_steps: int = 2
+  The same limits as ``fused_ring_attention.Blocks`` (its ``problem``), on this kernel's shared memory.
+  """
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """Two Q tiles (reused for the outputs), K and V slots, two log-sum-exp rows, barriers and alignment."""
     bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
     return (CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
-
-  def problem(self, d: int, itemsize: int = 2) -> str | None:
-    """Why these blocks cannot compile for head dimension ``d``, or None."""
-    bq, bkv = self.block_q, self.block_kv
-    if bq % 64:
-      return f"block_q={bq} must be a multiple of 64 (wgmma's M)"
-    if bkv % 64 or bkv > 256:
-      return f"block_kv={bkv} must be a multiple of 64 and at most 256 (wgmma's N)"
-    if self.max_concurrent_steps < 2:
-      return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2 (loads ahead of the wgmmas)"
-    if bq * (bkv + d) > ACC_VALUES:
-      return (f"block_q x (block_kv + d) = {bq * (bkv + d)} float32 scores and accumulators exceed "
-              f"one warpgroup's registers ({ACC_VALUES})")
-    if self.smem_bytes(d, itemsize) > SMEM_BYTES:
-      return f"needs {self.smem_bytes(d, itemsize)} bytes of shared memory, more than {SMEM_BYTES}"
-    return None
 
 
 # The block configurations the GPU test tries (d = 128: 3 slots of 128 keys do not fit in shared memory).
