@@ -40,7 +40,8 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, pad_to, round_up, step_semaphores,
+                                                  warp_specialized_kernel)
 
 KERNEL = "fused_allgather_matmul_ws"
 
@@ -118,8 +119,4 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: WsTiles, out_dtype):
   out_type = [jax.ShapeDtypeStruct((n_dev * m, n), out_dtype)]
   if n_dev > 1:  # filled by the right neighbour, one slot per ring step
     out_type.append(jax.ShapeDtypeStruct((n_dev - 1, m, k), a.dtype))
-  results = plgpu.kernel(
-      body, out_type=out_type, grid=(grid,), grid_names=("cluster_grid",), cluster=(1,),
-      cluster_names=("cluster",), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(a, b)
-  return results[0]
+  return warp_specialized_kernel(body, out_type, grid, a, b)

@@ -74,3 +74,14 @@ def step_semaphores(n_dev: int):
   count a waiter for step ``s`` expects would be reached early.
   """
   return pl.get_global(plgpu.SemaphoreType.REGULAR((max(n_dev - 1, 1),)))
+
+
+def warp_specialized_kernel(body, out_type, grid: int, *operands):
+  """``body`` run on the grid JAX's warp-specialized Hopper GEMM body (``hopper_matmul_mgpu.kernel``) expects:
+  ``grid`` persistent CTAs (one per SM) along ``"cluster_grid"``, clusters of one, three warpgroups along
+  ``"wg"`` (two consumers, one producer) and warpgroup lowering; returns the kernel's first output."""
+  results = plgpu.kernel(
+      body, out_type=out_type, grid=(grid,), grid_names=("cluster_grid",), cluster=(1,),
+      cluster_names=("cluster",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*operands)
+  return results[0]
