@@ -6,67 +6,20 @@ Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_rin
 (the timeout: a ring that deadlocks hangs rather than fails).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from conftest import fresh_key, rel_err
 from gpu.checks import gpu_mesh
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from gpu.ring_attention_checks import HEADS, MASKS, SEQ, SPECS, check, inputs, one_gpu, run
 
 from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
-from jaxmercury.schedules import orders
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
-SEQ = P(None, "x")
-SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
-HEADS = [(8, 8), (8, 2)]  # (query heads, key/value heads): MHA and GQA
-MASKS = [dict(causal=True), dict(causal=True, order="zigzag")]  # zigzag: 2 n chunks, as ring_zigzag stores them
-
-
-def _one_gpu():
-  return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
-
-
-def _inputs(mesh, s_local, h, kv, d=128, b=1):
-  n = mesh.devices.size
-  sharding = NamedSharding(mesh, SEQ)
-  return [jax.device_put(jax.random.normal(fresh_key(), (b, n * s_local, heads, d), jnp.float32).astype(jnp.bfloat16),
-                         sharding) for heads in (h, kv, kv)]
-
-
-def _run(mesh, fn, *xs):
-  return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(*xs)
-
-
-def _true_order(x, mesh, mask):
-  """A global ``[b, S, ...]`` array stored in ``mask``'s order -> true sequence order."""
-  if mask.get("order") != "zigzag":
-    return x
-  return x[:, np.argsort(orders.permutation(x.shape[1], 2 * mesh.devices.size))]
-
-
-def _check(mesh, s_local, h, kv, blocks, **mask):
-  q, k, v = _inputs(mesh, s_local, h, kv)
-  params = dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
-                **mask)
-  out, lse = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
-  want_out, want_lse = _run(mesh, lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
-  assert out.shape == q.shape and lse.shape == (q.shape[0], h, q.shape[1])
-  assert np.all(np.isfinite(np.asarray(out, np.float32)))
-  assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
-  assert rel_err(lse, want_lse) < 1e-3, blocks
-  assert np.all(np.isfinite(np.asarray(lse)))
-  if q.shape[1] <= 16384:  # the same numbers as jax.nn.dot_product_attention (XLA) of the global arrays
-    true = lambda x: _true_order(x, mesh, mask)
-    dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=mask.get("causal", False)))
-    want = dpa(true(q), true(k), true(v))
-    assert rel_err(true(out).astype(jnp.float32), want.astype(jnp.float32)) < 2e-2, blocks
-  # A second call: the per-step semaphores start from zero each launch, the received buffers are fresh.
-  again, _ = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **params), q, k, v)
-  assert rel_err(again.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+_check = functools.partial(check, fused_ring_attention)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
@@ -81,7 +34,7 @@ def test_every_gpu_causal(s_local, h, kv, blocks, mask):
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 def test_one_gpu_causal(h, kv, mask):
-  _check(_one_gpu(), 1024, h, kv, CONFIGS[0], **mask)
+  _check(one_gpu(), 1024, h, kv, CONFIGS[0], **mask)
 
 
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
@@ -95,7 +48,7 @@ def test_every_gpu(s_local, h, kv, blocks):
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
 def test_one_gpu(s_local, h, kv, blocks):
-  _check(_one_gpu(), s_local, h, kv, blocks)
+  _check(one_gpu(), s_local, h, kv, blocks)
 
 
 def test_every_gpu_with_the_benchmarks_heads():
@@ -105,8 +58,8 @@ def test_every_gpu_with_the_benchmarks_heads():
 
 def test_every_gpu_matches_cudnn():
   mesh = gpu_mesh()
-  q, k, v = _inputs(mesh, 1024, 8, 2)
-  out, _ = _run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x"), q, k, v)
+  q, k, v = inputs(mesh, 1024, 8, 2)
+  out, _ = run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x"), q, k, v)
 
   def cudnn(q, k, v):
     k, v = (jax.lax.all_gather(x, "x", axis=1, tiled=True) for x in (k, v))
@@ -119,7 +72,7 @@ def test_every_gpu_matches_cudnn():
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
 def test_the_gradient_on_every_gpu(mask):
   mesh = gpu_mesh()
-  q, k, v = _inputs(mesh, 1024, 8, 2)
+  q, k, v = inputs(mesh, 1024, 8, 2)
   cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
 
   def grads(attention):

@@ -1,0 +1,61 @@
+"""Checks shared by the GPU tests of the fused ring-attention kernels (one warpgroup, warp-specialized)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import fresh_key, rel_err
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmercury.pallas_kernels.fused_ring_attention import reference
+from jaxmercury.schedules import orders
+
+SEQ = P(None, "x")
+SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
+HEADS = [(8, 8), (8, 2)]  # (query heads, key/value heads): MHA and GQA
+MASKS = [dict(causal=True), dict(causal=True, order="zigzag")]  # zigzag: 2 n chunks, as ring_zigzag stores them
+
+
+def one_gpu():
+  return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+
+
+def inputs(mesh, s_local, h, kv, d=128, b=1):
+  """Fresh sequence-sharded ``q, k, v`` (bf16), ``s_local`` positions per device."""
+  n = mesh.devices.size
+  sharding = NamedSharding(mesh, SEQ)
+  return [jax.device_put(jax.random.normal(fresh_key(), (b, n * s_local, heads, d), jnp.float32).astype(jnp.bfloat16),
+                         sharding) for heads in (h, kv, kv)]
+
+
+def run(mesh, fn, *xs):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS))(*xs)
+
+
+def true_order(x, mesh, mask):
+  """A global ``[b, S, ...]`` array stored in ``mask``'s order -> true sequence order."""
+  if mask.get("order") != "zigzag":
+    return x
+  return x[:, np.argsort(orders.permutation(x.shape[1], 2 * mesh.devices.size))]
+
+
+def check(kernel, mesh, s_local, h, kv, blocks, d=128, b=1, num_ctas=None, **mask):
+  """``kernel`` (a fused ring attention) against the unfused reference and, up to 16K positions, against
+  ``jax.nn.dot_product_attention`` of the true-order arrays; then once more (state fresh each launch)."""
+  q, k, v = inputs(mesh, s_local, h, kv, d, b)
+  params = dict(block_q=blocks.block_q, block_kv=blocks.block_kv, max_concurrent_steps=blocks.max_concurrent_steps,
+                num_ctas=num_ctas, **mask)
+  out, lse = run(mesh, lambda q, k, v: kernel(q, k, v, "x", **params), q, k, v)
+  want_out, want_lse = run(mesh, lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
+  assert out.shape == q.shape and lse.shape == (q.shape[0], h, q.shape[1])
+  assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
+  assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+  assert rel_err(lse, want_lse) < 1e-3, blocks
+  if q.shape[1] <= 16384:  # the same numbers as jax.nn.dot_product_attention (XLA) of the global arrays
+    true = lambda x: true_order(x, mesh, mask)
+    dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=mask.get("causal", False)))
+    want = dpa(true(q), true(k), true(v))
+    assert rel_err(true(out).astype(jnp.float32), want.astype(jnp.float32)) < 2e-2, blocks
+  # A second call: the per-step semaphores start from zero each launch, the received buffers are fresh.
+  again, _ = run(mesh, lambda q, k, v: kernel(q, k, v, "x", **params), q, k, v)
+  assert rel_err(again.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
