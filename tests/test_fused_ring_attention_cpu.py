@@ -12,38 +12,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_key, rel_err
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, fused_ring_attention, positions,
                                                             reference, ring_attention)
 from jaxmercury.schedules import orders
 
-SEQ = P(None, "x")
-SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
-
-
-def _mesh(devices: int):
-  return jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
-
-
-def _run(fn, q, k, v, devices=1):
-  return jax.jit(jax.shard_map(fn, mesh=_mesh(devices), **SPECS))(q, k, v)
-
-
-def _inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
-  shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
-  return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
 
 
 @pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),
                                     dict(block_q=64, block_kv=128, max_concurrent_steps=3)], ids=str)
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 128, 2, 2, 64), (2, 128, 4, 2, 128)], ids=["mha", "gqa"])
 def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
-  q, k, v = _inputs(b, s, h, kv, d)
-  out, lse = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True, **blocks), q, k, v)
-  want_out, want_lse = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  q, k, v = local_inputs(b, s, h, kv, d)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True,
+                                                                       **blocks), q, k, v)
+  want_out, want_lse = run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v)
   assert out.shape == q.shape and out.dtype == jnp.bfloat16
   assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2
@@ -51,20 +38,20 @@ def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
 
 
 def test_the_reference_is_dot_product_attention():
-  q, k, v = _inputs(1, 64, 4, 2, 64, jnp.float32)
-  out, lse = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  q, k, v = local_inputs(1, 64, 4, 2, 64, jnp.float32)
+  out, lse = run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v)
   assert rel_err(out, jax.nn.dot_product_attention(q, k, v)) < 1e-5
   scores = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(64)
   assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-5
 
 
 def test_the_gradient_is_the_references():
-  q, k, v = _inputs(1, 128, 4, 2, 64)
+  q, k, v = local_inputs(1, 128, 4, 2, 64)
   cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
 
   def loss(attention):
     def f(q, k, v):
-      out, lse = jax.shard_map(attention, mesh=_mesh(1), **SPECS)(q, k, v)
+      out, lse = jax.shard_map(attention, mesh=first_devices(), **SPECS)(q, k, v)
       return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(lse))
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
@@ -91,11 +78,12 @@ def _true_order(x, chunks):
 @pytest.mark.parametrize("b,h,kv", [(1, 2, 2), (2, 4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("order,chunks,s", ORDERS, ids=["natural", "zigzag", "zigzag4"])
 def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv, blocks):
-  q, k, v = _inputs(b, s, h, kv, 64)
+  q, k, v = local_inputs(b, s, h, kv, 64)
   mask = dict(causal=True, order=order, chunks=chunks)
-  out, lse = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True, **mask, **blocks),
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True,
+                                                                       **mask, **blocks),
                   q, k, v)
-  want_out, want_lse = _run(lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
+  want_out, want_lse = run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v)
   assert out.shape == q.shape and out.dtype == jnp.bfloat16 and lse.shape == (b, h, s)
   assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2
@@ -106,8 +94,8 @@ def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv, blo
 
 
 def test_the_causal_reference_is_dot_product_attention():
-  q, k, v = _inputs(1, 128, 4, 2, 64, jnp.float32)
-  out, lse = _run(lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v)
+  q, k, v = local_inputs(1, 128, 4, 2, 64, jnp.float32)
+  out, lse = run(first_devices(), lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v)
   assert rel_err(out, jax.nn.dot_product_attention(q, k, v, is_causal=True)) < 1e-5
   scores = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(64)
   scores = jnp.where(jnp.tril(jnp.ones((128, 128), bool)), scores, -jnp.inf)
@@ -116,13 +104,13 @@ def test_the_causal_reference_is_dot_product_attention():
 
 @pytest.mark.parametrize("order,chunks", [("natural", None), ("zigzag", 4)], ids=["natural", "zigzag4"])
 def test_the_causal_gradient_is_the_references(order, chunks):
-  q, k, v = _inputs(1, 256, 4, 2, 64)
+  q, k, v = local_inputs(1, 256, 4, 2, 64)
   cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
   mask = dict(causal=True, order=order, chunks=chunks)
 
   def loss(attention):
     def f(q, k, v):
-      out, lse = jax.shard_map(attention, mesh=_mesh(1), **SPECS)(q, k, v)
+      out, lse = jax.shard_map(attention, mesh=first_devices(), **SPECS)(q, k, v)
       return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(lse))
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
@@ -166,7 +154,7 @@ def test_positions_are_the_stored_zigzag_order(n, per_device):
 def test_orders_are_checked(kwargs, message):
   q = k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
   with pytest.raises(PreconditionError, match=message):
-    _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
+    run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
                                               **{"block_kv": 64, **kwargs}), q, k, v)
 
 
@@ -188,7 +176,8 @@ def test_inputs_are_checked_before_anything_runs(change, message):
   v = jnp.ones(change.get("v_shape", k.shape), dtype)
   fn = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=4, **change.get("blocks", {}))
   with pytest.raises(PreconditionError, match=message):
-    jax.jit(jax.shard_map(fn, mesh=_mesh(1), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()), check_vma=False))(q, k, v)
+    jax.jit(jax.shard_map(fn, mesh=first_devices(), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()),
+                          check_vma=False))(q, k, v)
 
 
 @pytest.mark.parametrize("interpret,devices,message", [(True, 2, "no peer memory"),
@@ -197,7 +186,8 @@ def test_inputs_are_checked_before_anything_runs(change, message):
 def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
   q, k, v = jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16), *[jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16)] * 2
   with pytest.raises(PreconditionError, match=message):
-    _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=4, interpret=interpret), q, k, v, devices)
+    run(first_devices(devices), lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=4, interpret=interpret),
+        q, k, v)
 
 
 H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
@@ -263,7 +253,7 @@ def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
 
 
 def test_the_default_grid_without_an_sm_count():
-  q, k, v = _inputs(1, 128, 2, 2, 64)
-  out, _ = _run(lambda q, k, v: fused_ring_attention(q, k, v, "x", interpret=True), q, k, v)
-  want, _ = _run(lambda q, k, v: reference(q, k, v, "x"), q, k, v)
+  q, k, v = local_inputs(1, 128, 2, 2, 64)
+  out, _ = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", interpret=True), q, k, v)
+  want, _ = run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v)
   assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, rel_err
-from jax.sharding import AxisType, NamedSharding
+from conftest import rel_err
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, positions, reference
@@ -35,22 +36,7 @@ from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRE
                                                                fused_ring_attention_ws)
 from jaxmercury.schedules import orders
 
-SEQ = P(None, "x")
-SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)
 H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
-
-
-def _mesh(devices: int):
-  return jax.make_mesh((devices,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
-
-
-def _run(fn, q, k, v, devices=1):
-  return jax.jit(jax.shard_map(fn, mesh=_mesh(devices), **SPECS))(q, k, v)
-
-
-def _inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
-  shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
-  return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
 
 
 def _assert_close(out, lse, want_out, want_lse, q):
@@ -69,10 +55,10 @@ BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=3), dict(block_q=64
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 256, 2, 2, 64), (2, 256, 4, 2, 128)], ids=["mha", "gqa"])
 def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
   """Three CTAs over b * h * s / 128 items: every CTA runs several items through the same slots and barriers."""
-  q, k, v = _inputs(b, s, h, kv, d)
-  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True, **blocks),
-                  q, k, v)
-  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+  q, k, v = local_inputs(b, s, h, kv, d)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True,
+                                                                          **blocks), q, k, v)
+  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
 # (order, zigzag chunks, local sequence length): with one device the default zigzag (2 chunks) is the natural
@@ -88,11 +74,11 @@ def _true_order(x, chunks):
 @pytest.mark.parametrize("b,h,kv", [(1, 2, 2), (2, 4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("order,chunks,s", ORDERS, ids=["natural", "zigzag", "zigzag4"])
 def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv):
-  q, k, v = _inputs(b, s, h, kv, 64)
+  q, k, v = local_inputs(b, s, h, kv, 64)
   mask = dict(causal=True, order=order, chunks=chunks)
-  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True, block_kv=64,
-                                                          **mask), q, k, v)
-  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True,
+                                                                          block_kv=64, **mask), q, k, v)
+  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
   # the same as causal attention of the sequence in true order
   dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
@@ -126,18 +112,19 @@ def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chun
   items) store into this device's own ``received``; unwritten ``received``
   rows would be NaN (the interpreter's uninitialised memory).
   """
-  q, k, v = _inputs(b, s, h, kv, 64)
+  q, k, v = local_inputs(b, s, h, kv, 64)
   blocks = WsBlocks(64, 64, slots)
   seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
-  out, lse = _run(lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order, loopback=True), q, k, v)
+  out, lse = run(first_devices(), lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order,
+                                                           loopback=True), q, k, v)
   _assert_close(out, lse, *_loopback_reference(q, k, v, n, causal, order, chunks), q)
 
 
 def test_the_default_grid_without_an_sm_count():
-  q, k, v = _inputs(1, 512, 2, 2, 64)
+  q, k, v = local_inputs(1, 512, 2, 2, 64)
   assert INTERPRET_CTAS < 1 * 2 * 512 // 128  # some CTA runs several items
-  out, lse = _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", interpret=True), q, k, v)
-  _assert_close(out, lse, *_run(lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", interpret=True), q, k, v)
+  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
 # ------------------------------------------------------------------ lowering for abstract H100s (no GPU)
@@ -209,7 +196,8 @@ def test_inputs_are_checked_before_anything_runs(change, message):
   params = {"num_ctas": 4, **change.get("blocks", {})}
   fn = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params)
   with pytest.raises(PreconditionError, match=message):
-    jax.jit(jax.shard_map(fn, mesh=_mesh(1), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()), check_vma=False))(q, k, v)
+    jax.jit(jax.shard_map(fn, mesh=first_devices(), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()),
+                          check_vma=False))(q, k, v)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -223,7 +211,7 @@ def test_inputs_are_checked_before_anything_runs(change, message):
 def test_orders_are_checked(kwargs, message):
   q = k = v = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
   with pytest.raises(PreconditionError, match=message):
-    _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
+    run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=True, num_ctas=4, interpret=True,
                                                  block_kv=64, **kwargs), q, k, v)
 
 
@@ -236,7 +224,8 @@ def test_orders_are_checked(kwargs, message):
 def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
   q, k, v = [jnp.ones((2, devices * 128, 4, 64), jnp.bfloat16)] * 3
   with pytest.raises(PreconditionError, match=message):
-    _run(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=4, interpret=interpret), q, k, v, devices)
+    run(first_devices(devices), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=4, interpret=interpret),
+        q, k, v)
 
 
 def test_a_ring_grid_must_be_resident():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
 from gpu.checks import gpu_mesh
-from gpu.ring_attention_checks import HEADS, MASKS, SEQ, SPECS, check, inputs, one_gpu, run
+from ring_attention_checks import HEADS, MASKS, SEQ, SPECS, check, first_devices, inputs, run
 
 from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
 
@@ -34,7 +34,7 @@ def test_every_gpu_causal(s_local, h, kv, blocks, mask):
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 def test_one_gpu_causal(h, kv, mask):
-  _check(one_gpu(), 1024, h, kv, CONFIGS[0], **mask)
+  _check(first_devices(), 1024, h, kv, CONFIGS[0], **mask)
 
 
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
@@ -48,7 +48,7 @@ def test_every_gpu(s_local, h, kv, blocks):
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
 def test_one_gpu(s_local, h, kv, blocks):
-  _check(one_gpu(), s_local, h, kv, blocks)
+  _check(first_devices(), s_local, h, kv, blocks)
 
 
 def test_every_gpu_with_the_benchmarks_heads():

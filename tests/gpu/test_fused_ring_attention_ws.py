@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import rel_err
 from gpu.checks import gpu_mesh
-from gpu.ring_attention_checks import HEADS, MASKS, SEQ, check, inputs, one_gpu, run
+from ring_attention_checks import HEADS, MASKS, SEQ, check, first_devices, inputs, run
 
 from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
 from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS, fused_ring_attention_ws
@@ -34,7 +34,7 @@ def test_every_gpu(s_local, h, kv, blocks):
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
 def test_one_gpu(s_local, h, kv, blocks):
-  _check(one_gpu(), s_local, h, kv, blocks)
+  _check(first_devices(), s_local, h, kv, blocks)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
@@ -49,7 +49,7 @@ def test_every_gpu_causal(s_local, h, kv, blocks, mask):
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 def test_one_gpu_causal(h, kv, mask):
-  _check(one_gpu(), 1024, h, kv, CONFIGS[0], **mask)
+  _check(first_devices(), 1024, h, kv, CONFIGS[0], **mask)
 
 
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])

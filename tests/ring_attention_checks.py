@@ -1,4 +1,5 @@
-"""Checks shared by the GPU tests of the fused ring-attention kernels (one warpgroup, warp-specialized)."""
+"""Inputs, runner and check shared by the CPU and GPU tests of the fused ring-attention kernels (one warpgroup,
+warp-specialized)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,9 @@ HEADS = [(8, 8), (8, 2)]  # (query heads, key/value heads): MHA and GQA
 MASKS = [dict(causal=True), dict(causal=True, order="zigzag")]  # zigzag: 2 n chunks, as ring_zigzag stores them
 
 
-def one_gpu():
-  return jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+def first_devices(n: int = 1):
+  """A one-level mesh ``"x"`` over the first ``n`` devices."""
+  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
 
 
 def inputs(mesh, s_local, h, kv, d=128, b=1):
@@ -26,6 +28,12 @@ def inputs(mesh, s_local, h, kv, d=128, b=1):
   sharding = NamedSharding(mesh, SEQ)
   return [jax.device_put(jax.random.normal(fresh_key(), (b, n * s_local, heads, d), jnp.float32).astype(jnp.bfloat16),
                          sharding) for heads in (h, kv, kv)]
+
+
+def local_inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
+  """Fresh ``q [b, s, h, d]``, ``k, v [b, s, kv, d]`` on one device."""
+  shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
+  return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
 
 
 def run(mesh, fn, *xs):
