@@ -13,7 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm, reference
+from jaxmercury.pallas_kernels.fused_allgather_matmul import reference
+from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
 from jaxmercury.pallas_kernels.peer_gemm import round_up
 

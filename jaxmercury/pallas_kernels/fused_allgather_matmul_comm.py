@@ -246,9 +246,3 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
       body, out_type=out_type, scratch_types=[out_smem], grid=(comm + workers,), grid_names=("cta",),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(a, b)
   return result[0]
-
-
-def reference(a, b, axis_name: str, out_dtype=None):
-  """The unfused program: ``all_gather`` then one GEMM (float32 accumulation)."""
-  full = lax.all_gather(a, axis_name, axis=0, tiled=True)
-  return jnp.dot(full, b, preferred_element_type=jnp.float32).astype(out_dtype or a.dtype)

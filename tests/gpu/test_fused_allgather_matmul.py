@@ -2,14 +2,11 @@
 all_gather + dot (skipped on CPU)."""
 
 import jax
-import jax.numpy as jnp
 import pytest
-from conftest import fresh_key, rel_err
-from gpu.checks import gpu_mesh
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from gpu.checks import check_allgather_matmul, gpu_mesh
+from jax.sharding import AxisType
 
-from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul, reference
+from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
 from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
@@ -27,22 +24,7 @@ def _kernel(tiles):
 
 
 def _check(mesh, m_shard, k, n, tiles):
-  devices = mesh.devices.size
-  a = jax.device_put(jax.random.normal(fresh_key(), (devices * m_shard, k), jnp.float32).astype(jnp.bfloat16),
-                     NamedSharding(mesh, P("x", None)))
-  b = jax.device_put(jax.random.normal(fresh_key(), (k, devices * n), jnp.float32).astype(jnp.bfloat16),
-                     NamedSharding(mesh, P(None, "x")))
-
-  def run(fn):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"),
-                                 check_vma=False))(a, b)
-
-  got = run(_kernel(tiles))
-  want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-  assert got.shape == want.shape
-  assert rel_err(got.astype(jnp.float32), want) < 2e-2, tiles
-  unfused = run(lambda a, b: reference(a, b, "x"))
-  assert rel_err(got.astype(jnp.float32), unfused.astype(jnp.float32)) < 2e-2
+  check_allgather_matmul(mesh, m_shard, k, n, _kernel(tiles), tiles)
 
 
 @pytest.mark.parametrize("tiles", TILES + WS_TILES, ids=str)
