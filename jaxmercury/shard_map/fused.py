@@ -273,6 +273,12 @@ def applicable(schedule) -> list[str]:
   return [name for name, low in LOWERINGS.items() if low.why_not(schedule) is None]
 
 
+def not_run_yet(p) -> str:
+  """``FusedLowering.unverified`` of a kernel that has not run on a GPU at all (every placement)."""
+  del p
+  return "not yet run on a GPU (checked on CPUs only): offered once its GPU tests pass"
+
+
 def offered(schedule) -> list[str]:
   """The applicable lowerings the tuner and the graph search offer: those verified on GPUs for this placement,
   and in Mosaic GPU interpret mode (a one-device CPU mesh, where the tuner checks them) every one."""

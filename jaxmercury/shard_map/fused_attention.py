@@ -162,7 +162,7 @@ def _params(params, itemsize) -> str | None:
 def _fit(p: AttentionPlacement, params, schedule) -> str | None:
   """Whether the blocks fit this schedule: shared memory at its head dimension, its local sequence and chunks."""
   from jaxmercury.pallas_kernels.mosaic_matmul import SMEM_BYTES
-  b, s_local, hk, g, d = p.local_shape(schedule)
+  d = p.local_shape(schedule)[4]
   itemsize = np.dtype(p.q.dtype).itemsize
   blocks, per_sm = _blocks(params), params["ctas_per_sm"]
   if reason := blocks.problem(d, itemsize):
@@ -171,11 +171,17 @@ def _fit(p: AttentionPlacement, params, schedule) -> str | None:
   if per_sm * smem > SMEM_BYTES:  # every CTA must be resident: the ring waits on them
     return (f"ctas_per_sm={per_sm}: {per_sm} CTAs of {smem} bytes of shared memory (head dim {d}) exceed one SM's "
             f"{SMEM_BYTES}")
-  run = s_local if p.chunks is None else schedule.program.axes[p.axes["i"]].extent // p.chunks
+  return _rows_problem(p, schedule, {"block_q": params["block_q"], "block_kv": params["block_kv"]})
+
+
+def _rows_problem(p: AttentionPlacement, schedule, rows: dict) -> str | None:
+  """The first of ``rows`` (name -> rows of a tile) that does not divide each device's positions (each zigzag
+  chunk's, in zigzag order): a tile lies in one contiguous run of positions."""
+  run = p.local_shape(schedule)[1] if p.chunks is None else schedule.program.axes[p.axes["i"]].extent // p.chunks
   where = "each device's positions" if p.chunks is None else "each zigzag chunk's positions"
-  for name in ("block_q", "block_kv"):
-    if run % params[name]:
-      return f"{name}={params[name]} does not divide {where} of {p.axes['i']!r} ({run})"
+  for name, n in rows.items():
+    if run % n:
+      return f"{name}={n} does not divide {where} of {p.axes['i']!r} ({run})"
   return None
 
 
@@ -189,21 +195,25 @@ def _tile(params):
   return params["block_q"], params["block_kv"], 64
 
 
+def _per_device(kernel, p: AttentionPlacement, num_ctas, **blocks):
+  """``kernel`` (a fused ring attention) on the stored blocks, ``q [b, s, hk, g, d]`` and ``k, v [b, s, hk, d]``,
+  in the placement's mask and order; ``num_ctas()`` is asked when traced."""
+  def per_device(q, k, v):
+    b, s, hk, g, d = q.shape
+    out, _ = kernel(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order, chunks=p.chunks,
+                    num_ctas=num_ctas(), **blocks)
+    return out.reshape(b, s, hk, g, d)
+  return per_device
+
+
 def _make(p: AttentionPlacement, params, interpret: bool):
   from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
   from jaxmercury.pallas_kernels.peer_gemm import sm_count
-
   blocks = _blocks(params)
-
-  def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
-    b, s, hk, g, d = q.shape
-    ctas = fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * sm_count()
-    out, _ = fused_ring_attention(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order,
-                                  chunks=p.chunks, block_q=blocks.block_q, block_kv=blocks.block_kv,
-                                  max_concurrent_steps=blocks.max_concurrent_steps, num_ctas=ctas,
-                                  interpret=interpret)
-    return out.reshape(b, s, hk, g, d)
-  return per_device
+  return _per_device(fused_ring_attention, p,
+                     lambda: fused.INTERPRET_CTAS if interpret else params["ctas_per_sm"] * sm_count(),
+                     block_q=blocks.block_q, block_kv=blocks.block_kv,
+                     max_concurrent_steps=blocks.max_concurrent_steps, interpret=interpret)
 
 
 # ------------------------------------------------------------------ the warp-specialized kernel
@@ -218,33 +228,16 @@ def _ws_blocks(params):
 def _ws_fit(p: AttentionPlacement, params, schedule) -> str | None:
   """The blocks at the program's head dimension; a work item's two query tiles and the key tiles in each device's
   positions (each zigzag chunk's)."""
-  b, s_local, hk, g, d = p.local_shape(schedule)
+  d = p.local_shape(schedule)[4]
   if reason := _ws_blocks(params).problem(d, np.dtype(p.q.dtype).itemsize):
     return reason
-  run = s_local if p.chunks is None else schedule.program.axes[p.axes["i"]].extent // p.chunks
-  where = "each device's positions" if p.chunks is None else "each zigzag chunk's positions"
-  for name, rows in (("2 x block_q", 2 * params["block_q"]), ("block_kv", params["block_kv"])):
-    if run % rows:
-      return f"{name}={rows} does not divide {where} of {p.axes['i']!r} ({run})"
-  return None
+  return _rows_problem(p, schedule, {"2 x block_q": 2 * params["block_q"], "block_kv": params["block_kv"]})
 
 
 def _ws_make(p: AttentionPlacement, params, interpret: bool):
   from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
-
-  def per_device(q, k, v):  # stored blocks: q [b, s, hk, g, d], k and v [b, s, hk, d]
-    b, s, hk, g, d = q.shape
-    out, _ = fused_ring_attention_ws(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order,
-                                     chunks=p.chunks, block_q=params["block_q"], block_kv=params["block_kv"],
-                                     max_concurrent_steps=params["max_concurrent_steps"],
-                                     num_ctas=fused.INTERPRET_CTAS if interpret else None, interpret=interpret)
-    return out.reshape(b, s, hk, g, d)
-  return per_device
-
-
-def _not_run_yet(p: AttentionPlacement) -> str:
-  del p  # every placement
-  return "not yet run on a GPU (checked on CPUs only): offered once its GPU tests pass"
+  return _per_device(fused_ring_attention_ws, p, lambda: fused.INTERPRET_CTAS if interpret else None,
+                     interpret=interpret, **params)
 
 
 fused.PLACEMENTS[RING_ATTENTION] = placement
@@ -263,4 +256,4 @@ fused.register(fused.FusedLowering(
     "neighbour; one CTA per SM",
     WS_DEFAULTS, "fused_ring_attention_ws", fused.interpretable_devices, _params,
     lambda params: (2 * params["block_q"], params["block_kv"], 64), _ws_make, interpret=True, kind=RING_ATTENTION,
-    fit_problem=_ws_fit, unverified=_not_run_yet))
+    fit_problem=_ws_fit, unverified=fused.not_run_yet))

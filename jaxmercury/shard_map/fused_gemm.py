@@ -23,8 +23,8 @@ import numpy as np
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.shard_map.fused import (HALF, INTERPRET_CTAS, KIND_NAMES, PLACEMENTS, FusedLowering, hopper_devices,
-                                        interpretable_devices, layout_text, lowering, register, split_problem,
-                                        splitting_level, stored, whole_nest_problem)
+                                        interpretable_devices, layout_text, lowering, not_run_yet, register,
+                                        split_problem, splitting_level, stored, whole_nest_problem)
 
 ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
 # Per kind, the axis (by role) of A, B and C that level L splits.
@@ -322,11 +322,6 @@ def _ws_make(kernel: str) -> Callable:
   return make
 
 
-def _not_run_yet(p) -> str:
-  del p  # every placement
-  return "not yet run on a GPU (checked on CPUs only): offered once its GPU tests pass"
-
-
 register(FusedLowering(
     "fused_allgather_matmul",
     "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul): A's row shards travel the ring by TMA "
@@ -340,7 +335,7 @@ register(FusedLowering(
     "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of rows; the other CTAs run "
     "the GEMM, waiting per tile for its rows; shapes padded to its tiles",
     COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True,
-    unverified=_not_run_yet))
+    unverified=not_run_yet))
 
 register(FusedLowering(
     "jax_allgather_lhs_matmul",
@@ -371,7 +366,7 @@ register(FusedLowering(
     "per step; shapes padded to its CTA tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "split": "n", "grid_minor": "n",
      "grid_width": 8}, "jax_mosaic_matmul", hopper_devices(False), _ws_ag_params, _ws_tile,
-    _ws_make("fused_allgather_matmul_ws"), unverified=_not_run_yet))
+    _ws_make("fused_allgather_matmul_ws"), unverified=not_run_yet))
 
 
 def gemm_shape(schedule) -> tuple[int, int, int, int]:
