@@ -58,6 +58,10 @@ def test_decorated_tiny_model_matches_forward_and_training(tmp_path):
   text = jax.jit(lambda s, t: nnx.merge(nnx.graphdef(routed), s)(t)).lower(nnx.state(routed), tokens[:, :-1]).as_text()
   assert "collective_permute" in text and "all_gather" in text  # ring attention, all-gather GEMMs
 
+  grads = nnx.jit(nnx.grad(models.loss_fn))
+  for a, b in zip(jax.tree.leaves(grads(routed, tokens)), jax.tree.leaves(grads(plain, tokens))):
+    assert rel_err(a, b) < 1e-4
+
   opt_plain = models.make_optimizer(plain)
   opt_routed = replicate_state(models.make_optimizer(routed), mesh)
   losses = []
@@ -67,8 +71,10 @@ def test_decorated_tiny_model_matches_forward_and_training(tmp_path):
   for want_loss, got_loss in losses:
     assert got_loss == pytest.approx(want_loss, rel=1e-5)
   assert losses[-1][0] < losses[0][0]  # it trains
-  for a, b in zip(_state_leaves(routed), _state_leaves(plain)):  # Adam normalizes: compare whole tensors
-    assert rel_err(a, b) < 1e-4
+  # Adam moves each element by about the learning rate whatever its gradient's size, so an
+  # element whose gradient is near zero may move either way: compare whole tensors, loosely.
+  for a, b in zip(_state_leaves(routed), _state_leaves(plain)):
+    assert rel_err(a, b) < 1e-3
 
 
 def test_multihead_attention_and_linear_general_are_routed(tmp_path):
