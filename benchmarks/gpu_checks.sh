@@ -12,7 +12,8 @@
 #   bench-causal     causal fused ring attention (S 32K, KV 8) against Ulysses, all-gathered K/V and rings
 #   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
 #   llama-16384      the same at 16K tokens
-# Every job runs under `timeout`: a ring that deadlocks hangs rather than fails.
+# Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's): a ring that deadlocks hangs
+# rather than fails.
 set -u
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast is off on our machines
@@ -22,14 +23,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpus.
 python3 -c "import jax; print(jax.__version__, jax.devices())" >> "$W/gpus.txt" 2>&1
 
 gpu_tests() {  # name, seconds, test files...
-  local name=$1 limit=$2
+  local name=$1 limit=${STAGE_LIMIT:-$2}
   shift 2
-  JAX_PLATFORMS=cuda timeout "$limit" python3 -m pytest -x -q -p no:cacheprovider "$@" > "$W/$name.log" 2>&1
+  JAX_PLATFORMS=cuda timeout "$limit" python3 -m pytest -q -p no:cacheprovider --durations=20 "$@" > "$W/$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$W/stages.txt"
 }
 
 job() {  # name, seconds, command...
-  local name=$1 limit=$2
+  local name=$1 limit=${STAGE_LIMIT:-$2}
   shift 2
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$W/stages.txt"

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
 from jaxmercury.pallas_kernels import registry
-from jaxmercury.shard_map import fused
+from jaxmercury.shard_map import fused, fused_gemm
 from jaxmercury.tuner import cost, memory
 from jaxmercury.tuner import tune as tune_module
 
@@ -315,23 +315,34 @@ def test_ring_attention_parameters_are_checked_against_the_schedule():
     zigzag.copy().lower_with(RING, block_kv=128)
 
 
-def test_kernels_not_yet_run_on_gpus_are_not_offered(monkeypatch):
+def test_kernels_run_on_one_gpu_only_are_not_offered_on_several(monkeypatch):
   """A lowering not yet verified on GPUs for a placement is left out of what the tuner and the graph search offer
   (lower_with still takes it); in interpret mode, where the tuner checks it on the CPU, it is offered."""
-  one = _one_device_mesh()
+  one, eight = _one_device_mesh(), make_mesh("8")
   s = jm.library(_bf16(256, 256, 128), one)["async_tp"]
   assert "fused_allgather_matmul_comm" in fused.offered(s)  # interpreted here
   as_on_gpus = dataclasses.replace(fused.LOWERINGS["fused_allgather_matmul_comm"], interpret=False,
                                    device_problem=lambda schedule, p: None)
   monkeypatch.setitem(fused.LOWERINGS, "fused_allgather_matmul_comm", as_on_gpus)
-  assert "fused_allgather_matmul_comm" in fused.applicable(s)
-  assert "fused_allgather_matmul_comm" not in fused.offered(s) and OURS in fused.offered(s)
-  assert "not yet run on a GPU" in as_on_gpus.unverified(as_on_gpus.place(s))
-  assert s.copy().lower_with("fused_allgather_matmul_comm").lowering == "fused_allgather_matmul_comm"
-  ring = fused.LOWERINGS[RING]
-  causal = jm.library(_attention(256, causal=True), one)["ring"]
-  assert "causal masking" in ring.unverified(ring.place(causal))
-  assert ring.unverified(ring.place(jm.library(_attention(256), one)["ring"])) is None
+  assert "fused_allgather_matmul_comm" in fused.offered(s)  # it ran on one GPU
+  ring = jm.library(_bf16(256, 256, 128), eight)["async_tp"]
+  assert "fused_allgather_matmul_comm" in fused.applicable(ring)
+  assert "fused_allgather_matmul_comm" not in fused.offered(ring)
+  assert "its ring over 8 GPUs has not run yet" in as_on_gpus.unverified(as_on_gpus.place(ring))
+  assert ring.copy().lower_with("fused_allgather_matmul_comm").lowering == "fused_allgather_matmul_comm"
+  attention = fused.LOWERINGS[RING]
+  for mesh, causal_verified in ((one, True), (eight, False)):
+    causal = jm.library(_attention(1024, causal=True), mesh)["ring"]
+    assert (attention.unverified(attention.place(causal)) is None) == causal_verified
+    assert attention.unverified(attention.place(jm.library(_attention(1024), mesh)["ring"])) is None
+
+
+def test_jax_kernel_refuses_a_one_device_ring(monkeypatch):
+  """JAX's all-gather kernel fails at run time on one GPU (XLA sets up no NVSHMEM there): refused beforehand."""
+  s = jm.library(_bf16(256, 256, 128), _one_device_mesh())["async_tp"]
+  assert "needs several GPUs" not in fused.why_not("jax_allgather_lhs_matmul", s)  # the mesh problem comes first
+  monkeypatch.setattr(fused_gemm, "hopper_devices", lambda every_process_device: lambda schedule, p: None)
+  assert "needs several GPUs on mesh level 'x' (it has 1)" in fused.why_not("jax_allgather_lhs_matmul", s)
 
 
 def test_a_zigzag_order_is_another_kernel():

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.shard_map.fused import (HALF, INTERPRET_CTAS, KIND_NAMES, PLACEMENTS, FusedLowering, hopper_devices,
-                                        interpretable_devices, layout_text, lowering, not_run_yet, register,
+                                        interpretable_devices, layout_text, lowering, register, run_on_one_gpu_only,
                                         split_problem, splitting_level, stored, whole_nest_problem)
 
 ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
@@ -335,13 +335,22 @@ register(FusedLowering(
     "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of rows; the other CTAs run "
     "the GEMM, waiting per tile for its rows; shapes padded to its tiles",
     COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True,
-    unverified=not_run_yet))
+    unverified=run_on_one_gpu_only))
+
+def _jax_devices(schedule, p) -> str | None:
+  """JAX's kernel reaches its peer through NVSHMEM, which XLA does not set up for a one-device ring."""
+  reason = hopper_devices(True)(schedule, p)
+  if reason is None and p.size == 1:
+    return (f"jax_allgather_lhs_matmul needs several GPUs on mesh level {p.level!r} (it has 1): XLA sets up the "
+            "NVSHMEM it uses only across GPUs (on one H200: 'UNIMPLEMENTED: NVSHMEM is not supported in XLA')")
+  return reason
+
 
 register(FusedLowering(
     "jax_allgather_lhs_matmul",
     "JAX's Mosaic GPU kernel (collective_matmul_mgpu.all_gather_lhs_matmul): warp-specialized persistent GEMM "
     "that forwards A's tiles to the left neighbour; shapes padded to its CTA tiles",
-    JAX_DEFAULTS, "jax_mosaic_matmul", hopper_devices(True), _jax_params, _jax_tile, _jax_make))
+    JAX_DEFAULTS, "jax_mosaic_matmul", _jax_devices, _jax_params, _jax_tile, _jax_make))
 
 register(FusedLowering(
     "fused_matmul_reducescatter",
@@ -366,7 +375,7 @@ register(FusedLowering(
     "per step; shapes padded to its CTA tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "split": "n", "grid_minor": "n",
      "grid_width": 8}, "jax_mosaic_matmul", hopper_devices(False), _ws_ag_params, _ws_tile,
-    _ws_make("fused_allgather_matmul_ws"), unverified=not_run_yet))
+    _ws_make("fused_allgather_matmul_ws"), unverified=run_on_one_gpu_only))
 
 
 def gemm_shape(schedule) -> tuple[int, int, int, int]:

@@ -64,12 +64,16 @@ def test_every_gpu(strategy, lowering, kind):
   m, n, k = _shape(kind)
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
-  assert fused.why_not(lowering, plain) is None
+  reason = fused.why_not(lowering, plain)
+  if lowering == "jax_allgather_lhs_matmul" and len(jax.devices()) == 1:  # it fails on one GPU at run time
+    assert "needs several GPUs" in reason, reason
+    return
+  assert reason is None, reason
   _check(plain.copy().lower_with(lowering), plain)
 
 
 def test_one_gpu_of_several():
-  """Ours run on a one-device level (no ring); JAX's kernel needs the level to span every device."""
+  """Ours run on a one-device level (no ring); JAX's kernel needs the level to span several devices, all of them."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   prog = jm.programs.matmul(512, 512, 256, dtype=jnp.bfloat16)
   lib = jm.library(prog, mesh)
@@ -79,7 +83,7 @@ def test_one_gpu_of_several():
   for lowering in ("fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"):
     _check(lib["matmul_reducescatter"].copy().lower_with(lowering), lib["matmul_reducescatter"])
   reason = fused.why_not("jax_allgather_lhs_matmul", plain)
-  assert (reason is None) == (len(jax.devices()) == 1), reason
+  assert ("needs several GPUs" if len(jax.devices()) == 1 else "must span every device") in reason, reason
 
 
 def test_the_tuner_offers_and_times_them():
@@ -87,13 +91,17 @@ def test_the_tuner_offers_and_times_them():
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   mesh = gpu_mesh()
   names = {name for name, _ in tune_module.default_candidates(prog, mesh, space=2)}
-  verified = {f"{s} {{{low}}}" for s, low in PAIRS if fused.LOWERINGS[low].unverified is None}
-  assert verified <= names, names  # kernels not yet run on GPUs are timed below, but not offered
-  offered = {f"{s} {{{low}}}" for s, low in PAIRS}
-  machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
   lib = jm.library(prog, mesh)
+  pairs = [(s, low) for s, low in PAIRS if fused.why_not(low, lib[s]) is None]  # JAX's needs several GPUs
+
+  def verified(s, low):
+    unverified = fused.LOWERINGS[low].unverified
+    return unverified is None or unverified(fused.LOWERINGS[low].place(lib[s])) is None
+  assert {f"{s} {{{low}}}" for s, low in pairs if verified(s, low)} <= names, names  # the rest: timed, not offered
+  offered = {f"{s} {{{low}}}" for s, low in pairs}
+  machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
   candidates = [(s, lib[s]) for s in STRATEGIES] + [(f"{s} {{{low}}}", lib[s].copy().lower_with(low))
-                                                    for s, low in PAIRS]
+                                                    for s, low in pairs]
   result = jm.autotune(prog, mesh, candidates=candidates, machine=machine, iters=5, key=fresh_key(), top_k=12,
                        log=lambda _: None)
   print("\n" + result.table())
