@@ -21,7 +21,9 @@ inputs, each output checked against the first's:
   CTAs); the case's summary names the fastest;
 - ``fused_ws[<block_q>x<block_kv>/<steps>]`` (jaxmercury):
   ``fused_ring_attention_ws``, two consumer warpgroups and a memory
-  warpgroup per CTA (FlashAttention-3's structure), one per ``CONFIGS``.
+  warpgroup per CTA (FlashAttention-3's structure), one per ``CONFIGS``;
+  ``fused_ws_pipe[...]`` (non-causal): the same with ``pipelined=True``,
+  each consumer's softmax running behind its previous tile's ``P V``.
 
 Causal cases add ``ulysses_cudnn`` (baseline: all-to-all to heads, cuDNN's
 causal mask) and ``fused_zigzag[...]`` (jaxmercury: the ``ring_zigzag``
@@ -122,15 +124,19 @@ def contestants(mesh, prog, spec, impl: str):
       out.append(harness.Contestant(name, "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
                                     "ring_zigzag lowered with fused_ring_attention (sequence put in zigzag order "
                                     "and back)", skip=why))
-  for c in WS_CONFIGS:  # two consumer warpgroups and a memory warpgroup per CTA, one CTA per SM
-    body = lambda q, k, v, c=c: fused_ring_attention_ws(
+  # two consumer warpgroups and a memory warpgroup per CTA, one CTA per SM; pipelined: each consumer's softmax
+  # overlaps its previous tile's P V (non-causal only)
+  for c, pipelined in [(c, False) for c in WS_CONFIGS] + ([] if causal else [(c, True) for c in WS_CONFIGS]):
+    body = lambda q, k, v, c=c, pipelined=pipelined: fused_ring_attention_ws(
         q, k, v, "x", causal=causal, block_q=c.block_q, block_kv=c.block_kv,
-        max_concurrent_steps=c.max_concurrent_steps)[0]
+        max_concurrent_steps=c.max_concurrent_steps, pipelined=pipelined)[0]
     fn = lambda body=body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                                                  check_vma=False))
-    out.append(harness.Contestant(f"fused_ws[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]", "jaxmercury", fn,
+    name = f"fused_ws{'_pipe' if pipelined else ''}[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]"
+    out.append(harness.Contestant(name, "jaxmercury", fn,
                                   "fused_ring_attention_ws: warp-specialized (FA3-style), K/V forwarded by the "
-                                  "memory warpgroup", skip=skip))
+                                  "memory warpgroup" + (", softmax behind the previous P V" if pipelined else ""),
+                                  skip=skip))
   for c, per_sm in variants:
     body = lambda q, k, v, c=c, per_sm=per_sm: fused_ring_attention(
         q, k, v, "x", causal=causal, block_q=c.block_q, block_kv=c.block_kv,

@@ -51,13 +51,14 @@ def _assert_close(out, lse, want_out, want_lse, q):
 BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=3), dict(block_q=64, block_kv=128, max_concurrent_steps=2)]
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
 @pytest.mark.parametrize("blocks", BLOCKS, ids=str)
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 256, 2, 2, 64), (2, 256, 4, 2, 128)], ids=["mha", "gqa"])
-def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
+def test_one_device_matches_the_reference(b, s, h, kv, d, blocks, pipelined):
   """Three CTAs over b * h * s / 128 items: every CTA runs several items through the same slots and barriers."""
   q, k, v = local_inputs(b, s, h, kv, d)
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True,
-                                                                          **blocks), q, k, v)
+                                                                          pipelined=pipelined, **blocks), q, k, v)
   _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
@@ -99,13 +100,14 @@ def _loopback_reference(q, k, v, n, causal, order, chunks):
   return out, lse
 
 
-@pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots", [
-    (3, 2, 4, 2, False, "natural", None, 128, 2),  # b * kv = 4 forwarders, 4 non-forwarders, 3 ring steps
-    (3, 1, 2, 1, True, "natural", None, 256, 3),  # steps 1, 2 hidden: only the forwarder loads (and passes) them
-    (2, 1, 2, 1, True, "zigzag", 8, 512, 2),  # 4 chunks a device: hidden, partial and visible runs in each step
-    (4, 2, 2, 2, True, "zigzag", None, 256, 2),  # ring_zigzag's layout, every item a forwarder
-], ids=["mha-3", "causal-3", "zigzag8-2", "zigzag-4"])
-def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chunks, s, slots):
+@pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots,pipelined", [
+    (3, 2, 4, 2, False, "natural", None, 128, 2, False),  # b * kv = 4 forwarders, 4 non-forwarders, 3 ring steps
+    (3, 2, 4, 2, False, "natural", None, 128, 2, True),  # the same, one softmax behind each P V across the steps
+    (3, 1, 2, 1, True, "natural", None, 256, 3, False),  # steps 1, 2 hidden: only the forwarder loads (passes) them
+    (2, 1, 2, 1, True, "zigzag", 8, 512, 2, False),  # 4 chunks a device: hidden, partial and visible runs each step
+    (4, 2, 2, 2, True, "zigzag", None, 256, 2, False),  # ring_zigzag's layout, every item a forwarder
+], ids=["mha-3", "mha-3-pipelined", "causal-3", "zigzag8-2", "zigzag-4"])
+def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chunks, s, slots, pipelined):
   """Forwarders store each tile from SMEM into ``received[s]`` and every item reads step ``s + 1`` from there.
 
   One device, one CTA, ``n`` ring steps: the forwarders (the CTA's first
@@ -116,7 +118,7 @@ def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chun
   blocks = WsBlocks(64, 64, slots)
   seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
   out, lse = run(first_devices(), lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order,
-                                                           loopback=True), q, k, v)
+                                                           loopback=True, pipelined=pipelined), q, k, v)
   _assert_close(out, lse, *_loopback_reference(q, k, v, n, causal, order, chunks), q)
 
 
@@ -143,16 +145,22 @@ def _blocks(blocks: WsBlocks):
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 32, 128), (1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)],
                          ids=["mha", "gqa", "small"])
-def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
+def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks, pipelined=False):
   """Three warpgroups, barriers, remote TMA stores, per-step semaphores, wgmma with P from registers lower.
 
   Lowering for an abstract H100 runs Mosaic GPU's own passes (layouts,
   shared memory: a kernel over 227 KiB fails here); it is no CUDA compile
   (register pressure is ptxas's) and no run.
   """
-  text = _lower(8, b, s, h, kv, d, num_ctas=132, **_blocks(blocks))
+  text = _lower(8, b, s, h, kv, d, num_ctas=132, pipelined=pipelined, **_blocks(blocks))
   assert text.count("custom_call @mosaic_gpu") == 1
   assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+@pytest.mark.parametrize("blocks", [CONFIGS[0], CONFIGS[1]], ids=str)
+def test_the_pipelined_ring_lowers_for_eight_h100s(blocks):
+  """Two wgmma accumulators live at once (the scores and the output), the scores read with one wgmma in flight."""
+  test_the_ring_lowers_for_eight_h100s(1, 1024, 32, 8, 128, blocks, pipelined=True)
 
 
 @pytest.mark.parametrize("blocks", [CONFIGS[0], CONFIGS[2]], ids=str)
@@ -198,6 +206,13 @@ def test_inputs_are_checked_before_anything_runs(change, message):
   with pytest.raises(PreconditionError, match=message):
     jax.jit(jax.shard_map(fn, mesh=first_devices(), in_specs=(SEQ,) * 3, out_specs=(SEQ, P()),
                           check_vma=False))(q, k, v)
+
+
+def test_pipelined_consumers_are_not_causal():
+  q = k = v = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
+  with pytest.raises(PreconditionError, match="pipelined=True runs non-causal attention only"):
+    run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=True, pipelined=True,
+                                                                 interpret=True), q, k, v)
 
 
 @pytest.mark.parametrize("kwargs,message", [

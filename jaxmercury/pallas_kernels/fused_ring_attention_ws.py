@@ -51,6 +51,22 @@ After (this kernel; per CTA, the three warpgroups run concurrently)::
         schedule barrier; wait "v loaded"; acc += P @ v (wgmma, P from registers); release v
       out[bi, rows, hi], lse[bi, hi, rows] = acc / l, m + log(l)
 
+  consumer warpgroup w, ``pipelined=True`` (FlashAttention-3's intra-warpgroup pipelining; not causal):
+    for item (bi, hi, pair) of this CTA:            # tiles t = 0 .. T-1: every tile of every ring step
+      S = q_tile @ k_0.T; schedule barrier; release k 0; m, l, P = online softmax of S
+      for t in 1 .. T-1:
+        wait "k loaded" t, "v loaded" t - 1
+        issue S = q_tile @ k_t.T, then acc += P @ v_{t-1}; schedule barrier
+        wait for S's wgmma only; release k t; m, l, alpha, P = online softmax of S   # P V still runs
+        acc = alpha * acc (waits for P V); release v t - 1
+      acc += P @ v_{T-1}; schedule barrier; release v T - 1; out, lse as above
+
+  With two slots this cannot deadlock although a consumer holds a V slot one
+  tile longer: the memory warpgroup loads tile t + 1's K (waiting only for
+  tile t - 1's K release, given before either consumer's next meeting)
+  before it waits for tile t - 1's V release, and a consumer needs tile
+  t + 1's V only at tile t + 2.
+
 A work item is (batch, query head, pair of query tiles): ``2 block_q``
 query rows, so ``s`` must be a multiple of ``2 block_q``. The consumers run
 one online softmax over all tiles of all ring steps, so there is no
@@ -119,11 +135,14 @@ Interpret mode (CPU, one device): the same three warpgroups, barriers and
 loop nest (JAX's interpreter runs each warpgroup as a thread and checks
 that every waiter observed every barrier phase), except ``P V``: the
 interpreter's wgmma reads its left operand from SMEM only, so there ``P V``
-is a plain dot added to the accumulator.
+is a plain dot added to the accumulator, and the pipelined consumers keep
+their accumulator in SMEM (the interpreter cannot store into a wgmma
+accumulator).
 
 Not done yet: the backward pass (use ``fused_ring_attention.ring_attention``'s
-unfused one); a consumer waits for the next K tile at the start of the tile,
-not while its ``P V`` wgmma runs as JAX's kernel does; a causal forwarder
+unfused one); the pipelined consumers for causal attention; a consumer
+waits for the next K tile at the start of the tile, not while its ``P V``
+wgmma runs as JAX's kernel does; a causal forwarder
 loads every K and V tile, hidden ones too, to pass them on; in natural
 order causal work is unbalanced (zigzag balances it).
 """
@@ -191,7 +210,8 @@ def _named():
 
 def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
-                            max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False):
+                            max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool = False,
+                            interpret: bool = False):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -211,6 +231,10 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     num_ctas: CTAs of the persistent grid (default: the device's SM count, or
       ``INTERPRET_CTAS`` on a device without one); for several devices at
       least ``b * kv`` and at most the SM count.
+    pipelined: each consumer issues tile ``t``'s ``Q K^T`` and tile
+      ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
+      ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
+      module docstring); not causal.
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
   Returns:
@@ -228,6 +252,9 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
                             f"{CONSUMERS * block_q}: a work item is two query tiles")
+  if pipelined and causal:
+    raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
+                            "pipelined=False")
   if causal and seq_order.segment % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: zigzag chunks of {seq_order.segment} positions are not a multiple of "
                             f"2 * block_q = {CONSUMERS * block_q}: a work item's two query tiles must lie in one chunk")
@@ -244,7 +271,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
       raise PreconditionError(
           f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
           "registers per thread) fills an SM, and the ring needs every CTA resident")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined)
 
 
 def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
@@ -264,7 +291,7 @@ def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_l
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False):
+            order: SequenceOrder, loopback: bool = False, pipelined: bool = False):
   """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
 
   With ``loopback`` the forwarders store into this device's own ``received``
@@ -274,6 +301,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   forwarding path runs in interpret mode.
   """
   assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
+  assert not (pipelined and causal), "the pipelined consumers run non-causal attention only"
   b, s_loc, h, d = q.shape
   kv = k.shape[2]
   g = h // kv
@@ -294,7 +322,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
       recv_k, recv_v, *rest = rest
-    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule = rest
+    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, *o_smem = rest
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
@@ -420,6 +448,19 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(v_consumed.at[slot])
         return carry
 
+      def online_softmax(qk, m, l, mask_from=None):
+        """The scores' step of the online softmax: ``(m_new, l_new, alpha, P)``, ``alpha`` rescaling the old
+        accumulator; ``mask_from``: scores with ``row - col < mask_from`` are masked."""
+        qk = qk * scale_log2
+        if mask_from is not None:
+          r = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+          c = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+          qk = jnp.where(r - c >= mask_from, qk, MASKED)
+        m_new = jnp.maximum(m, qk.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+        return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
+
       def update(carry, slot, mask_from=None):
         acc, m, l = carry
 
@@ -431,17 +472,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
         qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        qk = qk * scale_log2
-        if mask_from is not None:
-          r = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-          c = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(r - c >= mask_from, qk, MASKED)
-        m_new = jnp.maximum(m, qk.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
+        m_new, l, alpha, p16 = online_softmax(qk, m, l, mask_from)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dtype)
         plgpu.barrier_arrive(schedule)  # softmax done
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_wait(schedule)  # the tensor cores are ours
@@ -492,8 +524,67 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         _finish(carry, q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
         return loaded
 
+      def pipelined_item(i, loaded):
+        """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
+        step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
+        bi, hi, pair, _, _ = item_of(i)
+        q_rows = pl.ds(pair * rows + wg * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
+        plgpu.barrier_wait(q_loaded.at[wg])
+        tiles = n_dev * (s_loc // bkv)
+        slot_of = lambda t: lax.rem(loaded + t, slots)
+
+        def weigh(acc_ref, p16, slot):  # acc += P V, issued (the interpreter's: a plain dot on SMEM)
+          if interpret:
+            acc_ref[...] = acc_ref[...] + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+          else:
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        def scores(slot, behind=None):
+          """``Q K^T`` of the slot's tile, then ``behind()``'s wgmma; returns the scores once theirs retired."""
+          def issue(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            if behind is not None:
+              behind()
+            meet()  # the other consumer's softmax runs while these wgmmas do
+            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if behind is None else 1)
+          qk = pl.run_scoped(issue, plgpu.ACC((bq, bkv), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          return qk
+
+        def attend(acc_ref):
+          _, m, l = _initial_state(bq, d)
+          plgpu.barrier_wait(k_loaded.at[slot_of(0)])
+          m, l, _, p16 = online_softmax(scores(slot_of(0)), m, l)
+
+          def tile(t, carry):
+            m, l, p16 = carry
+            plgpu.barrier_wait(k_loaded.at[slot_of(t)])
+            plgpu.barrier_wait(v_loaded.at[slot_of(t - 1)])
+            qk = scores(slot_of(t), behind=lambda: weigh(acc_ref, p16, slot_of(t - 1)))
+            m, l, alpha, p16 = online_softmax(qk, m, l)
+            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (bq, d), [0])  # reading waits for P V
+            plgpu.barrier_arrive(v_consumed.at[slot_of(t - 1)])
+            return m, l, p16
+
+          m, l, p16 = lax.fori_loop(1, tiles, tile, (m, l, p16))
+          plgpu.barrier_wait(v_loaded.at[slot_of(tiles - 1)])
+          weigh(acc_ref, p16, slot_of(tiles - 1))
+          meet()
+          acc = acc_ref[...]
+          plgpu.barrier_arrive(v_consumed.at[slot_of(tiles - 1)])
+          _finish((acc, m, l), q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+
+        zeros = _initial_state(bq, d)[0]
+        if interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
+          o_smem[0].at[wg][...] = zeros
+          attend(o_smem[0].at[wg])
+        else:
+          pl.run_state(attend)(plgpu.ACC.init(zeros))
+        return loaded + tiles
+
       pl.when(wg == 1)(meet)  # consumer 1 starts one meeting ahead: the two alternate
-      lax.fori_loop(0, items, item, jnp.int32(0))
+      lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
       pl.when(wg == 0)(meet)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
@@ -511,6 +602,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # V slot released
              plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' schedule barrier
+  if pipelined and interpret:
+    scratch.append(plgpu.SMEM((CONSUMERS, bq, d), jnp.float32))  # the accumulators (on GPUs: registers)
   results = plgpu.kernel(
       body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",),
       num_threads=CONSUMERS + 1, thread_name="wg",

@@ -1,6 +1,6 @@
 """The warp-specialized fused ring-attention kernel on real GPUs: every block configuration against the unfused
 program and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag
-order, the smallest legal grid, and against the one-warpgroup kernel (skipped on CPU).
+order, the smallest legal grid, against the one-warpgroup kernel, and its pipelined consumers (skipped on CPU).
 
 Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention_ws.py -x -q``
 (the timeout: a ring or a barrier protocol that deadlocks hangs rather than fails).
@@ -21,6 +21,7 @@ from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS, fused_rin
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
 _check = functools.partial(check, fused_ring_attention_ws)
+_check_pipelined = functools.partial(check, functools.partial(fused_ring_attention_ws, pipelined=True))
 
 
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
@@ -89,3 +90,21 @@ def test_every_gpu_matches_the_one_warpgroup_kernel(mask):
   want_out, want_lse = run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **mask), q, k, v)
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 1e-2
   assert rel_err(lse, want_lse) < 1e-4
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+@pytest.mark.parametrize("s_local", [1024, 4096])
+def test_pipelined_every_gpu(s_local, h, kv, blocks):
+  """Each tile's softmax behind the previous tile's P V wgmma: two accumulators live, the scores read early."""
+  _check_pipelined(gpu_mesh(), s_local, h, kv, blocks)
+
+
+@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+def test_pipelined_one_gpu(h, kv, blocks):
+  _check_pipelined(first_devices(), 1024, h, kv, blocks)
+
+
+def test_pipelined_every_gpu_with_the_smallest_grid_and_head_dimension_64():
+  _check_pipelined(gpu_mesh(), 1024, 8, 2, CONFIGS[2], d=64, b=2, num_ctas=4)
