@@ -152,14 +152,15 @@ def plan_block(config, seq: int, mesh, machines, strategies, residual: str = "se
   ``measure_iters > 0``: every operator candidate is first timed on the mesh
   (``jaxmercury.graph.measure_candidates``, its timings kept in ``measured``)
   and the search uses those times. ``training``: the search minimizes a
-  training step's time, not the forward's.
+  training step's time, not the forward's (with ``measure_iters``: each
+  candidate's forward and backward measured too).
   """
   t0 = time.perf_counter()
   graph = bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=machines, strategies=strategies,
                          residual=residual_layout(residual, mesh))
   if measure_iters:
     graph = jg.measure_candidates(graph, machines, iters=measure_iters, log=lambda line: print(line, flush=True),
-                                  cache=measured)
+                                  cache=measured, training=training)
   plan = jg.search(graph, machines, training=training)
   return plan, time.perf_counter() - t0
 

@@ -17,9 +17,9 @@ from jaxmercury.graph import collectives as cl
 from jaxmercury.graph import fusion, hlo
 from jaxmercury.graph.collectives import Collective as C
 from jaxmercury.graph.layouts import Layout
-from jaxmercury.graph.search import BACKWARD_FACTOR
+from jaxmercury.graph.search import BACKWARD_FACTOR, node_seconds
 from jaxmercury.shard_map import reshard
-from jaxmercury.tuner import cost
+from jaxmercury.tuner import cost, measure
 from jaxmercury.tuner.tune import with_layouts
 
 MACHINE = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
@@ -287,6 +287,55 @@ def test_measured_candidates_replace_predictions_and_plan():
   h = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   want = x + (jax.nn.silu(h @ params["gate"]) * (h @ params["up"])) @ params["down"]
   assert rel_err(y, want) < 1e-5
+
+
+def test_measured_training_steps_replace_the_backward_factor(monkeypatch):
+  """training=True also times each candidate's forward and backward; a training search prices the node by it."""
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+  g = _mlp_graph(mesh, tokens=32, dim=16, hidden=32)
+  calls = []
+  real = measure.interleaved
+  monkeypatch.setattr(measure, "interleaved", lambda *a, **k: calls.append(k.get("cotangent_key")) or real(*a, **k))
+  lines = []
+  timed = jg.measure_candidates(g, MACHINE, iters=2, key=fresh_key(), log=lines.append, training=True)
+  assert len(calls) == 4 and sum(c is not None for c in calls) == 2  # gate (up shares it) and down, both ways
+  assert [line.split(":")[0] for line in lines] == ["gate", "gate forward + backward", "down",
+                                                    "down forward + backward"]
+  for node in timed.nodes:
+    for c in node.candidates if node.kind == "op" else ():
+      assert c.train_seconds is not None and c.train_seconds > 0
+      assert node_seconds(c, training=True) == c.train_seconds
+      assert node_seconds(c, training=False) == c.seconds
+  cache, calls[:] = {}, []
+  forward_only = jg.measure_candidates(g, MACHINE, iters=2, key=fresh_key(), log=lambda _: None, cache=cache)
+  assert all(c.train_seconds is None for n in forward_only.nodes for c in n.candidates)
+  again = jg.measure_candidates(g, MACHINE, iters=2, key=fresh_key(), log=lambda _: None, cache=cache, training=True)
+  assert len(calls) == 4  # the forward timings were kept: only the training steps were timed
+  assert [c.seconds for c in again.node("gate").candidates] == [c.seconds for c in forward_only.node("gate").candidates]
+  plan = jg.search(timed, MACHINE, training=True)
+  assert "forward + backward" in str(plan) and "(measured)" in str(plan)
+  assert plan.node_seconds == pytest.approx(sum(c.train_seconds for n, c in plan.choice.items()
+                                                if timed.node(n).kind == "op") +
+                                            sum(node_seconds(c, True) for n, c in plan.choice.items()
+                                                if timed.node(n).kind != "op"))
+
+
+def test_a_training_step_is_timed_with_its_gradients(monkeypatch):
+  """interleaved(cotangent_key=...) times the schedule's vjp: what it runs returns the gradients of A and B (the
+  data-parallel GEMM's weight gradient all-reduced over the devices)."""
+  prog = jm.programs.matmul(256, 128, 64)
+  s = jm.library(prog, make_mesh("8"))["data_parallel"]
+  a, b = prog.random_inputs(fresh_key())
+  key = fresh_key()
+  ran = []
+  real = measure.rounds
+  monkeypatch.setattr(measure, "rounds",
+                      lambda calls, counts, on_error=None: ran.extend(c() for c in calls.values()) or real(calls, counts))
+  out = measure.interleaved({"dp": s}, (a, b), iters=2, cotangent_key=key)
+  assert len(out["dp"]) == 2 and all(t > 0 for t in out["dp"])
+  cot = jax.random.normal(key, (256, 128), jnp.float32)
+  da, db = ran[0]
+  assert rel_err(da, cot @ b.T) < 1e-5 and rel_err(db, a.T @ cot) < 1e-5
 
 
 def test_fused_lowerings_are_candidates_and_their_plan_runs():

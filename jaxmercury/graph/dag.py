@@ -47,6 +47,10 @@ class Candidate:
       gradients of parameters the schedule keeps whole on a mesh level that
       splits the computation along another axis (each device holds a partial
       gradient), predicted.
+    train_seconds: ``op`` nodes: the measured time of the node's forward and
+      backward (``measure_candidates(..., training=True)``: its ``vjp``, the
+      gradient all-reduce included); None: not measured, and training prices
+      the node from ``seconds`` and ``grad_sync_seconds``.
   """
 
   name: str
@@ -57,6 +61,7 @@ class Candidate:
   params: tuple = ()
   source: str = "predicted"
   grad_sync_seconds: float = 0.0
+  train_seconds: float | None = None
 
 
 @dataclasses.dataclass

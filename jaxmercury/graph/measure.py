@@ -15,6 +15,9 @@ its median is scaled by the predicted share of the node itself,
 predicted all-reduce instead left near-zero times wherever the prediction
 overestimated it, and the search then chose those candidates.) Nodes running
 the same program with the same candidates (``wk`` and ``wv``) are timed once.
+With ``training=True`` each candidate's forward and backward (its ``vjp`` on
+a random cotangent, the gradient all-reduce included) is timed the same way,
+so that a training search needs no backward-to-forward ratio.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jaxmercury.tuner import measure
 
 
 def measure_candidates(graph: Graph, machines, *, iters: int = 5, key=None, log=print,
-                       cache: dict | None = None) -> Graph:
+                       cache: dict | None = None, training: bool = False) -> Graph:
   """A copy of ``graph`` whose operator candidates carry measured seconds (``source="measured"``).
 
   Args:
@@ -42,6 +45,9 @@ def measure_candidates(graph: Graph, machines, *, iters: int = 5, key=None, log=
     log: called with one line per node timed.
     cache: timings kept across calls (graphs of the same operators on the same
       mesh, e.g. one per residual layout); default none kept.
+    training: also time each candidate's forward and backward
+      (``Candidate.train_seconds``, which a training search then uses),
+      scaled by the same predicted share as the forward.
   """
   key = key if key is not None else jax.random.key(0)
   done = cache if cache is not None else {}
@@ -52,15 +58,21 @@ def measure_candidates(graph: Graph, machines, *, iters: int = 5, key=None, log=
       continue
     same = (node.program.name, tuple(b.shape for b in node.program.reads),
             tuple(c.schedule.to_json() for c in node.candidates))
+    schedules = {c.name: c.schedule for c in node.candidates}
+    machine = machine_for(machines, node.program.pattern)
+    share = lambda c, times: _own_share(c, statistics.median(times[c.name]) * 1e-3, machine)
     if same not in done:
       key, sub = jax.random.split(key)
-      times = measure.interleaved({c.name: c.schedule for c in node.candidates},
-                                  node.program.random_inputs(sub), iters=iters)
-      machine = machine_for(machines, node.program.pattern)
-      done[same] = [dataclasses.replace(c, seconds=_own_share(c, statistics.median(times[c.name]) * 1e-3, machine),
-                                        source="measured") for c in node.candidates]
+      times = measure.interleaved(schedules, node.program.random_inputs(sub), iters=iters)
+      done[same] = [dataclasses.replace(c, seconds=share(c, times), source="measured") for c in node.candidates]
       log(f"{node.name}: " + ", ".join(f"{c.name} {c.seconds * 1e3:.3f} ms" for c in done[same]))
-    nodes.append(dataclasses.replace(node, candidates=list(done[same])))
+    if training and (same, "training") not in done:
+      key, sub, cot = jax.random.split(key, 3)
+      steps = measure.interleaved(schedules, node.program.random_inputs(sub), iters=iters, cotangent_key=cot)
+      done[same, "training"] = [dataclasses.replace(c, train_seconds=share(c, steps)) for c in done[same]]
+      log(f"{node.name} forward + backward: " + ", ".join(f"{c.name} {c.train_seconds * 1e3:.3f} ms"
+                                                          for c in done[same, "training"]))
+    nodes.append(dataclasses.replace(node, candidates=list(done[(same, "training") if training else same])))
   return Graph(graph.mesh, nodes)
 
 

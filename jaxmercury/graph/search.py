@@ -8,11 +8,13 @@ Consumers of one tensor that want it in the same layout and shape share one
 resharding (the all-gather before q, k and v projections happens once).
 
 With ``training=True`` the objective is a training step's forward and
-backward: every node costs ``BACKWARD_FACTOR`` times its forward time (a
-GEMM's backward is two GEMMs of its size, and a strategy's backward moves
-what its forward moves, transposed) plus, for an operator, the all-reduce of
-the partial gradients of parameters it keeps whole where it splits other
-axes (``Candidate.grad_sync_seconds``); every edge costs twice its forward
+backward: every node costs its measured forward and backward
+(``Candidate.train_seconds``) where ``measure_candidates(training=True)``
+timed it, else ``BACKWARD_FACTOR`` times its forward time (a GEMM's backward
+is two GEMMs of its size, and a strategy's backward moves what its forward
+moves, transposed) plus, for an operator, the all-reduce of the partial
+gradients of parameters it keeps whole where it splits other axes
+(``Candidate.grad_sync_seconds``); every edge costs twice its forward
 resharding (the backward runs its transpose: all-gather and reduce-scatter
 swap, moving the same bytes). A plan with replicated weights and split
 tokens may win the forward and lose training.
@@ -43,9 +45,12 @@ BACKWARD_FACTOR = 3.0  # forward + backward over forward, in training
 
 
 def node_seconds(candidate, training: bool) -> float:
-  """A candidate's time in the objective: its forward, or in training its forward and backward."""
+  """A candidate's time in the objective: its forward, or in training its forward and backward (measured or
+  predicted)."""
   if not training:
     return candidate.seconds
+  if candidate.train_seconds is not None:
+    return candidate.train_seconds
   return BACKWARD_FACTOR * candidate.seconds + candidate.grad_sync_seconds
 
 
@@ -122,7 +127,9 @@ class Plan:
         continue
       ins = " ".join(str(lay) for lay in c.inputs) or "-"
       sync = (f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
-              if self.training and c.grad_sync_seconds else "")
+              if self.training and c.grad_sync_seconds and c.train_seconds is None else "")
+      if self.training and c.train_seconds is not None:
+        sync = f", forward + backward {c.train_seconds * 1e3:.4f} ms (measured)"
       lines.append(f"  {node.name:<18} {node.kind:<6} {c.name:<34} in {ins:<32} out {str(c.output):<22} "
                    f"{c.seconds * 1e3:9.4f} ms ({c.source}){sync}")
     lines.append("edges (after fusion; bytes one device sends, fused / naive):")

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
@@ -217,13 +218,16 @@ def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
   return {name: t for name, t in times.items() if name in live}
 
 
-def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[float]]:
+def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None) -> dict[str, list[float]]:
   """Times already-checked schedules side by side (``rounds``).
 
   Args:
     schedules: name -> Schedule; each compiles and runs (one untimed run each).
     inputs: the program's inputs; each schedule gets them in its own layout.
     iters: rounds.
+    cotangent_key: time a training step instead: each schedule's forward and
+      backward (``jax.vjp`` and its pullback in one jitted call) on a random
+      output cotangent drawn from this key, laid out as the output.
 
   Returns:
     name -> per-run milliseconds.
@@ -231,7 +235,13 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10) -> dict[str, list[f
   ready = {}
   for name, schedule in schedules.items():
     xs = place_inputs(schedule, inputs)
-    compiled = schedule.compile().lower(*xs).compile()
+    fn = schedule.compile()
+    if cotangent_key is not None:
+      out = fn(*xs)  # its shape, dtype and layout
+      cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
+      forward = fn
+      fn, xs = jax.jit(lambda *a: jax.vjp(forward, *a[:-1])[1](a[-1])), [*xs, jax.device_put(cot, out.sharding)]
+    compiled = fn.lower(*xs).compile()
     jax.block_until_ready(compiled(*xs))
     ready[name] = functools.partial(compiled, *xs)
   return rounds(ready, iters)
