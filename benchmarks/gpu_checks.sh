@@ -5,10 +5,12 @@
 #
 # Stages:
 #   tests-gemm       GPU tests of the fused GEMM kernels (every tile variant, 1 GPU and all GPUs)
-#   tests-attention  GPU tests of the fused ring attention, causal and not, and its warp-specialized variant
+#   tests-attention  GPU tests of the fused ring attention, causal and not
+#   tests-attention-ws  GPU tests of the warp-specialized fused ring attention, its pipelined consumers too
 #   tests-lowering   GPU tests of every fused lowering under its schedules (outputs, gradients, tuner)
 #   bench-ag         all-gather GEMM table: XLA, the shard_map ring, JAX's kernel, our three kernels
 #   bench-rs         reduce-scatter GEMM table
+#   bench-attention  non-causal fused ring attention (S 16K-64K, KV 32 and 8) against all-gathered K/V and rings
 #   bench-causal     causal fused ring attention (S 32K, KV 8) against Ulysses, all-gathered K/V and rings
 #   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
 #   llama-16384      the same at 16K tokens
@@ -40,12 +42,14 @@ for stage in "$@"; do
   case $stage in
     tests-gemm) gpu_tests "$stage" 540 tests/gpu/test_fused_allgather_matmul.py \
         tests/gpu/test_fused_allgather_matmul_comm.py tests/gpu/test_fused_matmul_reducescatter.py ;;
-    tests-attention) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention.py \
-        $(ls tests/gpu/test_fused_ring_attention_ws.py 2>/dev/null) ;;
+    tests-attention) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention.py ;;
+    tests-attention-ws) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
     tests-lowering) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     bench-ag) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind allgather --iters 20 --out "$W/fused_ag.json" ;;
     bench-rs) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind reducescatter --iters 20 \
         --out "$W/fused_rs.json" ;;
+    bench-attention) job "$stage" 560 python3 -m benchmarks.fused_attention --seq 16384 32768 65536 \
+        --kv_heads 32 8 --iters 10 --out "$W/fused_attention.json" ;;
     bench-causal) job "$stage" 560 python3 -m benchmarks.fused_attention --causal --seq 32768 --kv_heads 8 \
         --iters 10 --out "$W/fused_attention_causal.json" ;;
     llama-4096|llama-16384) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
