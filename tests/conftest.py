@@ -51,3 +51,27 @@ def assert_matches(schedule, inputs=None, reference=None):
   assert np.all(np.isfinite(np.asarray(y, np.float32)))
   err = rel_err(y, ref)
   assert err < tolerance(prog.writes.dtype), f"rel err {err:.2e}\n{schedule}"
+
+
+# ------------------------------------------------------------------ lowering for GPUs that are not here
+H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+
+
+def h100_mesh(devices: int):
+  """An abstract one-level mesh ``("x",)`` of ``devices`` H100s (132 SMs each), for lowering without GPUs."""
+  return jax.sharding.AbstractMesh((devices,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+
+
+def lower_for_gpus(fn, *specs, mesh) -> str:
+  """``jit(fn)`` traced on ``specs`` under the abstract ``mesh`` and lowered for CUDA: the module's text.
+
+  The lowering runs Mosaic GPU's own passes (layouts, barriers, shared
+  memory: a kernel over 227 KiB fails here); it is no CUDA compile and no run.
+  """
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def mosaic_kernels(text: str) -> int:
+  """How many Mosaic GPU kernels a lowered module launches."""
+  return text.count("custom_call @mosaic_gpu")

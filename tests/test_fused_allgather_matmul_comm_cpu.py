@@ -8,7 +8,7 @@ tests/gpu/test_fused_allgather_matmul_comm.py.
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import fresh_key, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,7 +20,6 @@ from jaxmercury.pallas_kernels.peer_gemm import round_up
 
 SMALL = Tiles(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)  # fewer interpreted steps
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 def _run(fn, a, b, devices=1):
@@ -62,12 +61,10 @@ def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, message):
 
 
 def _lower(m, k, n, devices=8, **kwargs):
-  mesh = jax.sharding.AbstractMesh((devices,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  mesh = h100_mesh(devices)
   spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda a, b: fused_allgather_matmul_comm(a, b, "x", **kwargs), mesh=mesh, **SPECS))
-    return f.trace(spec((m, k), P("x", None)), spec((k, n), P(None, "x"))).lower(
-        lowering_platforms=("cuda",)).as_text()
+  f = jax.shard_map(lambda a, b: fused_allgather_matmul_comm(a, b, "x", **kwargs), mesh=mesh, **SPECS)
+  return lower_for_gpus(f, spec((m, k), P("x", None)), spec((k, n), P(None, "x")), mesh=mesh)
 
 
 @pytest.mark.parametrize("tiles,chunk_rows", [(Tiles(), None), (Tiles(64, 256, 64, 4), 128),
@@ -77,7 +74,7 @@ def test_the_ring_lowers_for_eight_h100s(shape, tiles, chunk_rows):
   """Communication CTAs (TMA through SMEM into the peer, per-chunk semaphores) and compute CTAs lower to one
   Mosaic GPU kernel; lowering for an abstract H100 checks layouts and shared memory, it is no CUDA compile."""
   assert chunk_rows is None or round_up(shape[0] // 8, tiles.tile_m) % chunk_rows == 0
-  assert _lower(*shape, tiles=tiles, chunk_rows=chunk_rows).count("custom_call @mosaic_gpu") == 1
+  assert mosaic_kernels(_lower(*shape, tiles=tiles, chunk_rows=chunk_rows)) == 1
 
 
 def test_the_grid_must_leave_compute_ctas():
@@ -85,7 +82,7 @@ def test_the_grid_must_leave_compute_ctas():
     _lower(8 * 256, 256, 8 * 128, comm_ctas=132)
   with pytest.raises(PreconditionError, match="num_ctas=200 exceeds the device's 132 SMs"):
     _lower(8 * 256, 256, 8 * 128, num_ctas=200)
-  assert _lower(8 * 256, 256, 8 * 128, comm_ctas=1, num_ctas=2).count("custom_call @mosaic_gpu") == 1
+  assert mosaic_kernels(_lower(8 * 256, 256, 8 * 128, comm_ctas=1, num_ctas=2)) == 1
 
 
 def test_the_fused_lowering_runs_interpreted_on_one_device_and_checks_comm_ctas():

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import h100_mesh, lower_for_gpus, mosaic_kernels
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -12,7 +13,6 @@ from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
 
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 WS_TILES = [WsTiles(128, 128, 64, 4), WsTiles(128, 64, 64, 4), WsTiles(64, 128, 64, 4, "m")]
 
 
@@ -47,10 +47,8 @@ def test_the_ring_lowers_for_h100s(shape, tiles, devices):
   CUDA compile and no run.
   """
   m, k, n = shape
-  mesh = jax.sharding.AbstractMesh((devices,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(devices)
   spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda a, b: fused_allgather_matmul_ws(a, b, "x", tiles=tiles), mesh=mesh, **SPECS))
-    text = f.trace(spec((m, k), P("x", None)), spec((k, n), P(None, "x"))).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  f = jax.shard_map(lambda a, b: fused_allgather_matmul_ws(a, b, "x", tiles=tiles), mesh=mesh, **SPECS)
+  text = lower_for_gpus(f, spec((m, k), P("x", None)), spec((k, n), P(None, "x")), mesh=mesh)
+  assert mosaic_kernels(text) == 1

@@ -10,8 +10,8 @@ GPUs run in tests/gpu/test_fused_ring_attention.py.
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
@@ -21,7 +21,6 @@ from jaxmercury.shard_map import fused
 from jaxmercury.tuner import tune as tune_module
 
 RING = "fused_ring_attention"
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 def _one_device_mesh():
@@ -142,7 +141,7 @@ def test_the_causal_rings_lower_for_eight_h100s(strategy):
   """The per-device function as the GPU runs it (no interpret mode) lowers to one Mosaic GPU kernel under the
   schedule's shard_map for an abstract 8 x H100 mesh, zigzag reordering around it included."""
   from jaxmercury.shard_map.lower import lower
-  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  mesh = h100_mesh(8)
   prog = jm.programs.attention(1, 8, 2, 8192, 8192, 128, causal=True, dtype=jnp.bfloat16)
   s = jm.library(prog, mesh)[strategy].copy().lower_with(RING)
   p = fused.lowering(RING).place(s)
@@ -150,7 +149,5 @@ def test_the_causal_rings_lower_for_eight_h100s(strategy):
   plan = s.plan()
   specs = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, plan.user_spec(b.name) or P()))
            for b in prog.reads]
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = lower(s, per_device=fused.lowering(RING).build(s, **s.lowering_params))
-    text = f.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  text = lower_for_gpus(lower(s, per_device=fused.lowering(RING).build(s, **s.lowering_params)), *specs, mesh=mesh)
+  assert mosaic_kernels(text) == 1

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -268,7 +268,6 @@ def test_ring_attention_cost_and_memory():
 
 
 # ------------------------------------------------------------------ the GPU path, lowered without GPUs
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 @pytest.mark.parametrize("strategy,lowering,attention", [
@@ -282,17 +281,16 @@ def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
   from jax.sharding import NamedSharding
 
   from jaxmercury.shard_map.lower import lower
-  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  mesh = h100_mesh(8)
   prog = (jm.programs.attention(1, 8, 2, 8192, 8192, 128, dtype=jnp.bfloat16) if attention
           else jm.programs.matmul(2048, 2048, 1024, dtype=jnp.bfloat16))
   s = jm.library(prog, mesh)[strategy].copy().lower_with(lowering)
   plan = s.plan()
   specs = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, plan.user_spec(b.name) or P()))
            for b in prog.reads]
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = lower(s, per_device=fused.lowering(lowering).build(s, **s.lowering_params))
-    text = f.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  text = lower_for_gpus(lower(s, per_device=fused.lowering(lowering).build(s, **s.lowering_params)), *specs,
+                        mesh=mesh)
+  assert mosaic_kernels(text) == 1
 
 
 def test_ring_attention_parameters_are_checked_against_the_schedule():

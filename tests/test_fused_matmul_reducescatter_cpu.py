@@ -8,7 +8,7 @@ tests/gpu/test_fused_matmul_reducescatter.py.
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import fresh_key, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -67,7 +67,6 @@ def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, message):
 # The GPU test's and the benchmark's tile variants.
 RING_TILES = [Tiles(128, 128, 64, 4), Tiles(128, 128, 64, 5), Tiles(64, 256, 64, 4), Tiles(64, 128, 64, 4),
               Tiles(128, 128, 128, 2)]
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 @pytest.mark.parametrize("tiles", RING_TILES, ids=str)
@@ -79,11 +78,9 @@ def test_the_ring_lowers_for_eight_h100s(shape, tiles):
   epilogue's buffers reuse the pipeline's); it is no CUDA compile and no run.
   """
   m, k, n = shape
-  mesh = jax.sharding.AbstractMesh((8,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(8)
   spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda x, w: fused_matmul_reducescatter(x, w, "x", tiles=tiles, num_ctas=132),
-                              mesh=mesh, **SPECS))
-    text = f.trace(spec((m, 8 * k), P(None, "x")), spec((8 * k, n), P("x", None))).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  f = jax.shard_map(lambda x, w: fused_matmul_reducescatter(x, w, "x", tiles=tiles, num_ctas=132), mesh=mesh,
+                    **SPECS)
+  text = lower_for_gpus(f, spec((m, 8 * k), P(None, "x")), spec((8 * k, n), P("x", None)), mesh=mesh)
+  assert mosaic_kernels(text) == 1

@@ -4,6 +4,7 @@ for 1 and 8 devices (no GPU needed). It runs in tests/gpu/test_fused_matmul_redu
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import h100_mesh, lower_for_gpus, mosaic_kernels
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -11,7 +12,6 @@ from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
 
 SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 # The GPU test's and the benchmark's variants.
 WS_TILES = [WsTiles(128, 128, 64, 3), WsTiles(128, 64, 64, 4), WsTiles(64, 128, 64, 4, "m")]
 
@@ -48,11 +48,8 @@ def test_the_ring_lowers_for_h100s(shape, tiles, devices):
   CUDA compile and no run.
   """
   m, k, n = shape
-  mesh = jax.sharding.AbstractMesh((devices,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(devices)
   spec = lambda shape, p: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x", tiles=tiles), mesh=mesh,
-                              **SPECS))
-    text = f.trace(spec((m, devices * k), P(None, "x")), spec((devices * k, n), P("x", None))).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  f = jax.shard_map(lambda x, w: fused_matmul_reducescatter_ws(x, w, "x", tiles=tiles), mesh=mesh, **SPECS)
+  text = lower_for_gpus(f, spec((m, devices * k), P(None, "x")), spec((devices * k, n), P("x", None)), mesh=mesh)
+  assert mosaic_kernels(text) == 1

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
@@ -190,7 +190,6 @@ def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
         q, k, v)
 
 
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 @pytest.mark.parametrize("blocks", CONFIGS + (Blocks(64, 64, 2),), ids=str)  # and the benchmark's two-per-SM blocks
@@ -202,15 +201,13 @@ def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
   Lowering for an abstract H100 checks layouts and shared memory; it is no
   CUDA compile (register pressure is ptxas's) and no run.
   """
-  mesh = jax.sharding.AbstractMesh((8,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(8)
   spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
   kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132, block_q=blocks.block_q,
                                                 block_kv=blocks.block_kv,
                                                 max_concurrent_steps=blocks.max_concurrent_steps)
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(kernel, mesh=mesh, **SPECS))
-    text = f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  text = lower_for_gpus(jax.shard_map(kernel, mesh=mesh, **SPECS), spec(h), spec(kv), spec(kv), mesh=mesh)
+  assert mosaic_kernels(text) == 1
   assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
 
 
@@ -219,25 +216,22 @@ def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
 @pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)], ids=["gqa", "small"])
 def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
   """The causal ring (runs skipped by a cond, tiles classified by a switch, iota masks) lowers too."""
-  mesh = jax.sharding.AbstractMesh((8,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(8)
   spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
   kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, order=order, num_ctas=132,
                                                 block_q=blocks.block_q, block_kv=blocks.block_kv,
                                                 max_concurrent_steps=blocks.max_concurrent_steps)
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(kernel, mesh=mesh, **SPECS))
-    text = f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  text = lower_for_gpus(jax.shard_map(kernel, mesh=mesh, **SPECS), spec(h), spec(kv), spec(kv), mesh=mesh)
+  assert mosaic_kernels(text) == 1
   assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
 
 
 def test_one_device_lowers_without_peers():
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(1)
   spec = lambda heads: jax.ShapeDtypeStruct((1, 512, heads, 128), jnp.float16, sharding=NamedSharding(mesh, SEQ))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132), mesh=mesh, **SPECS))
-    text = f.trace(spec(8), spec(8), spec(8)).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
+  f = jax.shard_map(lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132), mesh=mesh, **SPECS)
+  text = lower_for_gpus(f, spec(8), spec(8), spec(8), mesh=mesh)
+  assert mosaic_kernels(text) == 1
 
 
 @pytest.mark.parametrize("b,h,kv,nq", [(1, 4, 2, 3), (2, 4, 4, 1), (2, 8, 2, 2), (1, 1, 1, 1), (3, 6, 3, 4)])

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
@@ -36,7 +36,6 @@ from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRE
                                                                fused_ring_attention_ws)
 from jaxmercury.schedules import orders
 
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 def _assert_close(out, lse, want_out, want_lse, q):
@@ -131,11 +130,10 @@ def test_the_default_grid_without_an_sm_count():
 
 # ------------------------------------------------------------------ lowering for abstract H100s (no GPU)
 def _lower(devices: int, b: int, s: int, h: int, kv: int, d: int, dtype=jnp.bfloat16, **params):
-  mesh = jax.sharding.AbstractMesh((devices,), ("x",), abstract_device=H100)
+  mesh = h100_mesh(devices)
   spec = lambda heads: jax.ShapeDtypeStruct((b, devices * s, heads, d), dtype, sharding=NamedSharding(mesh, SEQ))
-  with jax.sharding.use_abstract_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), mesh=mesh, **SPECS))
-    return f.trace(spec(h), spec(kv), spec(kv)).lower(lowering_platforms=("cuda",)).as_text()
+  f = jax.shard_map(lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), mesh=mesh, **SPECS)
+  return lower_for_gpus(f, spec(h), spec(kv), spec(kv), mesh=mesh)
 
 
 def _blocks(blocks: WsBlocks):
@@ -153,7 +151,7 @@ def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks, pipelined=False
   (register pressure is ptxas's) and no run.
   """
   text = _lower(8, b, s, h, kv, d, num_ctas=132, pipelined=pipelined, **_blocks(blocks))
-  assert text.count("custom_call @mosaic_gpu") == 1
+  assert mosaic_kernels(text) == 1
   assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
 
 
@@ -169,7 +167,7 @@ def test_the_pipelined_ring_lowers_for_eight_h100s(blocks):
 def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
   """Tile counts by position, hidden tiles that keep the barrier protocol, iota masks: they lower too."""
   text = _lower(8, b, s, h, kv, d, causal=True, order=order, num_ctas=132, **_blocks(blocks))
-  assert text.count("custom_call @mosaic_gpu") == 1
+  assert mosaic_kernels(text) == 1
   assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
 
 
@@ -177,7 +175,7 @@ def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
 def test_one_device_lowers_without_peers(causal):
   """One device: no received buffers, no semaphores; the default grid is the abstract device's 132 SMs."""
   text = _lower(1, 1, 512, 8, 8, 128, jnp.float16, causal=causal)
-  assert text.count("custom_call @mosaic_gpu") == 1
+  assert mosaic_kernels(text) == 1
 
 
 # ------------------------------------------------------------------ preconditions
@@ -247,7 +245,7 @@ def test_a_ring_grid_must_be_resident():
   """Over 132 CTAs on 132 SMs some would wait for others to finish: the ring could deadlock."""
   with pytest.raises(PreconditionError, match="num_ctas=133 exceeds the 132 SMs"):
     _lower(8, 1, 256, 4, 2, 64, num_ctas=133)
-  assert _lower(1, 1, 256, 4, 2, 64, num_ctas=264).count("custom_call @mosaic_gpu") == 1  # one device: no ring
+  assert mosaic_kernels(_lower(1, 1, 256, 4, 2, 64, num_ctas=264)) == 1  # one device: no ring
 
 
 def test_the_blocks_count_their_shared_memory():

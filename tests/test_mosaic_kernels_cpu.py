@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels import mosaic_attention as ma
 from jaxmercury.pallas_kernels import mosaic_matmul as mm
@@ -37,7 +37,6 @@ from jaxmercury.programs import attention_backward as ab
 
 MOSAIC = ("mosaic_attention", "mosaic_attention_dq", "mosaic_attention_dkv", "mosaic_matmul", "jax_mosaic_matmul")
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
-H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
 def _normal(shape, dtype):
@@ -162,13 +161,7 @@ def test_matmul_schedules_interpret(interpreted_gemm, strategy):
 
 
 def _lower(fn, *args):
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _kernel_count(text):
-  return text.count("custom_call @mosaic_gpu")
+  return lower_for_gpus(fn, *args, mesh=h100_mesh(1))
 
 
 @pytest.fixture
@@ -183,10 +176,10 @@ def test_matmul_variants_lower():
   s = jax.ShapeDtypeStruct
   a, b = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16)
   for tiles in _feasible_variants():
-    assert _kernel_count(_lower(functools.partial(mm.mosaic_gemm, tiles=tiles), a, b)) == 1, tiles
+    assert mosaic_kernels(_lower(functools.partial(mm.mosaic_gemm, tiles=tiles), a, b)) == 1, tiles
   for name in registry.kernel("jax_mosaic_matmul").variants():
     params = registry.parse(name)[1]
-    assert _kernel_count(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, name
+    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, name
 
 
 def _spec(*shape, dtype=jnp.bfloat16):
@@ -225,7 +218,7 @@ def _assert_lowers_iff(admitted, fn, *args):
     assert "shared memory" in str(e) and not admitted, str(e)
     return
   assert admitted, "the estimate refused a configuration that fits"
-  assert _kernel_count(text) == 1  # the backward's other kernel is dead code, removed
+  assert mosaic_kernels(text) == 1  # the backward's other kernel is dead code, removed
 
 
 def test_attention_blocks_lower(cuda_runtime):
@@ -238,13 +231,13 @@ def test_attention_blocks_lower(cuda_runtime):
     return lambda s, *x: fn(jm.BlockContext({"i": s[0], "j": s[1]}, sizes, extents), *x)
 
   even, whole = {"i": 256, "j": 256}, {"i": 1024, "j": 1024}
-  assert _kernel_count(_lower(block(ma._make(prog), even, whole), starts, q, k, k)) == 2
+  assert mosaic_kernels(_lower(block(ma._make(prog), even, whole), starts, q, k, k)) == 2
   padded = {"i": 1000, "j": 1000}
-  assert _kernel_count(_lower(block(ma._make(prog), even, padded), starts, q, k, k)) == 0
+  assert mosaic_kernels(_lower(block(ma._make(prog), even, padded), starts, q, k, k)) == 0
   for part in ("dq", "dkv"):
     make = ma._make_backward(part)
     program = getattr(ab, f"attention_{part}")(prog)
-    assert _kernel_count(_lower(block(make(program), even, whole), starts, q, k, k, q, q, lse)) == 1
+    assert mosaic_kernels(_lower(block(make(program), even, whole), starts, q, k, k, q, q, lse)) == 1
 
 
 # ------------------------------------------------------------------ attention dispatch with stand-ins

@@ -2,8 +2,6 @@
 
 import re
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 import jaxmercury as jm
