@@ -417,6 +417,20 @@ HIDDEN, VISIBLE, PARTIAL = 0, 1, 2
 MASKED = -1e30
 
 
+def softmax_step(qk, m, l, mask_from=None):
+  """One tile of the online softmax on base-2 scores ``qk [bq, bkv]`` (wgmma layout) and the running max ``m`` and
+  sum ``l``: ``(m_new, l_new, alpha, p)``, ``alpha`` rescaling the old accumulator; ``mask_from``: scores are kept
+  where query row - key row >= it, the rest masked (``MASKED``)."""
+  if mask_from is not None:
+    rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+    qk = jnp.where(rows - cols >= mask_from, qk, MASKED)
+  m_new = jnp.maximum(m, qk.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+  return m_new, l * alpha + p.sum(axis=1), alpha, p
+
+
 def _attend(q_smem, keys, values, carry, blocks: Blocks, scale_log2: float, dtype, interpret: bool,
             on_tile=None, after_tile=None, offset=None):
   """Online softmax of the Q tile over ``keys, values [r, d]``, streamed through SMEM; returns the new state.
@@ -446,14 +460,7 @@ def _attend(q_smem, keys, values, carry, blocks: Blocks, scale_log2: float, dtyp
       return acc_ref[...]
 
     qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32)) * scale_log2
-    if mask_from is not None:
-      rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-      cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-      qk = jnp.where(rows - cols >= mask_from, qk, MASKED)
-    m_new = jnp.maximum(m, qk.max(axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    l = l * alpha + p.sum(axis=1)
+    m_new, l, alpha, p = softmax_step(qk, m, l, mask_from)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def weighted(acc_ref):

@@ -162,8 +162,8 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels import fused_ring_attention as fra
-from jaxmercury.pallas_kernels.fused_ring_attention import (HIDDEN, LOG2E, MASKED, PARTIAL, VISIBLE, SequenceOrder,
-                                                            _finish, _initial_state, _item, reference)
+from jaxmercury.pallas_kernels.fused_ring_attention import (HIDDEN, LOG2E, PARTIAL, VISIBLE, SequenceOrder, _finish,
+                                                            _initial_state, _item, reference, softmax_step)
 from jaxmercury.pallas_kernels.mosaic_matmul import _swizzled
 from jaxmercury.pallas_kernels.peer_gemm import sm_count, step_semaphores
 
@@ -449,17 +449,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         return carry
 
       def online_softmax(qk, m, l, mask_from=None):
-        """The scores' step of the online softmax: ``(m_new, l_new, alpha, P)``, ``alpha`` rescaling the old
-        accumulator; ``mask_from``: scores with ``row - col < mask_from`` are masked."""
-        qk = qk * scale_log2
-        if mask_from is not None:
-          r = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-          c = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-          qk = jnp.where(r - c >= mask_from, qk, MASKED)
-        m_new = jnp.maximum(m, qk.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-        return m_new, l * alpha + p.sum(axis=1), alpha, p.astype(dtype)
+        """``softmax_step`` of the raw scores, ``P`` in the inputs' dtype."""
+        m_new, l, alpha, p = softmax_step(qk * scale_log2, m, l, mask_from)
+        return m_new, l, alpha, p.astype(dtype)
 
       def update(carry, slot, mask_from=None):
         acc, m, l = carry

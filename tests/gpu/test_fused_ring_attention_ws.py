@@ -24,18 +24,24 @@ _check = functools.partial(check, fused_ring_attention_ws)
 _check_pipelined = functools.partial(check, functools.partial(fused_ring_attention_ws, pipelined=True))
 
 
+# pipelined: each tile's softmax behind the previous tile's P V wgmma (two accumulators live, the scores read early)
+PIPELINED = pytest.mark.parametrize("check", [_check, _check_pipelined], ids=["", "pipelined"])
+
+
+@PIPELINED
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
-def test_every_gpu(s_local, h, kv, blocks):
-  _check(gpu_mesh(), s_local, h, kv, blocks)
+def test_every_gpu(s_local, h, kv, blocks, check):
+  check(gpu_mesh(), s_local, h, kv, blocks)
 
 
+@PIPELINED
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
-def test_one_gpu(s_local, h, kv, blocks):
-  _check(first_devices(), s_local, h, kv, blocks)
+def test_one_gpu(s_local, h, kv, blocks, check):
+  check(first_devices(), s_local, h, kv, blocks)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
@@ -90,20 +96,6 @@ def test_every_gpu_matches_the_one_warpgroup_kernel(mask):
   want_out, want_lse = run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **mask), q, k, v)
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 1e-2
   assert rel_err(lse, want_lse) < 1e-4
-
-
-@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
-@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
-@pytest.mark.parametrize("s_local", [1024, 4096])
-def test_pipelined_every_gpu(s_local, h, kv, blocks):
-  """Each tile's softmax behind the previous tile's P V wgmma: two accumulators live, the scores read early."""
-  _check_pipelined(gpu_mesh(), s_local, h, kv, blocks)
-
-
-@pytest.mark.parametrize("blocks", CONFIGS, ids=str)
-@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
-def test_pipelined_one_gpu(h, kv, blocks):
-  _check_pipelined(first_devices(), 1024, h, kv, blocks)
 
 
 def test_pipelined_every_gpu_with_the_smallest_grid_and_head_dimension_64():
