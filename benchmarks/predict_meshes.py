@@ -7,7 +7,7 @@ layouts fixed (attention sequence-sharded over all levels, GEMM x row-sharded
 with w and the output column-sharded); nothing is compiled.
 
   python -m benchmarks.predict_meshes --machine benchmarks/results/2026-11-22-tune_check-2xH200.json \\
-      --out benchmarks/results/2026-11-22-predictions-2x4-4x2-4x4.json
+      --out benchmarks/results/2026-11-23-predictions-4-2x2-8-2x4-4x2-4x4.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from jaxmercury.tuner.cost import Machine
 
-MESHES = {"2x4": (2, 4), "4x2": (4, 2), "4x4": (4, 4), "8": (8,)}
+MESHES = {"4": (4,), "2x2": (2, 2), "8": (8,), "2x4": (2, 4), "4x2": (4, 2), "4x4": (4, 4)}
 NODE_LINK = 100e9 / 8  # 100 Gb/s between nodes, bytes/s
 
 
