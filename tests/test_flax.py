@@ -128,3 +128,39 @@ def test_routes_pass_database_and_tuning_options(monkeypatch, tmp_path):
   layer(jnp.ones((1, 16, 32)), is_causal=True)
   assert seen == {"mesh": mesh, "causal": True, "database": db, "tune": True, "top_k": 2, "iters": 3}
   assert not isinstance(layer.query.dot_general, DotGeneral)
+
+
+def test_linen_layers_take_the_routes(tmp_path):
+  """Linen: the routes passed as the layers' hooks run the GEMMs and the attention on the mesh; a mask reaches the
+  attention route (Linen passes what the hook's signature names), which falls back to the plain attention."""
+  from flax import linen as nn
+  mesh = make_mesh("8")
+  routing = Routing(mesh, jm.Database(str(tmp_path / "linen.db")))
+
+  class Block(nn.Module):
+    routed: bool
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+      dot = DotGeneral(routing) if self.routed else None
+      hooks = dict(attention_fn=AttentionFn(routing, nn.dot_product_attention), qkv_dot_general=dot,
+                   out_dot_general=dot) if self.routed else {}
+      h = nn.MultiHeadDotProductAttention(num_heads=8, qkv_features=64, **hooks)(x, mask=mask)
+      return nn.Dense(32, dot_general=dot)(h)
+
+  x = jax.random.normal(fresh_key(), (2, 64, 32), jnp.float32)
+  params = Block(routed=False).init(fresh_key(), x)
+  mask = nn.make_causal_mask(jnp.ones((2, 64)))
+  for m in (None, mask):
+    want = Block(routed=False).apply(params, x, m)
+    got = jax.jit(lambda p, x, m=m: Block(routed=True).apply(p, x, m))(params, x)
+    assert rel_err(got, want) < 1e-5
+  text = jax.jit(lambda p, x: Block(routed=True).apply(p, x)).lower(params, x).as_text()
+  assert "all_gather" in text or "collective_permute" in text or "all_to_all" in text
+  plain = jax.jit(lambda p, x: Block(routed=False).apply(p, x)).lower(params, x).as_text()
+  assert "all_gather" not in plain and "collective_permute" not in plain
+  loss = lambda routed: jax.grad(lambda p: jnp.sum(Block(routed=routed).apply(p, x) ** 2))(params)
+  got, want = jax.tree.leaves(jax.jit(lambda: loss(True))()), jax.tree.leaves(loss(False))
+  scale = max(float(jnp.abs(w).max()) for w in want)  # the key bias's gradient is zero: rounding noise alone
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)

@@ -63,7 +63,8 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
       return _subclass(obj, routing, attention, linear)
     if not isinstance(obj, nnx.Module):
       raise TypeError(f"distribute: expected a flax.nnx.Module or Module class, got {type(obj).__name__} "
-                      "(Linen modules are not supported)")
+                      "(for Linen, pass jaxmercury.flax.DotGeneral and AttentionFn as the layers' dot_general and "
+                      "attention_fn)")
     rewire(obj, routing, attention=attention, linear=linear)
     return obj
 

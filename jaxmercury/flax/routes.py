@@ -12,6 +12,7 @@ attributes of the module.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable
 
@@ -51,6 +52,9 @@ class Routing:
 
 _FLAX_ATTENTION_ARGS = {"bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
                         "dtype", "precision", "module", "is_causal", "promote_dtype"}
+# Arguments Linen's attention passes too; covered only at these values (the plain softmax attention).
+_DEFAULT_ONLY_ARGS = {"force_fp32_for_softmax": False, "einsum_dot_general": None, "qk_attn_weights_einsum": None,
+                      "attn_weights_value_einsum": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,12 @@ class AttentionFn:
   (``module`` None), floating dtypes; ``is_causal`` selects causal attention.
   Anything else goes to ``fallback``.
 
+  Its signature is the fallback's: Linen's ``MultiHeadDotProductAttention``
+  passes only the arguments its ``attention_fn``'s signature names, so the
+  mask and dropout arguments reach this route (which then falls back)
+  rather than being dropped. In Linen, pass it as the layer's
+  ``attention_fn`` (``AttentionFn(Routing(mesh), nn.dot_product_attention)``).
+
   Attributes:
     routing: where the operator runs.
     fallback: the attention function replaced.
@@ -71,8 +81,14 @@ class AttentionFn:
   routing: Routing
   fallback: Callable
 
+  @property
+  def __signature__(self) -> inspect.Signature:
+    return inspect.signature(self.fallback)
+
   def covers(self, query, key, value, kwargs) -> bool:
-    if set(kwargs) - _FLAX_ATTENTION_ARGS:
+    if set(kwargs) - _FLAX_ATTENTION_ARGS - set(_DEFAULT_ONLY_ARGS):
+      return False
+    if any(kwargs.get(name, default) != default for name, default in _DEFAULT_ONLY_ARGS.items()):
       return False
     if kwargs.get("bias") is not None or kwargs.get("mask") is not None or kwargs.get("module") is not None:
       return False
@@ -108,7 +124,8 @@ class DotGeneral:
   ``rhs`` its leading ones, in the same order (what ``nnx.Linear`` and
   ``nnx.LinearGeneral`` do), so that the call is one GEMM ``[m, k] @ [k, n]``;
   equal floating dtypes; ``m``, ``k`` and ``n`` divide by the number of
-  devices; no ``out_sharding``. Anything else goes to ``fallback``.
+  devices; no ``out_sharding``. Anything else goes to ``fallback``. In
+  Linen, pass it as ``nn.Dense(dot_general=DotGeneral(Routing(mesh)))``.
 
   Attributes:
     routing: where the operator runs.
