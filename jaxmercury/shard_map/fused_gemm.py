@@ -337,6 +337,7 @@ register(FusedLowering(
     COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True,
     unverified=run_on_one_gpu_only))
 
+
 def _jax_devices(schedule, p) -> str | None:
   """JAX's kernel reaches its peer through NVSHMEM, which XLA does not set up for a one-device ring."""
   reason = hopper_devices(True)(schedule, p)
