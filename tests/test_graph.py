@@ -329,8 +329,8 @@ def test_a_training_step_is_timed_with_its_gradients(monkeypatch):
   key = fresh_key()
   ran = []
   real = measure.rounds
-  monkeypatch.setattr(measure, "rounds",
-                      lambda calls, counts, on_error=None: ran.extend(c() for c in calls.values()) or real(calls, counts))
+  monkeypatch.setattr(measure, "rounds", lambda calls, counts, on_error=None:
+                      ran.extend(c() for c in calls.values()) or real(calls, counts))
   out = measure.interleaved({"dp": s}, (a, b), iters=2, cotangent_key=key)
   assert len(out["dp"]) == 2 and all(t > 0 for t in out["dp"])
   cot = jax.random.normal(key, (256, 128), jnp.float32)
