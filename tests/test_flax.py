@@ -111,6 +111,28 @@ def test_routes_fall_back_where_they_do_not_apply(monkeypatch):
   q = jax.random.normal(fresh_key(), (1, 16, 4, 8))
   mask = jnp.tril(jnp.ones((16, 16), bool))[None, None]
   np.testing.assert_allclose(attn(q, q, q, mask=mask), nnx.dot_product_attention(q, q, q, mask=mask), rtol=1e-6)
+  # what the operators do not compute: a wider result than the inputs, a precision above the default
+  a16, b16 = a[:8].astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  wide = dot(a16, b16, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  assert wide.dtype == jnp.float32
+  np.testing.assert_array_equal(wide, jax.lax.dot_general(a16, b16, (((1,), (0,)), ((), ())),
+                                                          preferred_element_type=jnp.float32))
+  for precision in ("highest", jax.lax.Precision.HIGH, ("default", "highest")):
+    np.testing.assert_array_equal(dot(a[:8], b, (((1,), (0,)), ((), ())), precision=precision),
+                                  jax.lax.dot_general(a[:8], b, (((1,), (0,)), ((), ())), precision=precision))
+    np.testing.assert_allclose(attn(q, q, q, precision=precision), nnx.dot_product_attention(q, q, q), rtol=1e-5)
+
+
+def test_routes_take_the_default_precision_and_result_type(monkeypatch):
+  mesh = make_mesh("8")
+  calls = []
+  monkeypatch.setattr(ops, "matmul", lambda a, b, **kw: calls.append(a.dtype) or a @ b)
+  dot = DotGeneral(Routing(mesh))
+  a, b = jax.random.normal(fresh_key(), (8, 16), jnp.bfloat16), jax.random.normal(fresh_key(), (16, 8), jnp.bfloat16)
+  for kwargs in ({}, {"precision": "default"}, {"precision": ("fastest", jax.lax.Precision.DEFAULT)},
+                 {"preferred_element_type": jnp.bfloat16}):
+    assert dot(a, b, (((1,), (0,)), ((), ())), **kwargs).dtype == jnp.bfloat16
+  assert len(calls) == 4
 
 
 def test_routes_pass_database_and_tuning_options(monkeypatch, tmp_path):

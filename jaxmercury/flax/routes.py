@@ -64,8 +64,9 @@ class AttentionFn:
   Covered: 4-D ``query [batch, q_len, heads, head_dim]`` and ``key``/``value``
   ``[batch, kv_len, kv_heads, head_dim]`` (``heads`` a multiple of
   ``kv_heads``), no ``bias`` or ``mask``, no dropout, no weights sown
-  (``module`` None), floating dtypes; ``is_causal`` selects causal attention.
-  Anything else goes to ``fallback``.
+  (``module`` None), the default ``precision``, floating dtypes;
+  ``is_causal`` selects causal attention. Anything else goes to
+  ``fallback``.
 
   Its signature is the fallback's: Linen's ``MultiHeadDotProductAttention``
   passes only the arguments its ``attention_fn``'s signature names, so the
@@ -92,6 +93,8 @@ class AttentionFn:
       return False
     if kwargs.get("bias") is not None or kwargs.get("mask") is not None or kwargs.get("module") is not None:
       return False
+    if not _default_precision(kwargs.get("precision")):
+      return False
     rate = kwargs.get("dropout_rate", 0.0)
     if rate and not kwargs.get("deterministic", False):
       return False
@@ -111,6 +114,13 @@ class AttentionFn:
                          database=r.database, tune=r.tune, **r.options())
 
 
+def _default_precision(precision) -> bool:
+  """Whether ``precision`` (None, a name, a ``lax.Precision`` or a pair) asks for nothing beyond the default,
+  which is what the routed operators compute at."""
+  pair = precision if isinstance(precision, (tuple, list)) else (precision,)
+  return all(p is None or jax.lax.Precision(p) == jax.lax.Precision.DEFAULT for p in pair)
+
+
 def _promote(arrays, dtype):
   dtype = dtype if dtype is not None else jnp.result_type(*arrays)
   return tuple(jnp.asarray(x, dtype) for x in arrays)
@@ -124,7 +134,10 @@ class DotGeneral:
   ``rhs`` its leading ones, in the same order (what ``nnx.Linear`` and
   ``nnx.LinearGeneral`` do), so that the call is one GEMM ``[m, k] @ [k, n]``;
   equal floating dtypes; ``m``, ``k`` and ``n`` divide by the number of
-  devices; no ``out_sharding``. Anything else goes to ``fallback``. In
+  devices; no ``out_sharding``; the default ``precision``; no
+  ``preferred_element_type`` other than the inputs' dtype (the operator's
+  result has the inputs' dtype: a wider one would only be a rounded copy).
+  Anything else goes to ``fallback``. In
   Linen, pass it as ``nn.Dense(dot_general=DotGeneral(Routing(mesh)))``.
 
   Attributes:
@@ -156,8 +169,10 @@ class DotGeneral:
     return m, k, n
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    shape = None if kwargs.get("out_sharding") is not None or set(kwargs) - {"out_sharding"} else \
-        self.gemm_shape(lhs, rhs, dimension_numbers)
+    plain = (kwargs.get("out_sharding") is None and not set(kwargs) - {"out_sharding"}
+             and _default_precision(precision)
+             and (preferred_element_type is None or np.dtype(preferred_element_type) == lhs.dtype))
+    shape = self.gemm_shape(lhs, rhs, dimension_numbers) if plain else None
     if shape is None:
       return self.fallback(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type, **kwargs)
@@ -167,7 +182,4 @@ class DotGeneral:
     out_shape = lhs.shape[:lhs.ndim - len(lc)] + rhs.shape[len(rc):]
     y = ops.matmul(jnp.reshape(lhs, (m, k)), jnp.reshape(rhs, (k, n)), mesh=r.mesh, database=r.database,
                    tune=r.tune, **r.options())
-    y = jnp.reshape(y, out_shape)
-    if preferred_element_type is not None and np.dtype(preferred_element_type) != y.dtype:
-      y = y.astype(preferred_element_type)
-    return y
+    return jnp.reshape(y, out_shape)
