@@ -108,3 +108,17 @@ def test_the_fused_lowering_runs_interpreted_on_one_device_and_checks_comm_ctas(
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)
   with pytest.raises(PreconditionError, match="comm_ctas=0 must be a positive int"):
     jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", comm_ctas=0)
+  with pytest.raises(PreconditionError, match="chunk_tiles=0 must be a positive int"):
+    jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", chunk_tiles=0)
+
+
+def test_the_fused_lowering_pads_rows_to_whole_chunks():
+  """chunk_tiles: chunks of several tiles of rows; the schedule pads each device's rows to whole chunks."""
+  import jaxmercury as jm
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(72, 136, 40, dtype=jnp.bfloat16)  # 72 rows: two chunks of 2 x 64 rows would not fit
+  s = jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", tile_m=64, chunk_tiles=2,
+                                                    max_concurrent_steps=2, comm_ctas=1)
+  a, b = prog.random_inputs(fresh_key())
+  y = s.compile()(a, b)
+  assert rel_err(y.astype(jnp.float32), jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))) < 2e-2

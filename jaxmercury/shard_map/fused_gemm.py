@@ -186,34 +186,41 @@ def _ours_make(kernel: str) -> Callable:
 # ------------------------------------------------------------------ ours: fused_allgather_matmul_comm
 
 
-COMM_DEFAULTS = {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "comm_ctas": 4}
+# chunk_tiles: rows of A per chunk (the unit of transfer and of readiness), in tiles of tile_m rows
+COMM_DEFAULTS = {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "comm_ctas": 4,
+                 "chunk_tiles": 1}
+COMM_COUNTS = ("comm_ctas", "chunk_tiles")
 
 
-def _comm_split(params) -> tuple[dict, int]:
-  """``(tile params, comm_ctas)``."""
-  tile_params = {key: v for key, v in params.items() if key != "comm_ctas"}
-  return tile_params, params["comm_ctas"]
+def _comm_split(params) -> tuple[dict, int, int]:
+  """``(tile params, comm_ctas, chunk_tiles)``."""
+  tile_params = {key: v for key, v in params.items() if key not in COMM_COUNTS}
+  return tile_params, params["comm_ctas"], params["chunk_tiles"]
 
 
 def _comm_params(params, itemsize) -> str | None:
-  tile_params, comm_ctas = _comm_split(params)
-  if not isinstance(comm_ctas, int) or isinstance(comm_ctas, bool) or comm_ctas < 1:
-    return f"comm_ctas={comm_ctas!r} must be a positive int"
-  return _ours_params(tile_params, itemsize)
+  for key in COMM_COUNTS:
+    if not isinstance(params[key], int) or isinstance(params[key], bool) or params[key] < 1:
+      return f"{key}={params[key]!r} must be a positive int"
+  return _ours_params(_comm_split(params)[0], itemsize)
 
 
 def _comm_tile(params):
-  return _ours_tile(_comm_split(params)[0])
+  """Rows padded to whole chunks, so that the chunks divide each device's rows."""
+  tile_params, _, chunk_tiles = _comm_split(params)
+  rows, cols, depth = _ours_tile(tile_params)
+  return rows * chunk_tiles, cols, depth
 
 
 def _comm_make(p: Placement, params, interpret: bool):
-  """``make`` of ``pallas_kernels.fused_allgather_matmul_comm`` (chunks of ``tile_m`` rows)."""
+  """``make`` of ``pallas_kernels.fused_allgather_matmul_comm`` (chunks of ``chunk_tiles * tile_m`` rows)."""
   from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
-  tile_params, comm_ctas = _comm_split(params)
+  tile_params, comm_ctas, chunk_tiles = _comm_split(params)
   tiles, out_dtype = _tiles(tile_params), p.c.dtype
 
   def per_device(a, b):
-    return fused_allgather_matmul_comm(a, b, p.level, tiles=tiles, comm_ctas=comm_ctas, out_dtype=out_dtype,
+    return fused_allgather_matmul_comm(a, b, p.level, tiles=tiles, comm_ctas=comm_ctas,
+                                       chunk_rows=chunk_tiles * tiles.tile_m, out_dtype=out_dtype,
                                        num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
   return per_device
 
@@ -332,8 +339,8 @@ register(FusedLowering(
 register(FusedLowering(
     "fused_allgather_matmul_comm",
     "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul_comm): comm_ctas CTAs of the persistent grid "
-    "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of rows; the other CTAs run "
-    "the GEMM, waiting per tile for its rows; shapes padded to its tiles",
+    "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of chunk_tiles * tile_m "
+    "rows; the other CTAs run the GEMM, waiting per tile for its rows; shapes padded to its tiles and chunks",
     COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True,
     unverified=run_on_one_gpu_only))
 
