@@ -67,3 +67,16 @@ def check(kernel, mesh, s_local, h, kv, blocks, d=128, b=1, num_ctas=None, **mas
   # A second call: the per-step semaphores start from zero each launch, the received buffers are fresh.
   again, _ = run(mesh, lambda q, k, v: kernel(q, k, v, "x", **params), q, k, v)
   assert rel_err(again.astype(jnp.float32), want_out.astype(jnp.float32)) < 2e-2, blocks
+
+
+def check_matches_cudnn(kernel, mesh):
+  """``kernel``'s output against all-gathered K/V + cuDNN attention (``jax.nn.dot_product_attention``)."""
+  q, k, v = inputs(mesh, 1024, 8, 2)
+  out, _ = run(mesh, lambda q, k, v: kernel(q, k, v, "x"), q, k, v)
+
+  def cudnn(q, k, v):
+    k, v = (jax.lax.all_gather(x, "x", axis=1, tiled=True) for x in (k, v))
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+  want = jax.jit(jax.shard_map(cudnn, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ, check_vma=False))(q, k, v)
+  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2

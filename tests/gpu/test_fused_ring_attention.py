@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
 from gpu.checks import gpu_mesh
-from ring_attention_checks import HEADS, MASKS, SEQ, SPECS, check, first_devices, inputs, run
+from ring_attention_checks import HEADS, MASKS, SPECS, check, check_matches_cudnn, first_devices, inputs
 
 from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
 
@@ -57,16 +57,7 @@ def test_every_gpu_with_the_benchmarks_heads():
 
 
 def test_every_gpu_matches_cudnn():
-  mesh = gpu_mesh()
-  q, k, v = inputs(mesh, 1024, 8, 2)
-  out, _ = run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x"), q, k, v)
-
-  def cudnn(q, k, v):
-    k, v = (jax.lax.all_gather(x, "x", axis=1, tiled=True) for x in (k, v))
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-
-  want = jax.jit(jax.shard_map(cudnn, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ, check_vma=False))(q, k, v)
-  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
+  check_matches_cudnn(fused_ring_attention, gpu_mesh())
 
 
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
