@@ -200,13 +200,18 @@ def fused_ring_attention(q, k, v, axis_name: str, *, causal: bool = False, order
   blocks = Blocks(block_q, block_kv, max_concurrent_steps)
   n_dev = _check(q, k, v, axis_name, blocks, interpret)
   seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
-  b, kv = k.shape[0], k.shape[2]
   num_ctas = num_ctas or sm_count() or INTERPRET_CTAS
+  check_forwarders_resident(NAME, n_dev, num_ctas, k)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
+
+
+def check_forwarders_resident(name: str, n_dev: int, num_ctas: int, k):
+  """A ring of several devices needs one resident CTA per forwarder item, ``b * kv`` of them (keys ``k``)."""
+  b, kv = k.shape[0], k.shape[2]
   if n_dev > 1 and num_ctas < b * kv:
     raise PreconditionError(
-        f"{NAME}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "
+        f"{name}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "
         f"but the grid has {num_ctas} CTAs")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
 
 
 ORDERS = ("natural", "zigzag")

@@ -247,8 +247,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
   with _named():
     n_dev = fra._check(q, k, v, axis_name, blocks, interpret)
     seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
-  b, s, _, _ = q.shape
-  kv = k.shape[2]
+  s = q.shape[1]
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
                             f"{CONSUMERS * block_q}: a work item is two query tiles")
@@ -262,15 +261,11 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
   num_ctas = num_ctas or sms or INTERPRET_CTAS
   if not isinstance(num_ctas, int) or num_ctas < 1:
     raise PreconditionError(f"{NAME}: num_ctas={num_ctas!r} must be a positive int")
-  if n_dev > 1:
-    if num_ctas < b * kv:
-      raise PreconditionError(
-          f"{NAME}: the ring needs one resident CTA per forwarder, b * kv = {b} * {kv} = {b * kv}, "
-          f"but the grid has {num_ctas} CTAs")
-    if sms and num_ctas > sms:
-      raise PreconditionError(
-          f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
-          "registers per thread) fills an SM, and the ring needs every CTA resident")
+  fra.check_forwarders_resident(NAME, n_dev, num_ctas, k)
+  if n_dev > 1 and sms and num_ctas > sms:
+    raise PreconditionError(
+        f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
+        "registers per thread) fills an SM, and the ring needs every CTA resident")
   return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined)
 
 
