@@ -416,23 +416,26 @@ def _initial_state(bq: int, d: int):
 
 # Causal classes of a (query tile, key tile) pair, the branches of _attend's switch.
 HIDDEN, VISIBLE, PARTIAL = 0, 1, 2
-# A masked score in base-2 units: finite, so that a row whose first tile is all masked gets m = MASKED and
-# exp2(MASKED - MASKED) = 1 rather than exp2(-inf - -inf) = NaN; its first visible key then rescales that
-# row's sum and accumulator by exp2(MASKED - m) = 0. Every row sees its own key, so one comes.
+# A masked raw score: finite (also in base-2 units, scaled by log2(e) / sqrt(d)), so that a row whose first tile
+# is all masked gets m = MASKED * scale and exp2(0) = 1 rather than exp2(-inf - -inf) = NaN; its first visible
+# key then rescales that row's sum and accumulator by exp2(MASKED * scale - m) = 0. Every row sees its own key,
+# so one comes.
 MASKED = -1e30
 
 
-def softmax_step(qk, m, l, mask_from=None):
-  """One tile of the online softmax on base-2 scores ``qk [bq, bkv]`` (wgmma layout) and the running max ``m`` and
-  sum ``l``: ``(m_new, l_new, alpha, p)``, ``alpha`` rescaling the old accumulator; ``mask_from``: scores are kept
-  where query row - key row >= it, the rest masked (``MASKED``)."""
+def softmax_step(qk, m, l, scale: float, mask_from=None):
+  """One tile of the online softmax on raw scores ``qk [bq, bkv]`` (wgmma layout), ``scale`` converting them to
+  base 2 (``log2(e) / sqrt(d)``), and the running max ``m`` (base 2) and sum ``l``: ``(m_new, l_new, alpha, p)``,
+  ``alpha`` rescaling the old accumulator; ``mask_from``: scores are kept where query row - key row >= it, the
+  rest masked (``MASKED``). The scale is applied to the row max and inside the exponent, where
+  ``qk * scale - m_new`` is one FMA per score, not to the scores first."""
   if mask_from is not None:
     rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
     qk = jnp.where(rows - cols >= mask_from, qk, MASKED)
-  m_new = jnp.maximum(m, qk.max(axis=1))
+  m_new = jnp.maximum(m, qk.max(axis=1) * scale)
   alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(qk - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+  p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
   return m_new, l * alpha + p.sum(axis=1), alpha, p
 
 
@@ -464,8 +467,8 @@ def _attend(q_smem, keys, values, carry, blocks: Blocks, scale_log2: float, dtyp
       plgpu.wgmma_wait(0)
       return acc_ref[...]
 
-    qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32)) * scale_log2
-    m_new, l, alpha, p = softmax_step(qk, m, l, mask_from)
+    qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+    m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def weighted(acc_ref):

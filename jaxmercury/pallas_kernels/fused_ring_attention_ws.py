@@ -286,7 +286,8 @@ def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_l
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False, pipelined: bool = False):
+            order: SequenceOrder, loopback: bool = False, pipelined: bool = False, *, fold_scale: bool = True,
+            early_k_wait: bool = True, pin_softmax: bool = True):
   """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
 
   With ``loopback`` the forwarders store into this device's own ``received``
@@ -434,21 +435,26 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-      def hidden(carry, slot):
+      def hidden(carry, slot, next_k=lambda: None):
         meet()
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_wait(schedule)
+        next_k()
         plgpu.barrier_arrive(v_consumed.at[slot])
         return carry
 
       def online_softmax(qk, m, l, mask_from=None):
         """``softmax_step`` of the raw scores, ``P`` in the inputs' dtype."""
-        m_new, l, alpha, p = softmax_step(qk * scale_log2, m, l, mask_from)
+        if fold_scale:
+          m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
+        else:
+          m_new, l, alpha, p = softmax_step(qk * scale_log2, m, l, 1.0, mask_from)
         return m_new, l, alpha, p.astype(dtype)
 
-      def update(carry, slot, mask_from=None):
+      def update(carry, slot, mask_from=None, next_k=lambda: None):
+        """One tile; ``next_k()`` waits for the next tile's K while this tile's ``P V`` wgmma runs."""
         acc, m, l = carry
 
         def scores(acc_ref):
@@ -461,15 +467,19 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(k_consumed.at[slot])
         m_new, l, alpha, p16 = online_softmax(qk, m, l, mask_from)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if pin_softmax:  # the softmax is done before this consumer announces it (not sunk behind the barriers)
+          acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
         plgpu.barrier_arrive(schedule)  # softmax done
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
         if interpret:  # the interpreter's wgmma takes A from SMEM only: P V as a plain dot
           acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+          next_k()
         else:
           def weighted(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            next_k()
             plgpu.wgmma_wait(0)
           acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed.at[slot])
@@ -490,17 +500,26 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
             count = _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
             offset = q_first - order.first(source, start) if causal else None
 
-            def tile(j, carry, loaded=loaded, offset=offset):
+            def tile(j, carry, loaded=loaded, offset=offset, count=count):
               slot = lax.rem(loaded + j, slots)
-              plgpu.barrier_wait(k_loaded.at[slot])
+
+              def wait_k(t):
+                plgpu.barrier_wait(k_loaded.at[lax.rem(loaded + t, slots)])
+
+              if early_k_wait:  # the run's next tile's K is waited for while this tile's P V runs
+                pl.when(j == 0)(lambda: wait_k(j))
+                next_k = lambda: pl.when(j + 1 < count)(lambda: wait_k(j + 1))
+              else:
+                wait_k(j)
+                next_k = lambda: None
               if not causal:
-                return update(carry, slot)
+                return update(carry, slot, next_k=next_k)
               gap = offset - j * bkv  # the tile's first query's position minus its first key's
               kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
               branches = [None] * 3
-              branches[HIDDEN] = lambda c: hidden(c, slot)
-              branches[VISIBLE] = lambda c: update(c, slot)
-              branches[PARTIAL] = lambda c: update(c, slot, mask_from=-gap)
+              branches[HIDDEN] = lambda c: hidden(c, slot, next_k)
+              branches[VISIBLE] = lambda c: update(c, slot, next_k=next_k)
+              branches[PARTIAL] = lambda c: update(c, slot, mask_from=-gap, next_k=next_k)
               return lax.switch(kind, branches, carry)
 
             carry = lax.fori_loop(0, count, tile, carry)
