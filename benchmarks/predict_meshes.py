@@ -4,17 +4,22 @@ Reads the machine figures calibrated on the GPUs (a ``tune_check`` result) and
 predicts every candidate of the benchmark operators on two-level meshes whose
 outer level stands in for nodes joined by 100 Gb/s links, with the callers'
 layouts fixed (attention sequence-sharded over all levels, GEMM x row-sharded
-with w and the output column-sharded); nothing is compiled.
+with w and the output column-sharded); nothing is compiled. ``--fused_rates``
+(a ``benchmarks.fused_rates`` result) adds the fused ring attentions' measured
+rates to each attention operator's figures; without it they take the fastest
+local kernel's, which overrates them.
 
   python -m benchmarks.predict_meshes --machine benchmarks/results/2026-11-22-tune_check-2xH200.json \\
-      --out benchmarks/results/2026-11-23-predictions-4-2x2-8-2x4-4x2-4x4.json
+      [--fused_rates RATES.json] --out benchmarks/results/2026-11-23-predictions-4-2x2-8-2x4-4x2-4x4.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import sys
 
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
@@ -48,13 +53,16 @@ def layouts(prog, names):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--machine", required=True, help="a tune_check result JSON with calibrated figures")
+  p.add_argument("--fused_rates", help="a benchmarks.fused_rates result: the fused kernels' measured rates")
   p.add_argument("--out", required=True)
   args = p.parse_args()
   source = json.load(open(args.machine))
+  fused = json.load(open(args.fused_rates))["rates"] if args.fused_rates else {}
   figures = {c["case"].split()[0]: Machine.from_dict(c["machine"]) for c in source["cases"]}
   rows = []
   for label, prog in programs().items():
     base = figures[prog.pattern]
+    base = dataclasses.replace(base, fused_flops_per_s=fused.get(label, {}).get("fused", {}))
     gpu_link = base.link_bytes_per_s["*"]
     for mesh_name, shape in MESHES.items():
       names = ("gpu",) if len(shape) == 1 else ("node", "gpu")
@@ -68,9 +76,9 @@ def main():
                    "candidates": len(cands)})
       print(f"{label:<42} {mesh_name:>4}  best {best.predicted_ms:9.3f} ms  {best.name}")
   out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-         "machine_from": args.machine, "node_link_bytes_per_s": NODE_LINK,
+         "machine_from": args.machine, "fused_rates_from": args.fused_rates, "node_link_bytes_per_s": NODE_LINK,
          "note": "predictions only: no 4- or 8-GPU machine was available to measure them",
-         "command": "python -m benchmarks.predict_meshes --machine " + args.machine + " --out " + args.out,
+         "command": "python -m benchmarks.predict_meshes " + " ".join(sys.argv[1:]),
          "rows": rows}
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)

@@ -13,6 +13,7 @@
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -319,6 +320,44 @@ def test_calibration_blocks_stay_under_the_flops_cap():
   capped = calibrate._block_sizes(prog, kernel, 8 << 30, max_flops=calibrate.GPU_BLOCK_FLOPS)
   flops = lambda sizes: cost.dense_flops(prog) * math.prod(sizes[a] / ax.extent for a, ax in prog.axes.items())
   assert flops(uncapped) > calibrate.GPU_BLOCK_FLOPS >= flops(capped) > calibrate.GPU_BLOCK_FLOPS / 2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_attention_rates_are_measured_on_one_device(monkeypatch, causal):
+  """``fused_rates`` runs each fused ring attention on one device at ``seq``: its executed flops over its time;
+  programs other than attention get none."""
+  seconds = 2e-3
+  seen = []
+
+  def fake_time(fn, *inputs):  # runs the kernel once (interpret mode); a fixed time
+    out = np.asarray(fn(*inputs).astype(jnp.float32))
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    seen.append(inputs[0].shape)
+    return seconds
+
+  monkeypatch.setattr(calibrate, "_time", fake_time)
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 4096, 4096, 64, causal=causal, dtype=jnp.bfloat16)
+  rates = calibrate.fused_rates(prog, mesh, seq=256)
+  assert set(rates) == {"fused_ring_attention", "fused_ring_attention_ws"}
+  executed = 4 * 4 * 256 * 256 * 64 * (0.5 if causal else 1)
+  assert all(r == pytest.approx(executed / seconds) for r in rates.values()), rates
+  assert seen == [(1, 256, 4, 64)] * 2
+  assert calibrate.fused_rates(jm.programs.matmul(256, 256, 256, dtype=jnp.bfloat16), mesh) == {}
+
+
+def test_fused_attention_probe_length(monkeypatch):
+  """The default probe: the longest multiple of 256 whose work fits ``FUSED_PROBE_FLOPS``, at most the keys."""
+  lengths = []
+  monkeypatch.setattr(calibrate, "_time", lambda fn, *inputs: lengths.append(inputs[0].shape[1]) or 1.0)
+  monkeypatch.setattr(jm.Schedule, "compile", lambda self, differentiable=True: lambda *x: x[0])
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  calibrate.fused_rates(jm.programs.attention(1, 32, 8, 131072, 131072, 128, causal=True, dtype=jnp.bfloat16), mesh)
+  (seq,) = set(lengths)
+  assert seq % 256 == 0 and 4 * 32 * seq ** 2 * 128 <= calibrate.FUSED_PROBE_FLOPS < 4 * 32 * (seq + 256) ** 2 * 128
+  lengths.clear()
+  calibrate.fused_rates(jm.programs.attention(1, 4, 4, 512, 512, 64, dtype=jnp.bfloat16), mesh)
+  assert set(lengths) == {512}  # the program's own keys where they are fewer
 
 
 # ------------------------------------------------------------------ benchmarks.model_check's statistics

@@ -258,6 +258,8 @@ def test_ring_attention_cost_and_memory():
   attention = 4 * 32 * 4096 * 32768 * 128 / 400e12
   ring = 7 * 2 * 4096 * 8 * 128 * 2 / 150e9
   assert cost.predict(s, machine) == pytest.approx(max(attention, ring) + 20e-6)
+  measured = dataclasses.replace(machine, fused_flops_per_s={RING: 200e12})  # calibrate.fused_rates' figure wins
+  assert cost.predict(s, measured) == pytest.approx(max(2 * attention, ring) + 20e-6)
   assert memory.memory_per_device(s) == (2 * 4096 * 32 * 128 + 2 * 8 * 4096 * 8 * 128) * 2 + 4 * 32 * 4096
   fast = machine.with_links(x=1e15)
   causal = jm.programs.attention(1, 32, 8, 32768, 32768, 128, causal=True, dtype=jnp.bfloat16)

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, sm_count, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, sm_count,
+                                                 step_semaphores)
 
 
 def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -77,8 +78,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
     dev = lax.axis_index(axis_name) if n_dev > 1 else 0
     if n_dev > 1:
       arrived = step_semaphores(n_dev)
-      left = lax.rem(dev + n_dev - 1, n_dev)
-      to_left = plgpu.remote_ref(received_ref, left)
+      left, to_left = left_peer(dev, n_dev, received_ref)
 
     def ring_step(source, s):
       out_rows = lax.rem(dev + s, n_dev) * m

@@ -66,7 +66,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, sm_count
+from jaxmercury.pallas_kernels.peer_gemm import check_operands, left_peer, pad_to, round_up, sm_count
 
 KERNEL = "fused_allgather_matmul_comm"
 # Bytes of the communication CTAs' two SMEM slots at most (they reuse the compute pipeline's SMEM scope).
@@ -162,8 +162,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
     dev = lax.axis_index(axis_name) if n_dev > 1 else 0
     if n_dev > 1:
       arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((n_dev - 1, chunks)))  # [step, chunk], set once
-      left = lax.rem(dev + n_dev - 1, n_dev)
-      to_left = plgpu.remote_ref(received_ref, left)
+      left, to_left = left_peer(dev, n_dev, received_ref)
 
     def compute_tile(source, t, s):
       """Output tile ``t`` (flat over steps) of step ``s`` from ``source``, A's shard (r + s) % n."""

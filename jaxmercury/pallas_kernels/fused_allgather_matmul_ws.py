@@ -40,7 +40,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-from jaxmercury.pallas_kernels.peer_gemm import (check_operands, pad_to, round_up, step_semaphores,
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, step_semaphores,
                                                   warp_specialized_kernel)
 
 KERNEL = "fused_allgather_matmul_ws"
@@ -88,8 +88,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: WsTiles, out_dtype):
     dev = lax.axis_index(axis_name)
     sender = lax.axis_index("wg") == 0
     arrived = step_semaphores(n_dev)
-    left = lax.rem(dev + n_dev - 1, n_dev)
-    to_left = plgpu.remote_ref(received_ref, left)
+    left, to_left = left_peer(dev, n_dev, received_ref)
 
     def forward(step_buffer):
       def callback(m_idx, n_idx, k_idx, a_smem, b_smem):

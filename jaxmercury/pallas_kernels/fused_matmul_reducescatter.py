@@ -44,7 +44,8 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, pad_to, round_up, sm_count, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, sm_count,
+                                                 step_semaphores)
 
 
 def fused_matmul_reducescatter(x, w, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
@@ -97,8 +98,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
       (received_ref,) = received
       dev = lax.axis_index(axis_name)
       arrived = step_semaphores(n_dev)
-      left = lax.rem(dev + n_dev - 1, n_dev)
-      to_left = plgpu.remote_ref(received_ref, left)
+      left, to_left = left_peer(dev, n_dev, received_ref)
     else:
       dev = 0
 

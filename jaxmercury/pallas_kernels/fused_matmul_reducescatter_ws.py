@@ -40,7 +40,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import SMEM_BYTES
-from jaxmercury.pallas_kernels.peer_gemm import (check_operands, pad_to, round_up, step_semaphores,
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, step_semaphores,
                                                   warp_specialized_kernel)
 
 KERNEL = "fused_matmul_reducescatter_ws"
@@ -144,8 +144,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: WsTiles):
     dev = lax.axis_index(axis_name)
     consumer = lax.axis_index("wg") < 2
     arrived = step_semaphores(n_dev)
-    left = lax.rem(dev + n_dev - 1, n_dev)
-    to_left = plgpu.remote_ref(received_ref, left)
+    left, to_left = left_peer(dev, n_dev, received_ref)
     for s in range(n_dev):  # n_dev is small and static: each step is its own code
       block = x_ref.at[pl.ds(lax.rem(dev + s + 1, n_dev) * mb, mb)]
       if s > 0:  # every consumer warpgroup of the right peer finished step s - 1

@@ -123,7 +123,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import ring_size, sm_count, step_semaphores
+from jaxmercury.pallas_kernels.peer_gemm import left_peer, ring_size, sm_count, step_semaphores
 from jaxmercury.schedules import orders
 
 LOG2E = math.log2(math.e)
@@ -331,9 +331,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
     cta = lax.axis_index("cta")
     dev = lax.axis_index(axis_name) if ring else 0
     if ring:
-      left = lax.rem(dev + n_dev - 1, n_dev)
       arrived = step_semaphores(n_dev)
-      to_left = plgpu.remote_ref(recv_k, left), plgpu.remote_ref(recv_v, left)
+      left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
 
     @pl.loop(cta, work, step=grid)
     def _work_item(t):

@@ -76,6 +76,13 @@ def step_semaphores(n_dev: int):
   return pl.get_global(plgpu.SemaphoreType.REGULAR((max(n_dev - 1, 1),)))
 
 
+def left_peer(dev, n_dev: int, *refs):
+  """``(left, *refs_there)``: the ring's left neighbour of device ``dev`` (``dev - 1`` mod ``n_dev``) and each of
+  ``refs`` as that device holds it (``plgpu.remote_ref``), where the ring stores; call inside the kernel body."""
+  left = lax.rem(dev + n_dev - 1, n_dev)
+  return (left, *(plgpu.remote_ref(ref, left) for ref in refs))
+
+
 def warp_specialized_kernel(body, out_type, grid: int, *operands):
   """``body`` run on the grid JAX's warp-specialized Hopper GEMM body (``hopper_matmul_mgpu.kernel``) expects:
   ``grid`` persistent CTAs (one per SM) along ``"cluster_grid"``, clusters of one, three warpgroups along

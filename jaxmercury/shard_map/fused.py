@@ -137,7 +137,9 @@ class FusedLowering:
     name: what ``Schedule.lower_with`` names.
     description: one line for ``str(schedule)`` and the docs.
     defaults: its parameters and their default values.
-    rate_kernel: the kernel whose measured rate prices its compute in the cost model.
+    rate_kernel: the local kernel whose measured rate prices its compute in
+      the cost model; or its own name: ``calibrate.fused_rates`` measures the
+      kernel itself (on one device), into ``Machine.fused_flops_per_s``.
     device_problem: ``(schedule, placement) -> reason | None`` for the mesh's devices.
     param_problem: ``(params, itemsize) -> reason | None``.
     tile: ``params -> (rows, cols, depth)``: the multiples it pads one device's blocks to.

@@ -31,6 +31,7 @@ from jaxmercury.tuner.cost import Machine, dense_flops, masked_axes
 
 REPEATS = 8
 GPU_BLOCK_FLOPS = 1e13  # kernel rates level off well below this (about 15 ms at cuDNN's rate)
+FUSED_PROBE_FLOPS = 2e12  # a fused attention's probe: about 3 ms at cuDNN's rate
 
 
 def _time(fn, *args, iters: int = 3) -> float:
@@ -205,8 +206,45 @@ def kernel_rates(program, mesh, kernels=None) -> tuple[dict, float]:
   return rates, statistics.median(overheads) if overheads else 0.0
 
 
+def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
+  """Per fused lowering priced at its own kernel's rate (``rate_kernel`` is its name: the ring attentions), the
+  rate that kernel reaches on one device of ``mesh``: a ring of one device, so the local attention alone.
+
+  The program is an attention program (``pattern == "attention"``; other programs have none), rebuilt at
+  sequence ``seq`` (default: the longest multiple of 256 up to the program's keys whose work is at most
+  ``FUSED_PROBE_FLOPS``); the rate is its executed flops (a causal program computes half its scores) over
+  the time of one call, a few milliseconds, so a launch's fixed cost hardly counts. One length, not two:
+  a persistent kernel's last wave of work items is partly idle, differently at each length, which a
+  difference of two times would amplify (measured: 739 TFLOP/s for a kernel that runs at 600). Lowerings
+  that do not apply there (another device kind, blocks that do not fit) are left out.
+  """
+  from jaxmercury.programs import attention
+  from jaxmercury.schedules.library import library
+  from jaxmercury.shard_map import fused
+  own = [low for low in fused.LOWERINGS.values() if low.rate_kernel == low.name]
+  if program.pattern != "attention" or not own:
+    return {}
+  params = program.params
+  if seq is None:
+    per_key = 4 * params["batch"] * params["heads"] * params["head_dim"]
+    seq = max(256, min(params["kv_len"], int(math.sqrt(FUSED_PROBE_FLOPS / per_key))) // 256 * 256)
+  one = jax.sharding.Mesh(np.array(mesh.devices.flat[:1]), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  probe = attention(params["batch"], params["heads"], params["kv_heads"], seq, seq, params["head_dim"],
+                    causal=params["causal"], dtype=program.reads[0].dtype)
+  schedules = list(library(probe, one).values())
+  inputs = jax.device_put(probe.random_inputs(jax.random.key(seq)), one.devices.flat[0])
+  rates = {}
+  for low in own:
+    schedule = next((s for s in schedules if low.why_not(s) is None), None)
+    if schedule is not None:
+      fn = jax.jit(schedule.copy().lower_with(low.name).compile(differentiable=False))
+      rates[low.name] = probe.flops / _time(fn, *inputs)
+  return rates
+
+
 def calibrate(program, mesh, *, kernels=None) -> Machine:
-  """Measures this machine's figures for ``program`` on ``mesh``."""
+  """Measures this machine's figures for ``program`` on ``mesh``: the local kernels' rates (all that apply,
+  or ``kernels``) and, on GPUs where ``kernels`` is not given, the fused ring attentions' (``fused_rates``)."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   link_bytes = (64 << 20) if gpu else (4 << 20)
   rates, overhead = kernel_rates(program, mesh, kernels)
@@ -226,4 +264,5 @@ def calibrate(program, mesh, *, kernels=None) -> Machine:
       kernel_flops_per_s=rates, gather_factor=statistics.median(factors) if factors else 1.0,
       call_overhead_s=overhead,
       overlap=statistics.median(overlaps) if overlaps else 1.0,
-      memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)))
+      memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)),
+      fused_flops_per_s=fused_rates(program, mesh) if gpu and kernels is None else {})

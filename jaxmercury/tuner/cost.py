@@ -58,6 +58,10 @@ class Machine:
       beside it (1: all of it).
     memory_bytes_per_s: device memory bandwidth, for combining partial
       results between blocks.
+    fused_flops_per_s: per fused lowering measured on its own (the ring
+      attentions: ``calibrate.fused_rates``), its kernel's rate on one
+      device in flops it executes per second; a fused lowering not here
+      takes its ``rate_kernel``'s rate.
   """
 
   name: str
@@ -69,6 +73,7 @@ class Machine:
   call_overhead_s: float = 10e-6
   overlap: float = 1.0
   memory_bytes_per_s: float = 2e12
+  fused_flops_per_s: dict = dataclasses.field(default_factory=dict)
 
   def bandwidth(self, level: str) -> float:
     return self.link_bytes_per_s.get(level, self.link_bytes_per_s["*"])
@@ -192,8 +197,8 @@ def _sm_count(mesh, default: int = 132) -> int:
 def _ring_attention_seconds(schedule, p, low, machine: Machine) -> float:
   """Fused ring attention: ``max(attention over every key, passing n - 1 K/V blocks) + latency``.
 
-  The attention runs at the measured rate of ``low.rate_kernel`` (the fused
-  kernel's own; ``flops_per_s`` where not measured); the kernel forwards each
+  The attention runs at the kernel's measured rate (``fused_flops_per_s``; else
+  ``low.rate_kernel``'s, ``flops_per_s`` where not measured); the kernel forwards each
   K/V tile as it consumes it, so the two overlap. A causal kernel skips the
   key tiles after its query tile: in natural order the busiest device (the
   last) computes ``n - 1/2`` of its ``n`` blocks, in zigzag order every
@@ -203,7 +208,8 @@ def _ring_attention_seconds(schedule, p, low, machine: Machine) -> float:
   share = 1.0
   if p.causal:
     share = 0.5 if p.order == "zigzag" else 1 - 1 / (2 * p.size)
-  compute = share * 4 * b * hk * g * s * (s * p.size) * d / machine.rate(low.rate_kernel)
+  rate = machine.fused_flops_per_s.get(low.name) or machine.rate(low.rate_kernel)
+  compute = share * 4 * b * hk * g * s * (s * p.size) * d / rate
   item = np.dtype(schedule.program.reads[0].dtype).itemsize
   ring = (p.size - 1) * 2 * b * s * hk * d * item / machine.bandwidth(p.level)
   return max(compute, ring) + machine.latency_s
