@@ -2,8 +2,11 @@
 
 ``attention`` and ``matmul`` build the program for their inputs, take the
 winner stored in the tuning database, tune on a miss when ``tune=True``, and
-otherwise fall back to a sensible library strategy with the fastest local
-kernel that applies (cuDNN or Mosaic GPU flash attention on GPUs).
+otherwise take the winner tuned for the nearest other sizes of the same
+operator on the same mesh (``Database.nearest``: each size within a factor
+of 4, replayed on these sizes), else a sensible library strategy with the
+fastest local kernel that applies (cuDNN or Mosaic GPU flash attention on
+GPUs).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ DEFAULT_KERNELS = {"attention": ("cudnn_attention", "mosaic_attention")}
 
 
 def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
-  """The schedule an operator uses: stored winner, else tuned (if asked), else a default."""
+  """The schedule an operator uses: stored winner, else tuned (if asked), else the nearest sizes' winner, else a
+  default."""
   from jaxmercury.tuner.database import Database
   from jaxmercury.tuner.tune import autotune
   db = database if database is not None else Database()
@@ -32,6 +36,9 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
     result = autotune(program, mesh, database=db, **tune_options)
     if result.best is not None:
       return result.best.schedule
+  near = db.nearest(program, mesh)
+  if near is not None:
+    return near[0]
   lib = library(program, mesh)
   schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
   available = schedule.kernel_candidates()

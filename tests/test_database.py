@@ -8,11 +8,12 @@ import sys
 import textwrap
 import warnings
 
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
-from conftest import make_mesh
+from conftest import fresh_key, make_mesh
 from jaxmercury.tuner import cost, database, measure
 from jaxmercury.tuner.tune import Candidate
 
@@ -165,6 +166,41 @@ def test_malformed_measurement_rows_are_skipped(tmp_path):
   with pytest.warns(RuntimeWarning, match="skipping a malformed measurement"):
     rows = db.measurements(prog, mesh)
   assert list(rows) == [good.schedule.to_json()] and rows[good.schedule.to_json()].result == good.result
+
+
+# ------------------------------------------------------------------ the nearest other sizes
+def _attention(seq, causal=True):
+  return jm.programs.attention(1, 4, 2, seq, seq, 16, causal=causal)
+
+
+def _store(db, schedule, name):
+  w = Candidate(name, schedule, 0.5, 1024, measure.Measurement(measure.OK, 1.0, [1.0], 1e-7))
+  db.store(schedule.program, schedule.mesh, w, [w])
+
+
+def test_nearest_takes_the_closest_sizes_whose_winner_replays(tmp_path):
+  """Only sizes may differ, each within the factor; the closest record whose trace replays on the new sizes wins."""
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "near.db"))
+  _store(db, jm.Schedule(_attention(96), mesh).tile("i", 3), "tiled")  # closest, but 3 does not divide 128
+  _store(db, jm.library(_attention(256), mesh)["ring"], "ring")
+  _store(db, jm.library(_attention(128, causal=False), mesh)["tree"], "tree")  # another flag
+  _store(db, jm.library(_attention(1024), mesh)["context_parallel"], "context_parallel")  # 8x away
+  target = _attention(128)
+  assert db.lookup(target, mesh) is None
+  schedule, tuned = db.nearest(target, mesh)
+  assert tuned["q_len"] == 256 and schedule.program is target
+  assert [step for step in schedule.trace] == jm.library(_attention(256), mesh)["ring"].trace
+  xs = target.random_inputs(fresh_key())
+  assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - target.reference(*xs)))) < 1e-5
+  assert db.nearest(target, mesh, within=1.5) is None  # ring's 2x is too far, the tiled trace does not replay
+  assert db.nearest(target, make_mesh("2x4")) is None  # another mesh
+  assert db.nearest(_attention(256), mesh)[1]["q_len"] == 1024  # never its own record (that is lookup's)
+  odd = _attention(1000)  # the 1024 winner replays on a length that is not a multiple of the devices
+  schedule, tuned = db.nearest(odd, mesh)
+  assert tuned["q_len"] == 1024
+  xs = odd.random_inputs(fresh_key())
+  assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - odd.reference(*xs)))) < 1e-5
 
 
 # ------------------------------------------------------------------ concurrent writers

@@ -25,6 +25,23 @@ def test_ops_use_default_then_stored_winner(tmp_path):
   assert jm.ops.schedule_for(prog, mesh, database=db).to_json() == stored.to_json()
 
 
+def test_a_miss_takes_the_winner_of_the_nearest_sizes(tmp_path):
+  """Without an exact record (and no tuning), the winner tuned for other sizes of the operator on the same mesh
+  is replayed on these sizes before any library default."""
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "ops.db"))
+  tuned = jm.programs.attention(1, 4, 2, 128, 128, 16, causal=True)
+  tree = jm.library(tuned, mesh)["tree"]
+  w = jm.tuner.tune.Candidate("tree", tree, 0.5, 1024, jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0))
+  db.store(tuned, mesh, w, [w])
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  assert jm.ops.schedule_for(prog, mesh, database=db).trace == jm.library(prog, mesh)["tree"].trace
+  q, k, v = prog.random_inputs(fresh_key())
+  assert rel_err(jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db), prog.reference(q, k, v)) < 1e-5
+  other = jm.programs.attention(1, 4, 2, 16, 16, 16, causal=True)  # 8x away: the library default
+  assert jm.ops.schedule_for(other, mesh, database=db).trace == jm.library(other, mesh)["ring"].trace
+
+
 def test_ops_matmul_is_differentiable(tmp_path):
   mesh = make_mesh("2x4")
   db = jm.Database(str(tmp_path / "ops.db"))

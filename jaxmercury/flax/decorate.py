@@ -31,7 +31,8 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   ``nnx.LinearGeneral`` without a ``dot_general_cls`` gets a
   ``jaxmercury.flax.DotGeneral``. Each operator uses the schedule stored in the
   tuning database for its shapes and mesh; on a miss it is tuned when
-  ``tune`` is set (and the winner stored), else a library default runs. Calls
+  ``tune`` is set (and the winner stored), else the winner tuned for the
+  nearest other sizes runs (``Database.nearest``), else a library default. Calls
   an operator does not cover (masks, dropout, shapes the mesh does not
   divide) run the original function.
 

@@ -32,7 +32,8 @@ class Routing:
     database: a ``jaxmercury.Database`` with tuned schedules; None for the
       default file (``jaxmercury.tuner.database.default_path()``).
     tune: on a database miss, tune the operator (and store the winner);
-      otherwise use a library default.
+      otherwise use the nearest sizes' winner or a library default
+      (``ops.schedule_for``).
     tune_options: keyword arguments for ``jaxmercury.autotune``, as sorted
       (name, value) pairs.
   """

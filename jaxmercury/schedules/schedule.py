@@ -553,9 +553,11 @@ class Schedule:
     return to_json(self)
 
   @classmethod
-  def from_json(cls, program: Program, mesh, text: str) -> "Schedule":
+  def from_json(cls, program: Program, mesh, text: str, *, other_sizes: bool = False) -> "Schedule":
+    """The schedule a ``to_json`` trace records, rebuilt on ``program`` and ``mesh`` through the primitives;
+    ``other_sizes``: the trace may be of the same program at other sizes (``trace.from_json``)."""
     from jaxmercury.schedules.trace import from_json
-    return from_json(program, mesh, text)
+    return from_json(program, mesh, text, other_sizes=other_sizes)
 
   def __str__(self):
     from jaxmercury.schedules.printer import render

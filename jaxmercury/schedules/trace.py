@@ -66,8 +66,29 @@ def replay(schedule, steps):
   return schedule
 
 
-def from_json(program, mesh, text: str):
-  """Rebuilds a schedule of ``program`` on ``mesh`` from ``to_json`` output."""
+def is_size(value) -> bool:
+  """Whether a program parameter is a size (an int, not a flag), which ``from_json(other_sizes=True)`` lets
+  differ."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def same_but_sizes(params: dict, other: dict) -> bool:
+  """Whether two programs' parameters have the same names and differ in sizes only (``is_size``)."""
+  return params.keys() == other.keys() and all(
+      params[k] == other[k] or (is_size(params[k]) and is_size(other[k])) for k in params)
+
+
+def from_json(program, mesh, text: str, *, other_sizes: bool = False):
+  """Rebuilds a schedule of ``program`` on ``mesh`` from ``to_json`` output.
+
+  Args:
+    program: the program; the trace must be for it (its name and parameters).
+    mesh: the mesh; the trace must be for its level names and sizes.
+    text: the trace.
+    other_sizes: accept a trace of the same program at other sizes (int
+      parameters: lengths, batch, heads), replayed on this one; a step
+      whose preconditions this shape breaks raises.
+  """
   from jaxmercury.schedules.schedule import Schedule
   try:
     data = json.loads(text)
@@ -76,7 +97,9 @@ def from_json(program, mesh, text: str):
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     raise TraceError(f"schedule trace has format {data.get('format') if isinstance(data, dict) else None!r}; "
                      f"this jaxmercury reads format {FORMAT}")
-  if data.get("params", {}) != dict(program.params) or data.get("program") != program.name:
+  params, want = data.get("params", {}), dict(program.params)
+  fits = same_but_sizes(params, want) if other_sizes and isinstance(params, dict) else params == want
+  if not fits or data.get("program") != program.name:
     raise TraceError(f"trace is for {data.get('program')!r} {data.get('params')}, "
                      f"not {program.name!r} {dict(program.params)}")
   levels = dict(mesh.shape)

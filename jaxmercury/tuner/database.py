@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sqlite3
 import time
@@ -49,6 +50,7 @@ COLUMNS = {"winners": {"key", "program", "trace", "name", "time_ms", "memory_byt
            "machines": {"key", "figures", "created"},
            "measurements": {"key", "trace", "name", "result", "attempts", "created"}}
 VERSION_FIELDS = ("jax", "jaxmercury")
+NEAR_FACTOR = 4.0  # Database.nearest: how far apart sizes may be
 
 
 def default_path() -> str:
@@ -248,6 +250,44 @@ class Database:
       warnings.warn(f"tuning database {os.fspath(self.path)}: the record for {program.name} is not "
                     f"trusted ({e}); ignored", RuntimeWarning, stacklevel=2)
       return None
+
+  def nearest(self, program, mesh, layouts=None, *, within: float = NEAR_FACTOR):
+    """The winner tuned for the nearest other sizes of ``program``, replayed on ``program``; or None.
+
+    A record qualifies when only sizes differ (int parameters: lengths,
+    batch, heads; not dtypes or flags), each within a factor ``within``, and
+    the mesh, device, layouts and versions are the same. The nearest (the
+    smallest sum of ``|log(size ratio)|``) whose winner replays on this
+    shape is taken: a trace whose steps this shape breaks (a tile that does
+    not divide) is passed over.
+
+    Returns:
+      ``(schedule, params)``: the replayed winner and the parameters it was
+      tuned for; or None.
+    """
+    from jaxmercury.schedules.schedule import Schedule
+    from jaxmercury.schedules.trace import is_size, same_but_sizes
+    want = json.loads(record_key(program, mesh, layouts))
+    fixed = {k: v for k, v in want.items() if k not in ("program", "params")}
+    params = dict(program.params)
+    near = []
+    for key, trace in self._read("SELECT key, trace FROM winners WHERE program = ?", (program.name,)):
+      try:
+        have, tuned = json.loads(key), json.loads(trace)["params"]
+      except (ValueError, TypeError, KeyError):
+        continue
+      if not isinstance(have, dict) or {k: v for k, v in have.items() if k in fixed} != fixed \
+          or not isinstance(tuned, dict) or not same_but_sizes(tuned, params) or tuned == params:
+        continue
+      ratios = [max(tuned[k], params[k]) / max(min(tuned[k], params[k]), 1) for k in params if is_size(params[k])]
+      if all(r <= within for r in ratios):
+        near.append((sum(math.log(r) for r in ratios), trace, tuned))
+    for _, trace, tuned in sorted(near, key=lambda n: n[0]):
+      try:
+        return Schedule.from_json(program, mesh, trace, other_sizes=True), tuned
+      except ScheduleError:
+        continue
+    return None
 
   def stale_records(self, program, mesh, layouts=None) -> list[dict]:
     """Versions of records for this key made by another jax or jaxmercury (not used)."""
