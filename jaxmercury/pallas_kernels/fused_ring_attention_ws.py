@@ -172,6 +172,10 @@ NAME = "fused_ring_attention_ws"
 CONSUMERS = 2  # consumer warpgroups per CTA; warpgroup CONSUMERS issues the loads
 CONSUMER_REGISTERS = 232
 MEMORY_REGISTERS = 40
+# Registers per thread each warpgroup starts with: an SM's 65536 over 384 threads, rounded down to 8. setmaxnreg's
+# "increase" waits until the registers it asks for are free, so the warpgroups may ask for at most what they hold
+# together: 232/40 and 240/24 run (as fast, on one H200), 240/32 hangs.
+LAUNCH_REGISTERS = 168
 INTERPRET_CTAS = fra.INTERPRET_CTAS
 # Shared memory beyond the buffers (barriers, alignment): Mosaic GPU's count exceeds the buffers' bytes by 2.6 to
 # 2.7 KiB in every configuration lowered for an H100 (measured), so smem_bytes is an upper bound of its count.
@@ -296,6 +300,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   """
   assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
   assert not (pipelined and causal), "the pipelined consumers run non-causal attention only"
+  assert CONSUMERS * CONSUMER_REGISTERS + MEMORY_REGISTERS <= (CONSUMERS + 1) * LAUNCH_REGISTERS, "would hang"
   b, s_loc, h, d = q.shape
   kv = k.shape[2]
   g = h // kv
