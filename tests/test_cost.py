@@ -345,6 +345,15 @@ def test_fused_attention_rates_are_measured_on_one_device(monkeypatch, causal):
   assert seen == [(1, 256, 4, 64)] * 2
   assert calibrate.fused_rates(jm.programs.matmul(256, 256, 256, dtype=jnp.bfloat16), mesh) == {}
 
+  def broken(fn, *inputs):
+    raise RuntimeError("the kernel failed")
+  monkeypatch.setattr(calibrate, "_time", broken)
+  with pytest.warns(RuntimeWarning) as caught:
+    assert calibrate.fused_rates(prog, mesh, seq=256) == {}
+  assert sorted(str(w.message).split(" did not")[0] for w in caught) == ["calibrate: fused_ring_attention",
+                                                                         "calibrate: fused_ring_attention_ws"]
+  assert all("the kernel failed" in str(w.message) for w in caught)
+
 
 def test_fused_attention_probe_length(monkeypatch):
   """The default probe: the longest multiple of 256 whose work fits ``FUSED_PROBE_FLOPS``, at most the keys."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -216,7 +217,8 @@ def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
   the time of one call, a few milliseconds, so a launch's fixed cost hardly counts. One length, not two:
   a persistent kernel's last wave of work items is partly idle, differently at each length, which a
   difference of two times would amplify (measured: 739 TFLOP/s for a kernel that runs at 600). Lowerings
-  that do not apply there (another device kind, blocks that do not fit) are left out.
+  that do not apply there (another device kind, blocks that do not fit), or fail to run (with a warning), are
+  left out.
   """
   from jaxmercury.programs import attention
   from jaxmercury.schedules.library import library
@@ -236,9 +238,14 @@ def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
   rates = {}
   for low in own:
     schedule = next((s for s in schedules if low.why_not(s) is None), None)
-    if schedule is not None:
+    if schedule is None:
+      continue
+    try:
       fn = jax.jit(schedule.copy().lower_with(low.name).compile(differentiable=False))
       rates[low.name] = probe.flops / _time(fn, *inputs)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here is left to the tuner's own checks
+      warnings.warn(f"calibrate: {low.name} did not run on one device ({type(e).__name__}: {str(e)[:200]}); "
+                    "its rate is not measured", RuntimeWarning, stacklevel=2)
   return rates
 
 
