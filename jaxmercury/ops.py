@@ -38,7 +38,7 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
       return result.best.schedule
   near = db.nearest(program, mesh)
   if near is not None:
-    return near[0]
+    return near.schedule
   lib = library(program, mesh)
   schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
   available = schedule.kernel_candidates()

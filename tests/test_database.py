@@ -188,16 +188,16 @@ def test_nearest_takes_the_closest_sizes_whose_winner_replays(tmp_path):
   _store(db, jm.library(_attention(1024), mesh)["context_parallel"], "context_parallel")  # 8x away
   target = _attention(128)
   assert db.lookup(target, mesh) is None
-  schedule, tuned = db.nearest(target, mesh)
-  assert tuned["q_len"] == 256 and schedule.program is target
+  schedule, tuned, name = db.nearest(target, mesh)
+  assert tuned["q_len"] == 256 and name == "ring" and schedule.program is target
   assert [step for step in schedule.trace] == jm.library(_attention(256), mesh)["ring"].trace
   xs = target.random_inputs(fresh_key())
   assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - target.reference(*xs)))) < 1e-5
   assert db.nearest(target, mesh, within=1.5) is None  # ring's 2x is too far, the tiled trace does not replay
   assert db.nearest(target, make_mesh("2x4")) is None  # another mesh
-  assert db.nearest(_attention(256), mesh)[1]["q_len"] == 1024  # never its own record (that is lookup's)
+  assert db.nearest(_attention(256), mesh).params["q_len"] == 1024  # never its own record (that is lookup's)
   odd = _attention(1000)  # the 1024 winner replays on a length that is not a multiple of the devices
-  schedule, tuned = db.nearest(odd, mesh)
+  schedule, tuned, _ = db.nearest(odd, mesh)
   assert tuned["q_len"] == 1024
   xs = odd.random_inputs(fresh_key())
   assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - odd.reference(*xs)))) < 1e-5

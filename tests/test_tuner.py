@@ -160,6 +160,24 @@ def test_database_returns_the_stored_winner_without_compiling(tmp_path, monkeypa
   assert again.machine(prog, make_mesh("8")) is None
 
 
+def test_a_tune_also_times_the_nearest_sizes_winner(tmp_path):
+  """The winner stored for other sizes (not among this tune's candidates) is timed too, under its own name."""
+  mesh = make_mesh("8")
+  db = jm.Database(tmp_path / "t.db")
+  tuned = jm.programs.matmul(64, 128, 128)
+  mine = jm.Schedule(tuned, mesh).tile("k", 2)  # a local schedule no library strategy or sampled one is
+  w = Candidate("mine", mine, 0.5, 1024, measure.Measurement(measure.OK, 1.0))
+  db.store(tuned, mesh, w, [w])
+  prog = PROGRAMS["matmul"]()  # k = 256: 2x away
+  lines = []
+  result = _tune(prog, mesh, database=db, space=0, top_k=0, log=lines.append)
+  (near,) = [c for c in result.candidates if c.name == "mine (tuned at k=128)"]
+  assert near.status == measure.OK and near.time_ms > 0, near.result.reason
+  assert near.schedule.trace == mine.trace and near.schedule.program is prog
+  assert any(line.startswith("also timing mine (tuned at k=128)") for line in lines)
+  assert db.lookup(prog, mesh) is not None  # this tune's own winner is stored for its sizes
+
+
 # ------------------------------------------------------------------ fault injection
 @pytest.fixture
 def bad_kernels(monkeypatch):

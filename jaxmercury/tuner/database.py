@@ -31,6 +31,7 @@ import os
 import sqlite3
 import time
 import warnings
+from typing import NamedTuple
 
 import jax
 
@@ -77,6 +78,14 @@ def record_key(program, mesh, layouts=None) -> str:
       "program": program.fingerprint(), "params": {k: str(v) for k, v in program.params.items()},
       "mesh": [[n, s] for n, s in mesh.shape.items()], "device": _device_kind(mesh),
       "layouts": None if layouts is None else str(layouts), **_versions()}, sort_keys=True)
+
+
+class Near(NamedTuple):
+  """``Database.nearest``'s answer: the winner tuned for other sizes, replayed on the program asked about."""
+
+  schedule: object  # Schedule
+  params: dict  # the parameters it was tuned for
+  name: str  # its candidate name there
 
 
 @dataclasses.dataclass
@@ -262,8 +271,8 @@ class Database:
     not divide) is passed over.
 
     Returns:
-      ``(schedule, params)``: the replayed winner and the parameters it was
-      tuned for; or None.
+      A ``Near`` (the replayed winner, the parameters and name it was tuned
+      with), or None.
     """
     from jaxmercury.schedules.schedule import Schedule
     from jaxmercury.schedules.trace import is_size, same_but_sizes
@@ -271,7 +280,7 @@ class Database:
     fixed = {k: v for k, v in want.items() if k not in ("program", "params")}
     params = dict(program.params)
     near = []
-    for key, trace in self._read("SELECT key, trace FROM winners WHERE program = ?", (program.name,)):
+    for key, trace, name in self._read("SELECT key, trace, name FROM winners WHERE program = ?", (program.name,)):
       try:
         have, tuned = json.loads(key), json.loads(trace)["params"]
       except (ValueError, TypeError, KeyError):
@@ -281,10 +290,10 @@ class Database:
         continue
       ratios = [max(tuned[k], params[k]) / max(min(tuned[k], params[k]), 1) for k in params if is_size(params[k])]
       if all(r <= within for r in ratios):
-        near.append((sum(math.log(r) for r in ratios), trace, tuned))
-    for _, trace, tuned in sorted(near, key=lambda n: n[0]):
+        near.append((sum(math.log(r) for r in ratios), trace, tuned, name))
+    for _, trace, tuned, name in sorted(near, key=lambda n: n[0]):
       try:
-        return Schedule.from_json(program, mesh, trace, other_sizes=True), tuned
+        return Near(Schedule.from_json(program, mesh, trace, other_sizes=True), tuned, str(name))
       except ScheduleError:
         continue
     return None

@@ -207,7 +207,9 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     top_k: how many candidates besides the anchors, best predicted first, to
       compile and time. Anchors, always timed when they fit the memory
       budget: each library strategy with its best-predicted kernel (one per
-      strategy), and each fused lowering of a library strategy. A strategy's other kernels compete with the design-space
+      strategy), each fused lowering of a library strategy, and (default
+      candidates) the winner ``database`` holds for the nearest other sizes
+      (``Database.nearest``). A strategy's other kernels compete with the design-space
       schedules for these ``top_k`` places; the rest are pruned with the
       reason.
     in_shardings: the layouts (``PartitionSpec`` per input) the caller's
@@ -450,6 +452,10 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
     also = f"; {_strategy_of(c.name)} is timed as {anchor.name}" if anchor is not None else ""
     c.result = measure.Measurement(measure.PRUNED, reason=f"cost model ranks it below the top {top_k}{also}")
   fits = sorted([*anchors.values(), *ranked[:top_k]], key=lambda c: c.predicted_ms)
+  near = store.nearest() if candidates is None else None
+  if near is not None:
+    _time_nearest(near, cands, fits, memory_budget,
+                  lambda name, s: _candidate(name, s, program, mesh, machine, in_shardings, out_sharding), log)
   if retune:
     store.clear()
   stored = store.measurements() if resume and not retune else {}
@@ -467,6 +473,28 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   if resumed:
     log(f"resuming: {resumed} of {len(fits)} measurements read from {store.path}")
   return cands, [cands.index(c) for c in fits], resumed
+
+
+def _time_nearest(near, cands, fits: list, memory_budget, make, log):
+  """Adds to ``fits`` (the candidates to time) the winner tuned for the nearest other sizes (``near``, a
+  ``Database.nearest``), so that a tune never does worse than the schedule a miss would have run; a new
+  candidate when no candidate has its trace. Candidates over ``memory_budget`` stay pruned."""
+  from jaxmercury.schedules.trace import is_size
+  trace = near.schedule.to_json()
+  c = next((c for c in cands if c.schedule.to_json() == trace), None)
+  if c is None:
+    mine = near.schedule.program.params
+    sizes = ", ".join(f"{k}={v}" for k, v in near.params.items() if is_size(v) and v != mine.get(k))
+    c = make(f"{near.name} (tuned at {sizes})", near.schedule)
+    cands.append(c)
+  if c in fits or (c.result is not None and not c.result.reason.startswith("cost model ranks")):
+    return
+  if memory_budget is not None and c.memory_bytes > memory_budget:
+    return
+  c.result = None
+  fits.append(c)
+  fits.sort(key=lambda c: c.predicted_ms)
+  log(f"also timing {c.name}: the winner tuned for the nearest other sizes ({near.name})")
 
 
 def _seed(key) -> int:
@@ -532,6 +560,9 @@ class _Store:
   def measurements(self) -> dict:
     return self._do("read measurements", "measurements", self.program, self.mesh,
                     self.layouts) or {}
+
+  def nearest(self):
+    return self._do("read the nearest sizes' winner", "nearest", self.program, self.mesh, self.layouts)
 
 
 def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24, in_shardings=None,
