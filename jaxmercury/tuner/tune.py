@@ -487,7 +487,7 @@ def _time_nearest(near, cands, fits: list, memory_budget, make, log):
     sizes = ", ".join(f"{k}={v}" for k, v in near.params.items() if is_size(v) and v != mine.get(k))
     c = make(f"{near.name} (tuned at {sizes})", near.schedule)
     cands.append(c)
-  if c in fits or (c.result is not None and not c.result.reason.startswith("cost model ranks")):
+  if any(f is c for f in fits) or (c.result is not None and not c.result.reason.startswith("cost model ranks")):
     return
   if memory_budget is not None and c.memory_bytes > memory_budget:
     return
