@@ -1,6 +1,8 @@
 """Inputs, runner and check shared by the CPU and GPU tests of the fused ring-attention kernels (one warpgroup,
 warp-specialized)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ from conftest import fresh_key, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmercury.pallas_kernels.fused_ring_attention import reference
+from jaxmercury.pallas_kernels.fused_ring_attention import positions, reference
 from jaxmercury.schedules import orders
 
 SEQ = P(None, "x")
@@ -34,6 +36,31 @@ def local_inputs(b, s, h, kv, d, dtype=jnp.bfloat16):
   """Fresh ``q [b, s, h, d]``, ``k, v [b, s, kv, d]`` on one device."""
   shapes = [(b, s, h, d), (b, s, kv, d), (b, s, kv, d)]
   return [jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype) for shape in shapes]
+
+
+def assert_close(out, lse, want_out, want_lse, q):
+  """``out [b, s, h, d]`` in ``q``'s dtype and ``lse [b, h, s]`` float32, finite, close to the wanted ones."""
+  b, s, h, _ = q.shape
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
+  assert rel_err(out.astype(jnp.float32), np.asarray(want_out, np.float32)) < 2e-2
+  assert rel_err(lse, want_lse) < 1e-3
+
+
+def loopback_reference(q, k, v, n, causal, order, chunks):
+  """Device 0 of a ring of ``n`` devices that all hold ``k, v``: keys at every device's global positions."""
+  b, s, h, d = q.shape
+  g = h // k.shape[2]
+  key_pos = np.concatenate([np.asarray(positions(order, j, n, s, np.arange(s), chunks)) for j in range(n)])
+  query_pos = key_pos[:s]
+  keys, values = (np.repeat(np.tile(np.asarray(x, np.float32), (1, n, 1, 1)), g, axis=2) for x in (k, v))
+  scores = np.einsum("bshd,bthd->bhst", np.asarray(q, np.float32), keys) / math.sqrt(d)
+  if causal:
+    scores = np.where(query_pos[:, None] >= key_pos[None, :], scores, -np.inf)
+  lse = np.asarray(jax.nn.logsumexp(scores, axis=-1))
+  out = np.einsum("bhst,bthd->bshd", np.exp(scores - lse[..., None]), values)
+  return out, lse
 
 
 def run(mesh, fn, *xs):

@@ -2,7 +2,9 @@
 checks, and its ring's lowering to Mosaic GPU for 8 abstract H100s (no GPU needed).
 
 Peer stores and remote semaphores have no interpreter; the ring runs in
-tests/gpu/test_fused_allgather_matmul_comm.py.
+tests/gpu/test_fused_allgather_matmul_comm.py. The loopback ring here
+(``_kernel(..., loopback=True)``) sends every chunk into the device's own
+``received`` and computes the later steps from there.
 """
 
 import jax
@@ -14,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_allgather_matmul import reference
-from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import _kernel, fused_allgather_matmul_comm
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
 from jaxmercury.pallas_kernels.peer_gemm import round_up
 
@@ -35,6 +37,22 @@ def test_one_device_matches_gather_then_dot(m, k, n):
   want = _run(lambda a, b: reference(a, b, "x"), a, b)
   assert got.shape == (m, n) and got.dtype == jnp.bfloat16
   assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("comm_ctas,chunk_rows", [(2, 128), (1, 64)], ids=["2-comm-ctas", "1-comm-cta"])
+def test_the_forwarding_path_in_a_loopback_ring(comm_ctas, chunk_rows):
+  """Three ring steps on one device: the communication CTAs store every chunk into this device's own
+  ``received`` and the compute CTAs read steps 1 and 2 from there (unwritten rows would be NaN, the
+  interpreter's uninitialised memory), so every row block of the result is ``a @ b``."""
+  n, (m, k, cols) = 3, (256, 128, 256)
+  a = jax.random.normal(fresh_key(), (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = jax.random.normal(fresh_key(), (k, cols), jnp.float32).astype(jnp.bfloat16)
+  got = _run(lambda a, b: _kernel(a, b, "x", n, SMALL, jnp.dtype(jnp.bfloat16), comm_ctas + 3, comm_ctas,
+                                  chunk_rows, True, loopback=True), a, b)
+  want = jnp.tile(jnp.dot(a, b, preferred_element_type=jnp.float32), (n, 1))
+  assert got.shape == (n * m, cols)
+  assert jnp.all(jnp.isfinite(got.astype(jnp.float32)))
+  assert rel_err(got.astype(jnp.float32), want) < 1e-2
 
 
 def test_inputs_and_counts_are_checked_before_anything_runs():

@@ -2,7 +2,11 @@
 checks, its gradient, its global positions, and the 8-device ring's lowering to Mosaic GPU (no GPU needed).
 
 Peer stores and remote semaphores have no interpreter; the ring runs in
-tests/gpu/test_fused_ring_attention.py. In interpret mode the P V product is a
+tests/gpu/test_fused_ring_attention.py. The loopback ring here
+(``_kernel(..., loopback=True)``, one CTA) stores every forwarded tile into
+the device's own ``received`` and reads it back at the next step, which
+covers the forwarders' stores and every ring step's positions and tile
+counts. In interpret mode the P V product is a
 plain dot (the interpreter's wgmma reads its left operand from SMEM only);
 the lowering test covers the register-operand wgmma the GPU runs.
 """
@@ -14,11 +18,12 @@ import pytest
 from conftest import fresh_key, h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
+from ring_attention_checks import (SEQ, SPECS, assert_close, first_devices, local_inputs, loopback_reference,
+                                   run)
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, fused_ring_attention, positions,
-                                                            reference, ring_attention)
+from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, SequenceOrder, _item, _kernel,
+                                                            fused_ring_attention, positions, reference, ring_attention)
 from jaxmercury.schedules import orders
 
 
@@ -244,6 +249,26 @@ def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
   assert [i[3] for i in items] == [1] * forwarders + [0] * (len(items) - forwarders)
   assert {(bi, hi // g) for bi, hi, qi, _ in items[:forwarders]} == {(bi, k) for bi in range(b) for k in range(kv)}
   assert all(qi == 0 and hi % g == 0 for _, hi, qi, _ in items[:forwarders])
+
+
+@pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s", [
+    (3, 2, 4, 2, False, "natural", None, 128),  # b * kv = 4 forwarders, 4 non-forwarders, 3 ring steps
+    (3, 1, 2, 1, True, "natural", None, 256),  # steps 1, 2 hidden: only the forwarder loads (passes) them
+    (2, 1, 2, 1, True, "zigzag", 8, 512),  # 4 chunks a device: hidden, partial and visible runs each step
+], ids=["mha-3", "causal-3", "zigzag8-2"])
+def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chunks, s):
+  """Forwarders store each tile from SMEM into ``received[s]`` and every item reads step ``s + 1`` from there.
+
+  One device, one CTA, ``n`` ring steps: the forwarders (the CTA's first
+  items) store into this device's own ``received``; unwritten ``received``
+  rows would be NaN (the interpreter's uninitialised memory).
+  """
+  q, k, v = local_inputs(b, s, h, kv, 64)
+  blocks = Blocks(64, 64, 2)
+  seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
+  out, lse = run(first_devices(), lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order,
+                                                           loopback=True), q, k, v)
+  assert_close(out, lse, *loopback_reference(q, k, v, n, causal, order, chunks), q)
 
 
 def test_the_default_grid_without_an_sm_count():

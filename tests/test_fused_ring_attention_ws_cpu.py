@@ -19,8 +19,6 @@ read / release / refill of an SMEM slot as a race, even in a four-line
 producer-consumer kernel.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,23 +26,14 @@ import pytest
 from conftest import h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ring_attention_checks import SEQ, SPECS, first_devices, local_inputs, run
+from ring_attention_checks import (SEQ, SPECS, assert_close, first_devices, local_inputs, loopback_reference,
+                                   run)
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, positions, reference
+from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, reference
 from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRET_CTAS, WsBlocks, _kernel,
                                                                fused_ring_attention_ws)
 from jaxmercury.schedules import orders
-
-
-
-def _assert_close(out, lse, want_out, want_lse, q):
-  b, s, h, _ = q.shape
-  assert out.shape == q.shape and out.dtype == q.dtype
-  assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
-  assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(lse)))
-  assert rel_err(out.astype(jnp.float32), np.asarray(want_out, np.float32)) < 2e-2
-  assert rel_err(lse, want_lse) < 1e-3
 
 
 BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=3), dict(block_q=64, block_kv=128, max_concurrent_steps=2)]
@@ -58,7 +47,7 @@ def test_one_device_matches_the_reference(b, s, h, kv, d, blocks, pipelined):
   q, k, v = local_inputs(b, s, h, kv, d)
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True,
                                                                           pipelined=pipelined, **blocks), q, k, v)
-  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
 # (order, zigzag chunks, local sequence length): with one device the default zigzag (2 chunks) is the natural
@@ -78,25 +67,10 @@ def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv):
   mask = dict(causal=True, order=order, chunks=chunks)
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", num_ctas=3, interpret=True,
                                                                           block_kv=64, **mask), q, k, v)
-  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
   # the same as causal attention of the sequence in true order
   dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
-
-
-def _loopback_reference(q, k, v, n, causal, order, chunks):
-  """Device 0 of a ring of ``n`` devices that all hold ``k, v``: keys at every device's global positions."""
-  b, s, h, d = q.shape
-  g = h // k.shape[2]
-  key_pos = np.concatenate([np.asarray(positions(order, j, n, s, np.arange(s), chunks)) for j in range(n)])
-  query_pos = key_pos[:s]
-  keys, values = (np.repeat(np.tile(np.asarray(x, np.float32), (1, n, 1, 1)), g, axis=2) for x in (k, v))
-  scores = np.einsum("bshd,bthd->bhst", np.asarray(q, np.float32), keys) / math.sqrt(d)
-  if causal:
-    scores = np.where(query_pos[:, None] >= key_pos[None, :], scores, -np.inf)
-  lse = np.asarray(jax.nn.logsumexp(scores, axis=-1))
-  out = np.einsum("bhst,bthd->bshd", np.exp(scores - lse[..., None]), values)
-  return out, lse
 
 
 @pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots,pipelined", [
@@ -118,14 +92,14 @@ def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chun
   seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
   out, lse = run(first_devices(), lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order,
                                                            loopback=True, pipelined=pipelined), q, k, v)
-  _assert_close(out, lse, *_loopback_reference(q, k, v, n, causal, order, chunks), q)
+  assert_close(out, lse, *loopback_reference(q, k, v, n, causal, order, chunks), q)
 
 
 def test_the_default_grid_without_an_sm_count():
   q, k, v = local_inputs(1, 512, 2, 2, 64)
   assert INTERPRET_CTAS < 1 * 2 * 512 // 128  # some CTA runs several items
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", interpret=True), q, k, v)
-  _assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
 # ------------------------------------------------------------------ lowering for abstract H100s (no GPU)

@@ -144,7 +144,16 @@ def _piece_cols(tiles: Tiles, k: int, itemsize: int) -> int:
 
 
 def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int, comm_ctas: int,
-            chunk_rows: int, interpret: bool):
+            chunk_rows: int, interpret: bool, loopback: bool = False):
+  """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device): a ring of ``n_dev`` copies of ``a``.
+
+  With ``loopback`` the communication CTAs store into this device's own
+  ``received`` (no ``remote_ref``, no semaphores), so step ``s`` brings ``a``
+  again and row block ``s`` of the result is ``a @ b``. It relies on the
+  CTAs running one after another in index order, as in interpret mode:
+  the communication CTAs (the first) then send every chunk of every step
+  before any compute CTA reads one.
+  """
   (m, k), n = a.shape, b.shape[1]
   tm, tn = tiles.tile_m, tiles.tile_n
   tiles_n = n // tn
@@ -155,14 +164,17 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
   workers = min(num_ctas - comm, total_tiles)
   piece_cols = _piece_cols(tiles, k, a.dtype.itemsize)
   row_pieces, col_pieces = chunk_rows // tm, k // piece_cols
+  peers = n_dev > 1 and not loopback  # the ring crosses devices: remote stores and semaphores
 
   def body(a_ref, b_ref, out_ref, *rest):
     received_ref, out_smem = rest if n_dev > 1 else (None, *rest)
     cta = lax.axis_index("cta")
-    dev = lax.axis_index(axis_name) if n_dev > 1 else 0
-    if n_dev > 1:
+    dev = lax.axis_index(axis_name) if peers else 0
+    if peers:
       arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((n_dev - 1, chunks)))  # [step, chunk], set once
       left, to_left = left_peer(dev, n_dev, received_ref)
+    else:
+      to_left = received_ref
 
     def compute_tile(source, t, s):
       """Output tile ``t`` (flat over steps) of step ``s`` from ``source``, A's shard (r + s) % n."""
@@ -187,7 +199,8 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
         def _received(t):
           s = t // step_tiles
           mi = (t - s * step_tiles) // tiles_n
-          pl.semaphore_wait(arrived.at[s - 1, mi * tm // chunk_rows], value=1, decrement=False)
+          if peers:
+            pl.semaphore_wait(arrived.at[s - 1, mi * tm // chunk_rows], value=1, decrement=False)
           compute_tile(received_ref.at[s - 1], t, s)
 
     def communicate(j, slots, loaded):
@@ -211,7 +224,8 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
             plgpu.copy_gmem_to_smem(source.at[piece(c, i + 1)], slots.at[1 - slot], loaded.at[1 - slot])
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the chunk has landed in the peer
-        pl.semaphore_signal(arrived.at[s, c], device_id=left)
+        if peers:
+          pl.semaphore_signal(arrived.at[s, c], device_id=left)
 
       @pl.loop(j, chunks, step=comm)
       def _own(c):
@@ -221,7 +235,8 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
       def _forward(s):
         @pl.loop(j, chunks, step=comm)
         def _chunk(c):
-          pl.semaphore_wait(arrived.at[s - 1, c], value=1, decrement=False)  # the right device filled these rows
+          if peers:  # the right device filled these rows
+            pl.semaphore_wait(arrived.at[s - 1, c], value=1, decrement=False)
           send(received_ref.at[s - 1], s, c)
 
     if n_dev > 1:

@@ -310,7 +310,16 @@ def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder):
+            order: SequenceOrder, loopback: bool = False):
+  """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
+
+  With ``loopback`` the forwarders store into this device's own
+  ``received`` (no ``remote_ref``, no semaphores: with one CTA the forwarder
+  items run first and each waits until its stores landed), so step ``s``
+  brings this device's keys again at the global positions of device ``s``:
+  the forwarding path runs in interpret mode.
+  """
+  assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
   b, s_loc, h, d = q.shape
   kv = k.shape[2]
   g = h // kv
@@ -320,6 +329,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
   work = b * h * nq
   grid = min(work, num_ctas)
   ring = n_dev > 1
+  peers = ring and not loopback  # the ring crosses devices: remote stores and semaphores
   scale_log2 = LOG2E / math.sqrt(d)  # scores in base-2 units: exp2(qk * scale_log2) = exp(qk / sqrt(d))
   dtype = q.dtype
   # Causal: the keys a ring step brings are visited as runs of contiguous global positions (one per zigzag
@@ -329,10 +339,12 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     recv_k, recv_v, qo_smem, lse_smem, q_barrier = rest if ring else (None, None, *rest)
     cta = lax.axis_index("cta")
-    dev = lax.axis_index(axis_name) if ring else 0
-    if ring:
+    dev = lax.axis_index(axis_name) if peers else 0
+    if peers:
       arrived = step_semaphores(n_dev)
       left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
+    elif ring:
+      to_left = recv_k, recv_v
 
     @pl.loop(cta, work, step=grid)
     def _work_item(t):
@@ -350,7 +362,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
         # Causal: a run whose first key follows the tile's last query is all masked: no loads unless forwarded.
         needed = [(order.first(source, start) <= q_first + bq - 1) | forwarding if causal else True
                   for start in starts]
-        if received:  # every forwarder of r + 1 has filled received[s - 1]; waited for only where it is read
+        if received and peers:  # every forwarder of r + 1 has filled received[s - 1]; waited for where it is read
           @pl.when(functools.reduce(jnp.logical_or, needed) if causal else True)
           def _wait():
             pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)
@@ -380,7 +392,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
           @pl.when(forwarding)
           def _signal():
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this step's stores have landed in the peer
-            pl.semaphore_signal(arrived.at[s], device_id=left)
+            if peers:
+              pl.semaphore_signal(arrived.at[s], device_id=left)
         return carry
 
       carry = ring_step(k_ref, v_ref, 0, _initial_state(bq, d), received=False)
