@@ -10,7 +10,7 @@ from conftest import fresh_key, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmercury.pallas_kernels.fused_ring_attention import positions, reference
+from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, positions, reference
 from jaxmercury.schedules import orders
 
 SEQ = P(None, "x")
@@ -61,6 +61,18 @@ def loopback_reference(q, k, v, n, causal, order, chunks):
   lse = np.asarray(jax.nn.logsumexp(scores, axis=-1))
   out = np.einsum("bhst,bthd->bshd", np.exp(scores - lse[..., None]), values)
   return out, lse
+
+
+def check_loopback(kernel, blocks, n, b, s, h, kv, d, causal=False, order="natural", chunks=None, **params):
+  """``kernel`` (a fused ring attention's ``_kernel``) as a loopback ring of ``n`` steps on one device and one
+  CTA (interpret mode on CPU) against ``loopback_reference``: the forwarders store each tile into the device's own
+  ``received`` and every item reads the later steps from there (unwritten rows would be NaN on CPU)."""
+  q, k, v = local_inputs(b, s, h, kv, d)
+  seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
+  interpret = jax.devices()[0].platform == "cpu"
+  out, lse = run(first_devices(), lambda q, k, v: kernel(q, k, v, "x", n, blocks, 1, interpret, causal, seq_order,
+                                                         loopback=True, **params), q, k, v)
+  assert_close(out, lse, *loopback_reference(q, k, v, n, causal, order, chunks), q)
 
 
 def run(mesh, fn, *xs):

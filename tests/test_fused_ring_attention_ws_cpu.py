@@ -26,11 +26,10 @@ import pytest
 from conftest import h100_mesh, lower_for_gpus, mosaic_kernels, rel_err
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ring_attention_checks import (SEQ, SPECS, assert_close, first_devices, local_inputs, loopback_reference,
-                                   run)
+from ring_attention_checks import SEQ, SPECS, assert_close, check_loopback, first_devices, local_inputs, run
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, reference
+from jaxmercury.pallas_kernels.fused_ring_attention import reference
 from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRET_CTAS, WsBlocks, _kernel,
                                                                fused_ring_attention_ws)
 from jaxmercury.schedules import orders
@@ -87,12 +86,7 @@ def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chun
   items) store into this device's own ``received``; unwritten ``received``
   rows would be NaN (the interpreter's uninitialised memory).
   """
-  q, k, v = local_inputs(b, s, h, kv, 64)
-  blocks = WsBlocks(64, 64, slots)
-  seq_order = SequenceOrder.make(order, chunks, n, s, blocks)
-  out, lse = run(first_devices(), lambda q, k, v: _kernel(q, k, v, "x", n, blocks, 1, True, causal, seq_order,
-                                                           loopback=True, pipelined=pipelined), q, k, v)
-  assert_close(out, lse, *loopback_reference(q, k, v, n, causal, order, chunks), q)
+  check_loopback(_kernel, WsBlocks(64, 64, slots), n, b, s, h, kv, 64, causal, order, chunks, pipelined=pipelined)
 
 
 def test_the_default_grid_without_an_sm_count():

@@ -1,6 +1,6 @@
 """The fused ring-attention kernel on real GPUs: every block configuration against the unfused program
-and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag order
-(skipped on CPU).
+and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag order,
+and its forwarding path as a loopback ring on one GPU (skipped on CPU).
 
 Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention.py -x -q``
 (the timeout: a ring that deadlocks hangs rather than fails).
@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
 from gpu.checks import gpu_mesh
-from ring_attention_checks import HEADS, MASKS, SPECS, check, check_matches_cudnn, first_devices, inputs
+from ring_attention_checks import (HEADS, MASKS, SPECS, check, check_loopback, check_matches_cudnn, first_devices,
+                                   inputs)
 
-from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, fused_ring_attention, reference, ring_attention
+from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _kernel, fused_ring_attention, reference,
+                                                            ring_attention)
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -76,3 +78,11 @@ def test_the_gradient_on_every_gpu(mask):
   want = grads(lambda q, k, v: reference(q, k, v, "x", **mask))
   for g, w in zip(got, want):
     assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 3e-2
+
+
+@pytest.mark.parametrize("n,causal,order,chunks", [(3, False, "natural", None), (3, True, "natural", None),
+                                                   (2, True, "zigzag", 8)], ids=["3", "causal-3", "zigzag8-2"])
+def test_the_forwarding_path_in_a_loopback_ring(n, causal, order, chunks):
+  """One GPU, one CTA, ``n`` ring steps: the forwarders' TMA stores into the device's own ``received`` and every
+  later step read back from there, on the hardware (``_kernel(..., loopback=True)``)."""
+  check_loopback(_kernel, Blocks(64, 128, 2), n, 1, 1024, 4, 2, 128, causal, order, chunks)

@@ -1,6 +1,7 @@
 """The warp-specialized fused ring-attention kernel on real GPUs: every block configuration against the unfused
 program and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag
-order, the smallest legal grid, against the one-warpgroup kernel, and its pipelined consumers (skipped on CPU).
+order, the smallest legal grid, against the one-warpgroup kernel, its pipelined consumers, and its forwarding
+path as a loopback ring on one GPU (skipped on CPU).
 
 Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention_ws.py -x -q``
 (the timeout: a ring or a barrier protocol that deadlocks hangs rather than fails).
@@ -13,10 +14,11 @@ import jax.numpy as jnp
 import pytest
 from conftest import rel_err
 from gpu.checks import gpu_mesh
-from ring_attention_checks import HEADS, MASKS, check, check_matches_cudnn, first_devices, inputs, run
+from ring_attention_checks import (HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs,
+                                   run)
 
 from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS, fused_ring_attention_ws
+from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _kernel, fused_ring_attention_ws
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -91,3 +93,11 @@ def test_every_gpu_matches_the_one_warpgroup_kernel(mask):
 
 def test_pipelined_every_gpu_with_the_smallest_grid_and_head_dimension_64():
   _check_pipelined(gpu_mesh(), 1024, 8, 2, CONFIGS[2], d=64, b=2, num_ctas=4)
+
+
+@pytest.mark.parametrize("n,causal,order,chunks", [(3, False, "natural", None), (3, True, "natural", None),
+                                                   (2, True, "zigzag", 8)], ids=["3", "causal-3", "zigzag8-2"])
+def test_the_forwarding_path_in_a_loopback_ring(n, causal, order, chunks):
+  """One GPU, one CTA, ``n`` ring steps: the forwarders' TMA stores into the device's own ``received`` and every
+  later step read back from there, on the hardware (``_kernel(..., loopback=True)``)."""
+  check_loopback(_kernel, WsBlocks(64, 128, 2), n, 1, 1024, 4, 2, 128, causal, order, chunks)
