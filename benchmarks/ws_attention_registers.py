@@ -7,9 +7,10 @@ all on the same inputs, each output checked against the first's: ``cudnn``
 (baseline, ``jax.nn.dot_product_attention(implementation="cudnn")``) and
 ``ws[<consumer>/<memory>]`` (jaxmercury): ``fused_ring_attention_ws`` at its
 default blocks traced with ``CONSUMER_REGISTERS`` and ``MEMORY_REGISTERS``
-set to each split in ``SPLITS`` (three warpgroups of 128 threads share an
-SM's 65536 registers: consumer * 2 + memory <= 512). Each record has the
-median ms, its ratio to cuDNN (above 1: faster) and TFLOP/s.
+set to each split in ``SPLITS`` (the three warpgroups start with
+``LAUNCH_REGISTERS`` = 168 each, and a split asking for more than 3 x 168 in
+all hangs: 240/32 did). Each record has the median ms, its ratio to cuDNN
+(above 1: faster) and TFLOP/s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tuning database durability: corruption, other versions, malformed records, concurrent writers."""
+"""Tuning database durability: corruption, other versions, malformed records, the nearest other sizes, concurrent
+writers."""
 
 import json
 import os
@@ -190,7 +191,7 @@ def test_nearest_takes_the_closest_sizes_whose_winner_replays(tmp_path):
   assert db.lookup(target, mesh) is None
   schedule, tuned, name = db.nearest(target, mesh)
   assert tuned["q_len"] == 256 and name == "ring" and schedule.program is target
-  assert [step for step in schedule.trace] == jm.library(_attention(256), mesh)["ring"].trace
+  assert schedule.trace == jm.library(_attention(256), mesh)["ring"].trace
   xs = target.random_inputs(fresh_key())
   assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - target.reference(*xs)))) < 1e-5
   assert db.nearest(target, mesh, within=1.5) is None  # ring's 2x is too far, the tiled trace does not replay
