@@ -198,7 +198,7 @@ def test_cost_model_overlaps_the_ring_with_the_gemm():
 
 
 # ------------------------------------------------------------------ ring attention
-RING = "fused_ring_attention"
+RING, WS_RING = "fused_ring_attention", "fused_ring_attention_ws"
 
 
 def _attention(s=256, causal=False, d=64, dtype=jnp.bfloat16):
@@ -319,22 +319,24 @@ def test_kernels_run_on_one_gpu_only_are_not_offered_on_several(monkeypatch):
   """A lowering not yet verified on GPUs for a placement is left out of what the tuner and the graph search offer
   (lower_with still takes it); in interpret mode, where the tuner checks it on the CPU, it is offered."""
   one, eight = _one_device_mesh(), make_mesh("8")
-  s = jm.library(_bf16(256, 256, 128), one)["async_tp"]
-  assert "fused_allgather_matmul_comm" in fused.offered(s)  # interpreted here
-  as_on_gpus = dataclasses.replace(fused.LOWERINGS["fused_allgather_matmul_comm"], interpret=False,
-                                   device_problem=lambda schedule, p: None)
-  monkeypatch.setitem(fused.LOWERINGS, "fused_allgather_matmul_comm", as_on_gpus)
-  assert "fused_allgather_matmul_comm" in fused.offered(s)  # it ran on one GPU
-  ring = jm.library(_bf16(256, 256, 128), eight)["async_tp"]
-  assert "fused_allgather_matmul_comm" in fused.applicable(ring)
-  assert "fused_allgather_matmul_comm" not in fused.offered(ring)
+  s = jm.library(_attention(1024), one)["ring"]
+  assert WS_RING in fused.offered(s)  # interpreted here
+  as_on_gpus = dataclasses.replace(fused.LOWERINGS[WS_RING], interpret=False, device_problem=lambda schedule, p: None)
+  monkeypatch.setitem(fused.LOWERINGS, WS_RING, as_on_gpus)
+  assert WS_RING in fused.offered(s)  # it ran on one GPU
+  ring = jm.library(_attention(1024), eight)["ring"]
+  assert WS_RING in fused.applicable(ring)
+  assert WS_RING not in fused.offered(ring)
   assert "its ring over 8 GPUs has not run yet" in as_on_gpus.unverified(as_on_gpus.place(ring))
-  assert ring.copy().lower_with("fused_allgather_matmul_comm").lowering == "fused_allgather_matmul_comm"
+  assert ring.copy().lower_with(WS_RING).lowering == WS_RING
   attention = fused.LOWERINGS[RING]
   for mesh, causal_verified in ((one, True), (eight, False)):
     causal = jm.library(_attention(1024, causal=True), mesh)["ring"]
     assert (attention.unverified(attention.place(causal)) is None) == causal_verified
     assert attention.unverified(attention.place(jm.library(_attention(1024), mesh)["ring"])) is None
+  # Rings that passed their GPU tests on 2 x H200 (2026-11-23): offered on several GPUs.
+  assert all(fused.LOWERINGS[name].unverified is None for name in ("fused_allgather_matmul_comm",
+                                                                   "fused_allgather_matmul_ws"))
 
 
 def test_jax_kernel_refuses_a_one_device_ring(monkeypatch):

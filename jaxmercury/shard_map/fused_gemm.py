@@ -23,8 +23,8 @@ import numpy as np
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.shard_map.fused import (HALF, INTERPRET_CTAS, KIND_NAMES, PLACEMENTS, FusedLowering, hopper_devices,
-                                        interpretable_devices, layout_text, lowering, register, run_on_one_gpu_only,
-                                        split_problem, splitting_level, stored, whole_nest_problem)
+                                        interpretable_devices, layout_text, lowering, register, split_problem,
+                                        splitting_level, stored, whole_nest_problem)
 
 ALLGATHER, REDUCESCATTER = "allgather", "reducescatter"
 # Per kind, the axis (by role) of A, B and C that level L splits.
@@ -341,8 +341,7 @@ register(FusedLowering(
     "our Mosaic GPU kernel (pallas_kernels.fused_allgather_matmul_comm): comm_ctas CTAs of the persistent grid "
     "pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of chunk_tiles * tile_m "
     "rows; the other CTAs run the GEMM, waiting per tile for its rows; shapes padded to its tiles and chunks",
-    COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True,
-    unverified=run_on_one_gpu_only))
+    COMM_DEFAULTS, "mosaic_matmul", interpretable_devices, _comm_params, _comm_tile, _comm_make, interpret=True))
 
 
 def _jax_devices(schedule, p) -> str | None:
@@ -383,7 +382,7 @@ register(FusedLowering(
     "per step; shapes padded to its CTA tiles",
     {"tile_m": 128, "tile_n": 128, "tile_k": 64, "max_concurrent_steps": 4, "split": "n", "grid_minor": "n",
      "grid_width": 8}, "jax_mosaic_matmul", hopper_devices(False), _ws_ag_params, _ws_tile,
-    _ws_make("fused_allgather_matmul_ws"), unverified=run_on_one_gpu_only))
+    _ws_make("fused_allgather_matmul_ws")))
 
 
 def gemm_shape(schedule) -> tuple[int, int, int, int]:
