@@ -126,10 +126,11 @@ class Plan:
       if c is None or node.kind == OUTPUT:
         continue
       ins = " ".join(str(lay) for lay in c.inputs) or "-"
-      sync = (f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
-              if self.training and c.grad_sync_seconds and c.train_seconds is None else "")
+      sync = ""
       if self.training and c.train_seconds is not None:
         sync = f", forward + backward {c.train_seconds * 1e3:.4f} ms (measured)"
+      elif self.training and c.grad_sync_seconds:
+        sync = f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
       lines.append(f"  {node.name:<18} {node.kind:<6} {c.name:<34} in {ins:<32} out {str(c.output):<22} "
                    f"{c.seconds * 1e3:9.4f} ms ({c.source}){sync}")
     lines.append("edges (after fusion; bytes one device sends, fused / naive):")

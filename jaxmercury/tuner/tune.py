@@ -454,7 +454,7 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   fits = sorted([*anchors.values(), *ranked[:top_k]], key=lambda c: c.predicted_ms)
   near = store.nearest() if candidates is None else None
   if near is not None:
-    _time_nearest(near, cands, fits, memory_budget,
+    _time_nearest(near, cands, fits, ranked[top_k:], memory_budget,
                   lambda name, s: _candidate(name, s, program, mesh, machine, in_shardings, out_sharding), log)
   if retune:
     store.clear()
@@ -475,10 +475,11 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   return cands, [cands.index(c) for c in fits], resumed
 
 
-def _time_nearest(near, cands, fits: list, memory_budget, make, log):
+def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, make, log):
   """Adds to ``fits`` (the candidates to time) the winner tuned for the nearest other sizes (``near``, a
   ``Database.nearest``), so that a tune never does worse than the schedule a miss would have run; a new
-  candidate when no candidate has its trace. Candidates over ``memory_budget`` stay pruned."""
+  candidate when no candidate has its trace. Of the candidates already pruned, only those the cost model
+  ranked out (``ranked_out``) are taken back; those over ``memory_budget`` stay pruned."""
   from jaxmercury.schedules.trace import is_size
   trace = near.schedule.to_json()
   c = next((c for c in cands if c.schedule.to_json() == trace), None)
@@ -487,7 +488,7 @@ def _time_nearest(near, cands, fits: list, memory_budget, make, log):
     sizes = ", ".join(f"{k}={v}" for k, v in near.params.items() if is_size(v) and v != mine.get(k))
     c = make(f"{near.name} (tuned at {sizes})", near.schedule)
     cands.append(c)
-  if any(f is c for f in fits) or (c.result is not None and not c.result.reason.startswith("cost model ranks")):
+  if any(f is c for f in fits) or (c.result is not None and not any(r is c for r in ranked_out)):
     return
   if memory_budget is not None and c.memory_bytes > memory_budget:
     return
