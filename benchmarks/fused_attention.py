@@ -26,11 +26,12 @@ inputs, each output checked against the first's:
   each consumer's softmax running behind its previous tile's ``P V``.
 
 Causal cases add ``ulysses_cudnn`` (baseline: all-to-all to heads, cuDNN's
-causal mask) and ``fused_zigzag[...]`` (jaxmercury: the ``ring_zigzag``
-schedule lowered with the fused kernel, which balances the causal work; it
-takes natural-order arrays and pays putting them in zigzag order and back,
-which a model keeping its sequence in zigzag order would not); ``fused[...]``
-then runs the natural order, where the last device does the most work.
+causal mask), ``fused_zigzag[...]`` and ``fused_ws_zigzag[...]``
+(jaxmercury: the ``ring_zigzag`` schedule lowered with either fused kernel,
+which balances the causal work; it takes natural-order arrays and pays
+putting them in zigzag order and back, which a model keeping its sequence in
+zigzag order would not); ``fused[...]`` and ``fused_ws[...]`` then run the
+natural order, where the last device does the most work.
 
 Each record has the median ms, its ratio to the best baseline (above 1:
 faster) and TFLOP/s per device. The JSON file is rewritten after every case,
@@ -80,9 +81,9 @@ def _jm_ring(mesh, prog, spec, impl: str):
   return with_layouts(ring, [spec] * 3, spec), None
 
 
-def _jm_zigzag_fused(mesh, prog, spec, blocks, per_sm: int):
-  """jaxmercury's ``ring_zigzag`` schedule lowered with the fused kernel, for natural-order callers (it puts the
-  sequence into zigzag order and back), or the reason it does not apply."""
+def _jm_zigzag_fused(mesh, prog, spec, lowering: str, **params):
+  """jaxmercury's ``ring_zigzag`` schedule lowered with the fused kernel ``lowering`` at ``params``, for
+  natural-order callers (it puts the sequence into zigzag order and back), or the reason it does not apply."""
   import jaxmercury as jm
   from jaxmercury.shard_map import fused
   from jaxmercury.tuner.tune import with_layouts
@@ -90,10 +91,9 @@ def _jm_zigzag_fused(mesh, prog, spec, blocks, per_sm: int):
   if "ring_zigzag" not in lib:
     return None, f"jaxmercury's library has no ring_zigzag schedule here ({sorted(lib)})"
   zigzag = with_layouts(lib["ring_zigzag"], [spec] * 3, spec)
-  if why := fused.why_not("fused_ring_attention", zigzag):
+  if why := fused.why_not(lowering, zigzag):
     return None, why
-  return zigzag.lower_with("fused_ring_attention", block_q=blocks.block_q, block_kv=blocks.block_kv,
-                           max_concurrent_steps=blocks.max_concurrent_steps, ctas_per_sm=per_sm), None
+  return zigzag.lower_with(lowering, **params), None
 
 
 def contestants(mesh, prog, spec, impl: str):
@@ -119,11 +119,21 @@ def contestants(mesh, prog, spec, impl: str):
   variants = [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]
   if causal:  # the balanced order: the schedule's lowering, reordering the sequence in and out
     for c, per_sm in variants:
-      zigzag, why = (None, skip) if skip else _jm_zigzag_fused(mesh, prog, spec, c, per_sm)
+      zigzag, why = (None, skip) if skip else _jm_zigzag_fused(
+          mesh, prog, spec, "fused_ring_attention", block_q=c.block_q, block_kv=c.block_kv,
+          max_concurrent_steps=c.max_concurrent_steps, ctas_per_sm=per_sm)
       name = f"fused_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}{'' if per_sm == 1 else f',{per_sm}/SM'}]"
       out.append(harness.Contestant(name, "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
                                     "ring_zigzag lowered with fused_ring_attention (sequence put in zigzag order "
                                     "and back)", skip=why))
+    for c in WS_CONFIGS:
+      zigzag, why = (None, skip) if skip else _jm_zigzag_fused(
+          mesh, prog, spec, "fused_ring_attention_ws", block_q=c.block_q, block_kv=c.block_kv,
+          max_concurrent_steps=c.max_concurrent_steps)
+      out.append(harness.Contestant(f"fused_ws_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]",
+                                    "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
+                                    "ring_zigzag lowered with fused_ring_attention_ws (sequence put in zigzag "
+                                    "order and back)", skip=why))
   # two consumer warpgroups and a memory warpgroup per CTA, one CTA per SM; pipelined: each consumer's softmax
   # overlaps its previous tile's P V (non-causal only)
   for c, pipelined in [(c, False) for c in WS_CONFIGS] + ([] if causal else [(c, True) for c in WS_CONFIGS]):

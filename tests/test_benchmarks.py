@@ -415,8 +415,9 @@ def test_fused_attention_smoke(tmp_path, causal):
   records = {r["name"]: r for r in case["records"]}
   for name in ("cp_allgather_xla", "ring_xla", "jm_ring") + (("ulysses_xla",) if causal else ()):
     assert records[name]["median_ms"] > 0 and records[name]["numerics_ok"], records[name]
-  fused = [r for name, r in records.items() if name.startswith(("fused[", "fused_zigzag[", "fused_ws["))]
-  assert len(fused) == (11 if causal else 7) and all("Hopper" in r["skipped"] for r in fused)
+  kernels = ("fused[", "fused_zigzag[", "fused_ws[", "fused_ws_zigzag[")
+  fused = [r for name, r in records.items() if name.startswith(kernels)]
+  assert len(fused) == (14 if causal else 7) and all("Hopper" in r["skipped"] for r in fused)
 
 
 def test_training_check_smoke(tmp_path):

@@ -275,15 +275,6 @@ def applicable(schedule) -> list[str]:
   return [name for name, low in LOWERINGS.items() if low.why_not(schedule) is None]
 
 
-def run_on_one_gpu_only(p) -> str | None:
-  """``FusedLowering.unverified`` of a kernel whose GPU tests passed on one GPU (an H200, 2026-11-23) but have not
-  run on several: its ring over more than one device is not offered yet."""
-  if p.size == 1:
-    return None
-  return (f"its ring over {p.size} GPUs has not run yet (GPU tests passed on one GPU only): offered once its "
-          "multi-GPU tests pass")
-
-
 def offered(schedule) -> list[str]:
   """The applicable lowerings the tuner and the graph search offer: those verified on GPUs for this placement,
   and in Mosaic GPU interpret mode (a one-device CPU mesh, where the tuner checks them) every one."""

@@ -185,11 +185,6 @@ def _rows_problem(p: AttentionPlacement, schedule, rows: dict) -> str | None:
   return None
 
 
-def _causal_unverified(p: AttentionPlacement) -> str | None:
-  """Non-causal rings ran on 2 x H200; causal masking has run on one GPU only."""
-  return fused.run_on_one_gpu_only(p) if p.causal else None
-
-
 def _tile(params):
   return params["block_q"], params["block_kv"], 64
 
@@ -247,7 +242,7 @@ fused.register(fused.FusedLowering(
     "neighbour as they are consumed, online softmax across the ring steps, causal tiles masked or skipped by "
     "global position; ctas_per_sm CTAs share each SM",
     DEFAULTS, "fused_ring_attention", fused.interpretable_devices, _params, _tile, _make, interpret=True,
-    kind=RING_ATTENTION, fit_problem=_fit, unverified=_causal_unverified))
+    kind=RING_ATTENTION, fit_problem=_fit))
 fused.register(fused.FusedLowering(
     "fused_ring_attention_ws",
     "our warp-specialized Mosaic GPU kernel (pallas_kernels.fused_ring_attention_ws): two consumer warpgroups "
@@ -255,4 +250,4 @@ fused.register(fused.FusedLowering(
     "neighbour; one CTA per SM",
     WS_DEFAULTS, "fused_ring_attention_ws", fused.interpretable_devices, _params,
     lambda params: (2 * params["block_q"], params["block_kv"], 64), _ws_make, interpret=True, kind=RING_ATTENTION,
-    fit_problem=_ws_fit, unverified=fused.run_on_one_gpu_only))
+    fit_problem=_ws_fit))
