@@ -14,6 +14,7 @@
 #   bench-causal     causal fused ring attention (S 32K, KV 8) against Ulysses, all-gathered K/V and rings
 #   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
 #   llama-16384      the same at 16K tokens
+#   llama-32768      the same at 32K tokens
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's): a ring that deadlocks hangs
 # rather than fails.
 set -u
@@ -52,7 +53,7 @@ for stage in "$@"; do
         --kv_heads 32 8 --iters 10 --out "$W/fused_attention.json" ;;
     bench-causal) job "$stage" 560 python3 -m benchmarks.fused_attention --causal --seq 32768 --kv_heads 8 \
         --iters 10 --out "$W/fused_attention_causal.json" ;;
-    llama-4096|llama-16384) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
+    llama-4096|llama-16384|llama-32768) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
         --measure_iters 5 --iters 10 --out "$W/$stage.json" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
