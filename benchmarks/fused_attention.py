@@ -118,22 +118,18 @@ def contestants(mesh, prog, spec, impl: str):
   sms = getattr(jax.devices()[0], "core_count", None) or 1
   variants = [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]
   if causal:  # the balanced order: the schedule's lowering, reordering the sequence in and out
-    for c, per_sm in variants:
+    zigzags = [(f"fused_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}"
+                f"{'' if per_sm == 1 else f',{per_sm}/SM'}]", "fused_ring_attention", c, {"ctas_per_sm": per_sm})
+               for c, per_sm in variants]
+    zigzags += [(f"fused_ws_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]", "fused_ring_attention_ws",
+                 c, {}) for c in WS_CONFIGS]
+    for name, lowering, c, extra in zigzags:
       zigzag, why = (None, skip) if skip else _jm_zigzag_fused(
-          mesh, prog, spec, "fused_ring_attention", block_q=c.block_q, block_kv=c.block_kv,
-          max_concurrent_steps=c.max_concurrent_steps, ctas_per_sm=per_sm)
-      name = f"fused_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}{'' if per_sm == 1 else f',{per_sm}/SM'}]"
+          mesh, prog, spec, lowering, block_q=c.block_q, block_kv=c.block_kv,
+          max_concurrent_steps=c.max_concurrent_steps, **extra)
       out.append(harness.Contestant(name, "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
-                                    "ring_zigzag lowered with fused_ring_attention (sequence put in zigzag order "
-                                    "and back)", skip=why))
-    for c in WS_CONFIGS:
-      zigzag, why = (None, skip) if skip else _jm_zigzag_fused(
-          mesh, prog, spec, "fused_ring_attention_ws", block_q=c.block_q, block_kv=c.block_kv,
-          max_concurrent_steps=c.max_concurrent_steps)
-      out.append(harness.Contestant(f"fused_ws_zigzag[{c.block_q}x{c.block_kv}/{c.max_concurrent_steps}]",
-                                    "jaxmercury", lambda z=zigzag: jax.jit(z.compile()),
-                                    "ring_zigzag lowered with fused_ring_attention_ws (sequence put in zigzag "
-                                    "order and back)", skip=why))
+                                    f"ring_zigzag lowered with {lowering} (sequence put in zigzag order and back)",
+                                    skip=why))
   # two consumer warpgroups and a memory warpgroup per CTA, one CTA per SM; pipelined: each consumer's softmax
   # overlaps its previous tile's P V (non-causal only)
   for c, pipelined in [(c, False) for c in WS_CONFIGS] + ([] if causal else [(c, True) for c in WS_CONFIGS]):
