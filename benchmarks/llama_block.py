@@ -87,15 +87,21 @@ def calibrated_machines(config, seq: int, mesh, attention_kernel: str) -> dict:
 
   A ``[seq, dim] x [dim, dim]`` GEMM gives the GEMM rate, every level's
   link, the latency, the all-gather factor, the ring overlap and the memory
-  bandwidth (``calibrate.calibrate``); the block's causal attention gives
-  ``attention_kernel``'s rate on its own blocks.
+  bandwidth (``calibrate.calibrate``), and on GPUs each fused GEMM's rate on
+  the mesh (``calibrate.fused_gemm_rates``); the block's causal attention
+  gives ``attention_kernel``'s rate on its own blocks and, on GPUs, the fused
+  ring attentions' (``calibrate.fused_rates``).
   """
   c = config
-  gemm = calibrate.calibrate(programs.matmul(seq, c.dim, c.dim, dtype=c.dtype), mesh, kernels=["xla"])
+  gpu = mesh.devices.flat[0].platform == "gpu"
+  gemm_program = programs.matmul(seq, c.dim, c.dim, dtype=c.dtype)
+  gemm = calibrate.calibrate(gemm_program, mesh, kernels=["xla"])
+  gemm = dataclasses.replace(gemm, fused_flops_per_s=calibrate.fused_gemm_rates(gemm_program, mesh) if gpu else {})
   attention = programs.attention(1, c.heads, c.kv_heads, seq, seq, c.head_dim, causal=True, dtype=c.dtype)
   rates, overhead = calibrate.kernel_rates(attention, mesh, [attention_kernel])
   attention_machine = dataclasses.replace(gemm, name=f"{gemm.name}, {attention_kernel}", kernel_flops_per_s=rates,
-                                          flops_per_s=rates[attention_kernel], call_overhead_s=overhead)
+                                          flops_per_s=rates[attention_kernel], call_overhead_s=overhead,
+                                          fused_flops_per_s=calibrate.fused_rates(attention, mesh) if gpu else {})
   return {"matmul": gemm, "attention": attention_machine, "*": gemm}
 
 

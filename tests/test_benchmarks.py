@@ -453,3 +453,21 @@ def test_llama_block_smoke(tmp_path):
   for r in split.values():
     for side in ("jaxmercury", "xla"):
       assert r[f"{side}_forward_ms"] > 0 and r[f"{side}_forward_backward_ms"] > 0, r
+
+
+def test_llama_predictions_reprice_the_recorded_gpu_runs(tmp_path):
+  """The plans two 2 x H200 runs timed (4K and 32K tokens), rebuilt from their recorded choices and calibrated
+  figures and priced by the current cost model: every recorded choice is still offered, and every prediction,
+  forward and training step, lies within 15% of the measured time (at 32K the training step is 9-11% under)."""
+  results = [f"benchmarks/results/2026-11-24-s11-llama_block-{seq}-2xH200.json" for seq in (4096, 32768)]
+  out = tmp_path / "predictions.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.llama_predictions", *results, "--out", str(out)], check=True,
+                 cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, timeout=600)
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["seq"], r["plan"]) for r in rows} == {(seq, plan) for seq in (4096, 32768) for plan in (
+      "jaxmercury_plan", "jaxmercury_plan_replicated", "jaxmercury_plan_training",
+      "jaxmercury_plan_replicated_training")}
+  for r in rows:
+    for kind in ("forward", "training"):
+      ratio = r[f"{kind}_predicted_ms"] / r[f"{kind}_measured_ms"]
+      assert 0.85 < ratio < 1.15, (r["seq"], r["plan"], kind, ratio)

@@ -10,6 +10,7 @@
   non-causal programs as before.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -20,6 +21,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
+from jaxmercury.graph.candidates import _without_output_placement
 from jaxmercury.pallas_kernels import cudnn_attention as ca
 from jaxmercury.pallas_kernels import mosaic_attention as ma
 from jaxmercury.pallas_kernels import registry
@@ -355,6 +357,35 @@ def test_fused_attention_rates_are_measured_on_one_device(monkeypatch, causal):
   assert all("the kernel failed" in str(w.message) for w in caught)
 
 
+def test_fused_gemm_rates_are_measured_on_the_mesh(monkeypatch):
+  """``fused_gemm_rates`` runs each fused GEMM lowering offered for the program under the first library schedule
+  it lowers, dispatched back to back, on inputs in that schedule's layouts: the program's flops per device over
+  the time of one call; programs other than GEMMs get none, and a kernel that fails is left out with a warning."""
+  seconds, seen = 4e-3, []
+
+  def fake_pipelined(fn, *inputs):  # runs the kernel once (interpret mode); a fixed time
+    a, b = inputs
+    out = np.asarray(fn(*inputs).astype(jnp.float32))
+    want = np.asarray(a.astype(jnp.float32)) @ np.asarray(b.astype(jnp.float32))
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-2
+    seen.append(a.shape)
+    return seconds
+
+  monkeypatch.setattr(calibrate, "_pipelined", fake_pipelined)
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(256, 256, 128, dtype=jnp.bfloat16)
+  with registry.interpret_mode():
+    rates = calibrate.fused_gemm_rates(prog, mesh)
+  assert set(rates) == {"fused_allgather_matmul", "fused_allgather_matmul_comm", "fused_matmul_reducescatter"}
+  assert all(r == pytest.approx(2 * 256 * 256 * 128 / seconds) for r in rates.values()), rates
+  assert seen == [(256, 128)] * 3
+  assert calibrate.fused_gemm_rates(jm.programs.attention(1, 4, 2, 256, 256, 64, dtype=jnp.bfloat16), mesh) == {}
+  monkeypatch.setattr(calibrate, "_pipelined", lambda fn, *inputs: (_ for _ in ()).throw(RuntimeError("it failed")))
+  with pytest.warns(RuntimeWarning, match="fused_allgather_matmul did not run on the mesh .*it failed"):
+    with registry.interpret_mode():
+      assert calibrate.fused_gemm_rates(prog, mesh) == {}
+
+
 def test_fused_attention_probe_length(monkeypatch):
   """The default probe: the longest multiple of 256 whose work fits ``FUSED_PROBE_FLOPS``, at most the keys."""
   lengths = []
@@ -396,3 +427,28 @@ def test_partial_state_counts_each_leaf_in_its_own_shape():
   gemm = jm.programs.matmul(64, 32, 48)
   tp = jm.library(gemm, mesh)["matmul_reducescatter"]  # k split: each device holds a partial [64, 32]
   assert cost.partial_state_bytes(tp, make_plan(tp)) == 4 * 64 * 32
+
+
+def test_backward_prices_the_gradients_products_and_the_transposed_collectives():
+  """A GEMM's backward is two products of each block; the all-gather of A becomes a reduce-scatter of dA (the
+  same bytes); an output reduce-scattered over a level becomes an all-gather of its block, an all-reduced one
+  nothing. An attention block's backward is 2.5 times its forward's work."""
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  machine = cost.Machine("h200-ish", 600e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
+  lib = jm.library(jm.programs.matmul(8192, 4096, 14336, dtype=jnp.bfloat16), mesh)
+  local = lib["data_parallel"]  # no communication
+  assert cost.backward_seconds(local, machine) == pytest.approx(2 * cost.predict(local, machine))
+  gathered = lib["allgather_matmul"]  # gather A, then one product: its backward, the same transfer and two
+  assert cost.backward_seconds(gathered, machine) - cost.predict(gathered, machine) == pytest.approx(
+      cost.compute_seconds(gathered, machine))
+  scattered = lib["matmul_reducescatter"]  # C's rows split over x after the reduction over k
+  block = 8192 // 8 * 4096 * 2
+  assert cost.backward_seconds(scattered, machine) == pytest.approx(
+      2 * cost.compute_seconds(scattered, machine) + block * 7 / 150e9 + 20e-6)
+  reduced = _without_output_placement(scattered)  # the same reduction, all-reduced: its transpose moves nothing
+  assert reduced.plan().reductions and cost.predict(reduced, machine) > cost.predict(local, machine)
+  assert cost.backward_seconds(reduced, machine) == pytest.approx(2 * cost.compute_seconds(reduced, machine))
+  prog = jm.programs.attention(1, 32, 8, 8192, 8192, 128, dtype=jnp.bfloat16)
+  heads = jm.library(prog, mesh)["ulysses"]
+  fast = dataclasses.replace(machine.with_links(x=1e30), latency_s=0.0)
+  assert cost.backward_seconds(heads, fast) == pytest.approx(2.5 * cost.compute_seconds(heads, fast), rel=1e-6)

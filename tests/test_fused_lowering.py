@@ -190,6 +190,9 @@ def test_cost_model_overlaps_the_ring_with_the_gemm():
   comm = lib["allgather_matmul"].copy().lower_with("fused_allgather_matmul_comm", comm_ctas=12)
   gemm = 2 * 8192 * 8192 * 1024 / 500e12
   assert cost.predict(comm, fast) == pytest.approx(gemm * 132 / 120 + 20e-6)
+  # a rate calibration measured for the lowering on the mesh, ring included, prices it instead (and the SM split)
+  measured = dataclasses.replace(machine, fused_flops_per_s={"fused_allgather_matmul_comm": 300e12})
+  assert cost.predict(comm, measured.with_links(x=1e13)) == pytest.approx(2 * 8192 * 8192 * 1024 / 300e12 + 20e-6)
   cands = {c.name: c for c in tune_module.predict_candidates(prog, mesh, machine, space=2)}
   assert {f"matmul_reducescatter {{{OURS_RS}}}", f"async_tp_reducescatter {{{WS_RS}}}"} <= set(cands)
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{JAXS}}}"} <= set(cands)
@@ -248,6 +251,30 @@ def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
   with registry.interpret_mode():
     names = [n for n, _ in tune_module.default_candidates(prog, mesh, space=2)]
   assert f"ring {{{RING}}}" in names
+
+
+def test_a_fused_lowerings_backward_is_its_ordinary_schedules_after_its_forward_again():
+  """``compile_fused`` differentiates through ``ordinary_schedule`` (the schedule without its lowering), whose vjp
+  first runs its forward again: a GEMM's collectives, an attention's whole forward. The cost model prices exactly
+  that."""
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
+  gemm = jm.library(_bf16(8192, 8192, 8192), mesh)["async_tp"]
+  s = gemm.copy().lower_with(OURS)
+  plain = fused.ordinary_schedule(s)
+  assert plain.lowering is None and plain.kernel is None and str(plain) == str(gemm)
+  assert [t["primitive"] for t in plain.trace] == [t["primitive"] for t in gemm.trace]
+  no_compute = dataclasses.replace(machine, flops_per_s=1e30)  # the ring alone: sent again, then its transpose
+  assert cost.backward_seconds(s, no_compute) == pytest.approx(2 * cost.predict(gemm, no_compute))
+  assert cost.backward_seconds(s, machine) > cost.backward_seconds(gemm, machine)
+  prog = jm.programs.attention(1, 32, 8, 32768, 32768, 128, causal=True, dtype=jnp.bfloat16)
+  ring = jm.library(prog, mesh)["ring"]
+  for name in (RING, "fused_ring_attention_ws"):
+    s = ring.copy().lower_with(name)
+    plain = fused.ordinary_schedule(s)
+    assert plain.lowering is None and plain.kernel is None and str(plain) == str(ring)
+    assert cost.backward_seconds(s, machine) == pytest.approx(cost.predict(plain, machine)
+                                                             + cost.backward_seconds(plain, machine))
 
 
 def test_ring_attention_cost_and_memory():

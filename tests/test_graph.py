@@ -1,5 +1,6 @@
 """Graph-level search and communication fusion: values, bytes counted in the lowered HLO, plans."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -391,13 +392,19 @@ def test_training_objective_prices_replicated_weights_gradients():
   """data_parallel keeps the weights whole and splits the rows: no communication forward, but every device holds
   a partial weight gradient to all-reduce in training. The training objective counts it (and the backward), so
   it can prefer another plan than the forward objective."""
-  from jaxmercury.graph.candidates import op_candidates
+  from jaxmercury.graph.candidates import grad_sync_seconds, op_candidates
   mesh = make_mesh("8")
   prog = jm.programs.matmul(256, 512, 512)
   found = {c.name: c for c in op_candidates(prog, mesh, MACHINE, activations=["A"])}
   weight = 512 * 512 * 4  # B whole on every device, float32
   want = 2 * weight * 7 / 8 / 1e9 + 50e-6
-  assert found["data_parallel"].grad_sync_seconds == pytest.approx(want)
+  dp = found["data_parallel"]  # the all-reduce beside its own backward: the machine's overlap share hides
+  assert dp.backward_seconds > 0 and MACHINE.overlap == 1.0
+  assert dp.grad_sync_seconds == pytest.approx(want - min(want, dp.backward_seconds))
+  assert grad_sync_seconds(dp.schedule, ["B"], MACHINE) == pytest.approx(want)
+  half = dataclasses.replace(MACHINE, overlap=0.5)
+  dp_half = {c.name: c for c in op_candidates(prog, mesh, half, activations=["A"])}["data_parallel"]
+  assert dp_half.grad_sync_seconds == pytest.approx(want - 0.5 * min(want, dp_half.backward_seconds))
   assert found["allgather_matmul"].grad_sync_seconds == 0.0  # B split: each device's gradient columns are whole
   assert found["async_tp"].grad_sync_seconds == 0.0  # the rows travel the ring: every device sees all of them
   g = _mlp_graph(mesh)
@@ -406,6 +413,11 @@ def test_training_objective_prices_replicated_weights_gradients():
   assert "training step" in str(training) and "forward" in str(forward)
   same = jg.fixed(g, MACHINE, forward.choice, training=True)
   assert training.seconds <= same.seconds + 1e-12  # the training plan is the best for training
-  assert same.seconds == pytest.approx(BACKWARD_FACTOR * forward.node_seconds
-                                       + sum(c.grad_sync_seconds for c in forward.choice.values())
+  ops = [c for c in forward.choice.values() if c.backward_seconds is not None]  # operators: their predicted backward
+  glue = [c for c in forward.choice.values() if c.backward_seconds is None]
+  assert len(ops) == 3  # gate, up and down price their backward; the input, the glue and the output do not
+  for c in ops:
+    assert c.backward_seconds == pytest.approx(cost.backward_seconds(c.schedule, MACHINE))
+  assert same.seconds == pytest.approx(sum(c.seconds + c.backward_seconds + c.grad_sync_seconds for c in ops)
+                                       + sum(BACKWARD_FACTOR * c.seconds + c.grad_sync_seconds for c in glue)
                                        + 2 * forward.edge_seconds)

@@ -181,14 +181,18 @@ def _candidate(name, native, kernel, program, machine, activations, params, part
     seconds, source = measured, "database"
   inputs = tuple(Layout.from_spec(specs[a], len(program.buffer(a).shape)) for a in activations)
   output = Layout.from_spec(out_spec, len(out.shape), partial)
+  backward = cost.backward_seconds(realized, machine)
+  sync = grad_sync_seconds(realized, params, machine)
   return Candidate(name, inputs, output, seconds, realized, tuple((p, specs[p]) for p in params), source,
-                   grad_sync_seconds(realized, params, machine))
+                   sync - machine.overlap * min(sync, backward), backward_seconds=backward)
 
 
 def grad_sync_seconds(schedule: Schedule, params: Sequence[str], machine: cost.Machine) -> float:
   """In training: the all-reduce of each parameter's gradient over every mesh level that parallelizes a loop
   over an axis the parameter lacks while leaving the parameter whole (``data_parallel``'s replicated weights:
-  each device's rows give a partial gradient). Predicted seconds."""
+  each device's rows give a partial gradient). Predicted seconds, all of it; a candidate counts the part its
+  own backward does not hide (XLA runs the all-reduce beside the rest of the backward; the machine's
+  ``overlap`` share of the shorter of the two hides)."""
   plan = make_plan(schedule)
   prog = schedule.program
   total = 0.0

@@ -46,11 +46,16 @@ class Candidate:
     grad_sync_seconds: ``op`` nodes, in training: the all-reduce of the
       gradients of parameters the schedule keeps whole on a mesh level that
       splits the computation along another axis (each device holds a partial
-      gradient), predicted.
+      gradient), predicted, less the part that hides under the node's own
+      backward (``candidates.grad_sync_seconds``).
+    backward_seconds: ``op`` nodes: the predicted time of the schedule's
+      backward pass beyond its forward (``cost.backward_seconds``), without
+      the gradient all-reduce; None (glue): ``BACKWARD_FACTOR`` prices it.
     train_seconds: ``op`` nodes: the measured time of the node's forward and
       backward (``measure_candidates(..., training=True)``: its ``vjp``, the
       gradient all-reduce included); None: not measured, and training prices
-      the node from ``seconds`` and ``grad_sync_seconds``.
+      the node from ``seconds``, ``backward_seconds`` and
+      ``grad_sync_seconds``.
   """
 
   name: str
@@ -62,6 +67,7 @@ class Candidate:
   source: str = "predicted"
   grad_sync_seconds: float = 0.0
   train_seconds: float | None = None
+  backward_seconds: float | None = None
 
 
 @dataclasses.dataclass

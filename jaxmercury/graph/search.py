@@ -10,14 +10,17 @@ resharding (the all-gather before q, k and v projections happens once).
 With ``training=True`` the objective is a training step's forward and
 backward: every node costs its measured forward and backward
 (``Candidate.train_seconds``) where ``measure_candidates(training=True)``
-timed it, else ``BACKWARD_FACTOR`` times its forward time (a GEMM's backward
-is two GEMMs of its size, and a strategy's backward moves what its forward
-moves, transposed) plus, for an operator, the all-reduce of the partial
-gradients of parameters it keeps whole where it splits other axes
-(``Candidate.grad_sync_seconds``); every edge costs twice its forward
+timed it; else an operator costs its forward, its schedule's predicted
+backward (``Candidate.backward_seconds``: the transposed collectives and the
+gradients' block products; a fused kernel's backward is its ordinary
+schedule's, which first runs that schedule's collectives again) and the
+all-reduce of the partial gradients of parameters it keeps whole where it
+splits other axes (``Candidate.grad_sync_seconds``), and glue
+``BACKWARD_FACTOR`` times its forward. Every edge costs twice its forward
 resharding (the backward runs its transpose: all-gather and reduce-scatter
 swap, moving the same bytes). A plan with replicated weights and split
-tokens may win the forward and lose training.
+tokens may win the forward and lose training; a fused kernel may win the
+forward and lose training to the schedule whose backward it borrows.
 
 ``exhaustive`` tries every assignment; ``dynamic`` walks the nodes in
 topological order keeping, for each combination of the output layouts of the
@@ -41,7 +44,7 @@ from jaxmercury.graph.dag import GLUE, INPUT, OP, OUTPUT, Graph
 from jaxmercury.graph.fusion import RULES, fuse
 from jaxmercury.graph.layouts import Layout, view
 
-BACKWARD_FACTOR = 3.0  # forward + backward over forward, in training
+BACKWARD_FACTOR = 3.0  # glue: forward + backward over forward (the backward reads and writes twice as much)
 
 
 def node_seconds(candidate, training: bool) -> float:
@@ -51,6 +54,8 @@ def node_seconds(candidate, training: bool) -> float:
     return candidate.seconds
   if candidate.train_seconds is not None:
     return candidate.train_seconds
+  if candidate.backward_seconds is not None:
+    return candidate.seconds + candidate.backward_seconds + candidate.grad_sync_seconds
   return BACKWARD_FACTOR * candidate.seconds + candidate.grad_sync_seconds
 
 
@@ -129,8 +134,10 @@ class Plan:
       sync = ""
       if self.training and c.train_seconds is not None:
         sync = f", forward + backward {c.train_seconds * 1e3:.4f} ms (measured)"
-      elif self.training and c.grad_sync_seconds:
-        sync = f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
+      elif self.training and c.backward_seconds is not None:
+        sync = f" + {c.backward_seconds * 1e3:.4f} ms backward (predicted)"
+      if self.training and c.train_seconds is None and c.grad_sync_seconds:
+        sync += f" + {c.grad_sync_seconds * 1e3:.4f} ms gradient all-reduce"
       lines.append(f"  {node.name:<18} {node.kind:<6} {c.name:<34} in {ins:<32} out {str(c.output):<22} "
                    f"{c.seconds * 1e3:9.4f} ms ({c.source}){sync}")
     lines.append("edges (after fusion; bytes one device sends, fused / naive):")

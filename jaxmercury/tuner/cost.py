@@ -17,7 +17,11 @@ before and after the nest do not overlap, nor does putting zigzag-ordered
 buffers in and out of their order (chunks sent straight to their devices).
 A schedule lowered with a fused kernel (``Schedule.lower_with``) costs the
 larger of its local GEMM and its ring transfers, which the kernel overlaps
-fully, plus one latency (``fused_seconds``).
+fully, plus one latency (``fused_seconds``); where calibration ran the fused
+GEMM on the mesh (``calibrate.fused_gemm_rates``), its measured rate, ring
+included, prices it instead. A schedule's backward pass
+(``backward_seconds``) is its transposed collectives and the block products
+of the gradients, for training objectives.
 The computation is static: no tracing.
 """
 
@@ -58,9 +62,10 @@ class Machine:
       beside it (1: all of it).
     memory_bytes_per_s: device memory bandwidth, for combining partial
       results between blocks.
-    fused_flops_per_s: per fused lowering measured on its own (the ring
-      attentions: ``calibrate.fused_rates``), its kernel's rate on one
-      device in flops it executes per second; a fused lowering not here
+    fused_flops_per_s: per fused lowering measured on its own, in flops
+      per second per device: the ring attentions' kernel on one device
+      (``calibrate.fused_rates``), the fused GEMMs on the whole mesh, ring
+      included (``calibrate.fused_gemm_rates``); a fused lowering not here
       takes its ``rate_kernel``'s rate.
   """
 
@@ -95,6 +100,11 @@ class Machine:
     return cls(**data)
 
 
+# A block's backward work over its forward's: a GEMM's two products of its size; an attention recomputes its
+# scores and forms dV, dP, dQ and dK, five products against the forward's two.
+BACKWARD_WORK = {"matmul": 2.0, "attention": 2.5}
+
+
 def _collective_bytes(op: str, local_bytes: int, n: int) -> float:
   if op == reshard.ALL_GATHER:
     return local_bytes * (n - 1)
@@ -107,12 +117,50 @@ def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
   if schedule.lowering is not None:
     return fused_seconds(schedule, machine)
+  return _nest_seconds(schedule, machine)
+
+
+def backward_seconds(schedule, machine: Machine) -> float:
+  """Predicted seconds of the schedule's backward pass (the vjp JAX derives), beyond its forward.
+
+  A loop nest's backward is priced as its forward with every block's work
+  ``BACKWARD_WORK`` times the forward's (a GEMM: two GEMMs of its size; an
+  attention: five block products against two) and every collective
+  transposed, moving the same bytes (gathers become reduce-scatters, ring
+  shifts run the other way carrying cotangents). A cross-level reduction
+  transposes to an all-gather of the output's stored block where the output
+  is split over that level (a reduce-scatter), to nothing where it is whole
+  there (an all-reduce: every device already holds the whole cotangent). A
+  fused lowering is differentiated through its ordinary schedule
+  (``fused.ordinary_schedule``), whose forward runs again first for the
+  residuals: an attention's whole forward, a GEMM's collectives only (its
+  products are unused).
+  """
+  if schedule.lowering is None:
+    return _nest_seconds(schedule, machine, work=BACKWARD_WORK.get(schedule.program.pattern, 2.0),
+                         reductions=TRANSPOSED)
+  from jaxmercury.shard_map import fused
+  plain = fused.ordinary_schedule(schedule)
+  again = _nest_seconds(plain, machine, work=1.0 if plain.program.pattern == "attention" else 0.0,
+                        reductions=None)
+  return again + backward_seconds(plain, machine)
+
+
+TRANSPOSED = "transposed"  # ``_nest_seconds``: price each cross-level reduction's transpose
+
+
+def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: str | None = "forward") -> float:
+  """The loop nest's seconds with each block's compute ``work`` times the forward's (0: none, no call costs);
+  ``reductions``: its cross-level reductions as all-reduces (``"forward"``), their transposes
+  (``TRANSPOSED``) or left out (None)."""
   prog, plan = schedule.program, make_plan(schedule)
   levels = schedule.levels
   calls = math.prod(lp.extent for lp in schedule.loops if lp.role == SERIAL)
-  compute = compute_seconds(schedule, machine, plan) + calls * machine.call_overhead_s
-  if calls > 1:  # each block's partial state is combined with, or placed into, the accumulated one
-    compute += calls * 3 * _state_block_bytes(schedule) / machine.memory_bytes_per_s
+  compute = 0.0
+  if work:
+    compute = work * compute_seconds(schedule, machine, plan) + calls * machine.call_overhead_s
+    if calls > 1:  # each block's partial state is combined with, or placed into, the accumulated one
+      compute += calls * 3 * _state_block_bytes(schedule) / machine.memory_bytes_per_s
   exposed = 0.0
   for b in prog.reads:
     layout = [list(e) for e in plan.storage[b.name]]
@@ -123,8 +171,13 @@ def predict(schedule, machine: Machine) -> float:
       _apply(layout, st)
   out = prog.writes
   state_bytes = partial_state_bytes(schedule, plan)
-  for red in plan.reductions:
+  for red in plan.reductions if reductions else ():
     n = levels[red.level]
+    if reductions == TRANSPOSED:
+      if any(red.level in lv for lv in plan.storage[out.name]):
+        nbytes = local_elements(schedule, out, plan.storage[out.name]) * out.dtype.itemsize
+        exposed += machine.gather_factor * nbytes * (n - 1) / machine.bandwidth(red.level) + machine.latency_s
+      continue
     exposed += machine.gather_factor * 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level)
     exposed += machine.latency_s
   layout = [list(e) for e in plan.result]
@@ -160,9 +213,12 @@ def fused_seconds(schedule, machine: Machine) -> float:
   """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency`` (ring attention: its own).
 
   One device runs ``L`` GEMMs of one ring step's shape (padded to the
-  kernel's tiles; ``fused_gemm.gemm_shape``) at the measured rate of the local
-  kernel sharing its GEMM (``mosaic_matmul`` for ours, ``jax_mosaic_matmul``
-  for JAX's and the warp-specialized one; ``flops_per_s`` where not measured),
+  kernel's tiles; ``fused_gemm.gemm_shape``) at the lowering's own rate on
+  the mesh where calibration measured it (``fused_flops_per_s``: ring,
+  handshakes and launch skew included), else at the measured rate of the
+  local kernel sharing its GEMM (``mosaic_matmul`` for ours,
+  ``jax_mosaic_matmul`` for JAX's and the warp-specialized one;
+  ``flops_per_s`` where not measured),
   and passes ``L - 1`` blocks to its neighbour over the level's link: A shards
   in A's dtype (all-gather) or float32 partial sums of one row block
   (reduce-scatter). The kernels send each tile as they compute it, so the two
@@ -175,9 +231,10 @@ def fused_seconds(schedule, machine: Machine) -> float:
   if not isinstance(p, fused_gemm.Placement):
     return _ring_attention_seconds(schedule, p, low, machine)
   size, m, k, n = fused_gemm.gemm_shape(schedule)
-  gemm = 2 * size * m * k * n / machine.rate(low.rate_kernel)
+  measured = machine.fused_flops_per_s.get(low.name)
+  gemm = 2 * size * m * k * n / (measured or machine.rate(low.rate_kernel))
   comm_ctas = low.params(**schedule.lowering_params).get("comm_ctas", 0) if size > 1 else 0
-  if comm_ctas:
+  if comm_ctas and not measured:
     sms = _sm_count(schedule.mesh)
     gemm *= sms / max(sms - comm_ctas, 1)
   if p.kind == fused_gemm.ALLGATHER:
