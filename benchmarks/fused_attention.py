@@ -33,6 +33,18 @@ putting them in zigzag order and back, which a model keeping its sequence in
 zigzag order would not); ``fused[...]`` and ``fused_ws[...]`` then run the
 natural order, where the last device does the most work.
 
+``--training`` times a training step instead: each contestant's forward
+and backward (``jax.vjp`` and its pullback on a fresh random cotangent, one
+jitted call returning dq, dk, dv, each checked against the first
+contestant's). The kernels alone have no backward, so the fused contestants
+are the schedules' lowerings (``Schedule.compile()``: the kernel keeps its
+output and log-sum-exp for the dual programs, cuDNN blocks);
+``jm_ring_zigzag`` (baseline, causal) is the zigzag ring on cuDNN both ways.
+``--previous_backward`` adds ``*_previous_backward`` (role ``previous``, not
+a baseline): the warp-specialized lowering differentiated as it was before
+2026-11-24, through the ordinary schedule on XLA's attention body, forward
+run again. TFLOP/s then count the backward as 2.5 forwards.
+
 Each record has the median ms, its ratio to the best baseline (above 1:
 faster) and TFLOP/s per device. The JSON file is rewritten after every case,
 so a run cut short keeps what it measured. ``--smoke`` runs a tiny case on 8
@@ -50,6 +62,7 @@ if "--smoke" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -63,21 +76,22 @@ from benchmarks.baselines import attention as attn  # noqa: E402
 from benchmarks.baselines.gemm import pallas_unavailable  # noqa: E402
 
 HEADS, HEAD_DIM, BATCH = 32, 128, 1
+GRAD_TOLERANCE = 3e-2  # relative error of bf16 gradients against the first contestant's
 # Blocks whose shared memory (< half an SM's) lets two CTAs share an SM, so that one CTA's softmax overlaps the
 # other's wgmma: run with a grid of twice the SM count.
 TWO_PER_SM = ((64, 64, 2),)  # (block_q, block_kv, max_concurrent_steps)
 LEVELS = ("x",)
 
 
-def _jm_ring(mesh, prog, spec, impl: str):
-  """jaxmercury's ``ring`` schedule of ``prog`` for sequence-sharded callers (blocks on cuDNN where ``impl``
+def _jm_ring(mesh, prog, spec, impl: str, strategy: str = "ring"):
+  """jaxmercury's ``strategy`` schedule of ``prog`` for sequence-sharded callers (blocks on cuDNN where ``impl``
   is ``"cudnn"``), or the reason it does not apply."""
   import jaxmercury as jm
   from jaxmercury.tuner.tune import with_layouts
   lib = jm.library(prog, mesh)
-  if "ring" not in lib:
-    return None, f"jaxmercury's library has no ring schedule here ({sorted(lib)})"
-  ring = lib["ring"].patch("cudnn_attention") if impl == "cudnn" else lib["ring"]
+  if strategy not in lib:
+    return None, f"jaxmercury's library has no {strategy} schedule here ({sorted(lib)})"
+  ring = lib[strategy].patch("cudnn_attention") if impl == "cudnn" else lib[strategy]
   return with_layouts(ring, [spec] * 3, spec), None
 
 
@@ -96,7 +110,78 @@ def _jm_zigzag_fused(mesh, prog, spec, lowering: str, **params):
   return zigzag.lower_with(lowering, **params), None
 
 
-def contestants(mesh, prog, spec, impl: str):
+def _lowered(mesh, prog, spec, strategy: str, lowering: str, **params):
+  """jaxmercury's ``strategy`` schedule for sequence-sharded callers lowered with the fused kernel ``lowering`` at
+  ``params``, or the reason it does not apply."""
+  import jaxmercury as jm
+  from jaxmercury.shard_map import fused
+  from jaxmercury.tuner.tune import with_layouts
+  lib = jm.library(prog, mesh)
+  if strategy not in lib:
+    return None, f"jaxmercury's library has no {strategy} schedule here ({sorted(lib)})"
+  s = with_layouts(lib[strategy], [spec] * 3, spec)
+  if why := fused.why_not(lowering, s):
+    return None, why
+  return s.lower_with(lowering, **params), None
+
+
+def _previous_backward(schedule):
+  """``schedule`` (fused) compiled with the backward fused lowerings had before 2026-11-24: the vjp of the
+  ordinary lowering on XLA's attention body, which runs that forward again and keeps its scores."""
+  from jaxmercury.shard_map import fused
+  from jaxmercury.shard_map.lower import lower
+  forward = lower(schedule, jit=False, per_device=fused.lowering(schedule.lowering).build(
+      schedule, **schedule.lowering_params))
+  ordinary = lower(fused.ordinary_schedule(schedule), jit=False)
+
+  @jax.custom_vjp
+  def f(q, k, v):
+    return forward(q, k, v)
+
+  f.defvjp(lambda *xs: (forward(*xs), xs), lambda xs, g: jax.vjp(ordinary, *xs)[1](g))
+  return jax.jit(f)
+
+
+def _training_step(build):
+  """``build`` (a forward's builder) turned into the builder of a jitted training step
+  ``(q, k, v, cot) -> (dq, dk, dv)``: the forward and its pullback in one call."""
+  def make():
+    f = build()
+    return jax.jit(lambda q, k, v, cot: jax.vjp(f, q, k, v)[1](cot))
+  return make
+
+
+def training_contestants(mesh, prog, spec, impl: str, previous: bool = False):
+  """Forward+backward contestants (``--training``): the differentiable baselines and fused lowerings."""
+  from jaxmercury.pallas_kernels.fused_ring_attention import Blocks
+  causal = bool(prog.params.get("causal"))
+  out = [c for c in contestants(mesh, prog, spec, impl, kernels=False)]
+  if causal:
+    zigzag, why = _jm_ring(mesh, prog, spec, impl, "ring_zigzag")
+    out.append(harness.Contestant("jm_ring_zigzag", "baseline", lambda: jax.jit(zigzag.compile()),
+                                  f"jaxmercury ring_zigzag schedule, {impl} blocks both ways", skip=why))
+  skip = pallas_unavailable(mesh, jnp.bfloat16)
+  sw = Blocks(*TWO_PER_SM[0])
+  sw_blocks = f"[{sw.block_q}x{sw.block_kv}/{sw.max_concurrent_steps},2/SM]"
+  lowerings = [("ring", "fused_ws", "fused_ring_attention_ws", {}),
+               ("ring", f"fused{sw_blocks}", "fused_ring_attention", {"ctas_per_sm": 2})]
+  if causal:
+    lowerings += [("ring_zigzag", "fused_ws_zigzag", "fused_ring_attention_ws", {}),
+                  ("ring_zigzag", f"fused_zigzag{sw_blocks}", "fused_ring_attention", {"ctas_per_sm": 2})]
+  for strategy, name, lowering, params in lowerings:
+    s, why = (None, skip) if skip else _lowered(mesh, prog, spec, strategy, lowering, **params)
+    label = f"{strategy} lowered with {lowering}; backward: dual programs on cuDNN from its output and lse"
+    out.append(harness.Contestant(name, "jaxmercury", lambda s=s: jax.jit(s.compile()), label, skip=why))
+  if previous:
+    s, why = (None, skip) if skip else _lowered(mesh, prog, spec, "ring", "fused_ring_attention_ws")
+    out.append(harness.Contestant("fused_ws_previous_backward", "previous", lambda s=s: _previous_backward(s),
+                                  "ring lowered with fused_ring_attention_ws, differentiated through the ordinary "
+                                  "lowering on XLA's body (before 2026-11-24)", skip=why))
+  return [dataclasses.replace(c, build=_training_step(c.build)) if c.build else c for c in out]
+
+
+def contestants(mesh, prog, spec, impl: str, kernels: bool = True):
+  """The forward contestants; ``kernels=False``: only the baselines and jaxmercury's unfused ring."""
   from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
   from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS as WS_CONFIGS
   from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
@@ -114,6 +199,8 @@ def contestants(mesh, prog, spec, impl: str):
   ring, why = _jm_ring(mesh, prog, spec, impl)
   out.append(harness.Contestant("jm_ring", "baseline", lambda: jax.jit(ring.compile()),
                                 f"jaxmercury ring schedule: shard_map ppermute ring, {impl} blocks", skip=why))
+  if not kernels:
+    return out
   skip = pallas_unavailable(mesh, jnp.bfloat16)
   sms = getattr(jax.devices()[0], "core_count", None) or 1
   variants = [(c, 1) for c in CONFIGS] + [(Blocks(*c), 2) for c in TWO_PER_SM]
@@ -156,22 +243,31 @@ def contestants(mesh, prog, spec, impl: str):
   return out
 
 
-def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str, causal: bool = False) -> dict:
-  """One case: global sequence ``seq``, ``kv_heads`` key/value heads; every contestant checked and timed."""
+def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str, causal: bool = False, training: bool = False,
+             previous: bool = False) -> dict:
+  """One case: global sequence ``seq``, ``kv_heads`` key/value heads; every contestant checked and timed
+  (``training``: forward+backward steps)."""
   import jaxmercury as jm
   n = mesh.devices.size
-  label = f"B{BATCH} S{seq} H{HEADS} KV{kv_heads} D{HEAD_DIM} bf16 {'causal' if causal else 'non-causal'}"
+  label = (f"B{BATCH} S{seq} H{HEADS} KV{kv_heads} D{HEAD_DIM} bf16 {'causal' if causal else 'non-causal'}"
+           f"{' forward+backward' if training else ''}")
   harness.log(f"case {label} on {n} devices")
   prog = jm.programs.attention(BATCH, HEADS, kv_heads, seq, seq, HEAD_DIM, causal=causal, dtype=jnp.bfloat16)
   spec = attn.seq_spec(LEVELS)
-  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 3)
+  keys = jax.random.split(jax.random.key(random.SystemRandom().randrange(1 << 31)), 4)
   sharding = NamedSharding(mesh, spec)
-  inputs = tuple(harness.random_array(k, shape, jnp.bfloat16, sharding)
-                 for k, shape in zip(keys, [(BATCH, seq, HEADS, HEAD_DIM)] + [(BATCH, seq, kv_heads, HEAD_DIM)] * 2))
-  prepared = harness.prepare(contestants(mesh, prog, spec, impl), inputs, warmup=3, iters=iters, max_timing_s=10.0)
+  shapes = [(BATCH, seq, HEADS, HEAD_DIM)] + [(BATCH, seq, kv_heads, HEAD_DIM)] * 2
+  if training:  # the output's cotangent
+    shapes.append((BATCH, seq, HEADS, HEAD_DIM))
+  inputs = tuple(harness.random_array(k, shape, jnp.bfloat16, sharding) for k, shape in zip(keys, shapes))
+  entrants = (training_contestants(mesh, prog, spec, impl, previous) if training
+              else contestants(mesh, prog, spec, impl))
+  prepared = harness.prepare(entrants, inputs, warmup=3, iters=iters, max_timing_s=10.0,
+                             tolerance=GRAD_TOLERANCE if training else harness.BF16_TOLERANCE)
   harness.summarize(prepared.records, harness.time_interleaved(prepared.ready, prepared.records, inputs))
   del inputs
   flops = 4 * BATCH * HEADS * seq * (seq // n) * HEAD_DIM * (0.5 if causal else 1)  # QK^T and PV, per device
+  flops *= 3.5 if training else 1  # the backward: 2.5 forwards (recomputed scores, dV, dP, dQ, dK)
   records = list(prepared.records.values())
   best_base = harness.rank(records, None, flops)
   mine = [r for r in records if r["role"] == "jaxmercury" and "median_ms" in r and r.get("numerics_ok", True)]
@@ -180,7 +276,7 @@ def run_case(mesh, seq: int, kv_heads: int, iters: int, impl: str, causal: bool 
              "best_baseline": best_base and best_base["name"], "best_baseline_ms": best_base and best_base["median_ms"],
              "fused_over_best_baseline": best and best.get("ratio_to_best_baseline")}
   harness.log(json.dumps({"case": label, **summary}))
-  return {"case": label, "seq": seq, "causal": causal, "seq_per_device": seq // n, "batch": BATCH, "heads": HEADS,
+  return {"case": label, "seq": seq, "causal": causal, "training": training, "seq_per_device": seq // n, "batch": BATCH, "heads": HEADS,
           "kv_heads": kv_heads, "head_dim": HEAD_DIM, "flops_per_device": flops, "reference": prepared.reference,
           "records": records, "summary": summary}
 
@@ -193,6 +289,9 @@ def main(argv=None):
   p.add_argument("--kv_heads", type=int, nargs="+", default=[32, 8])
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--causal", action="store_true", help="causal attention (unmasked work counted in TFLOP/s)")
+  p.add_argument("--training", action="store_true", help="time forward+backward steps (differentiable contestants)")
+  p.add_argument("--previous_backward", action="store_true",
+                 help="with --training: add the fused lowering's backward before 2026-11-24")
   p.add_argument("--smoke", action="store_true", help="a tiny case on 8 simulated CPU devices, XLA attention")
   args = p.parse_args(argv)
   n = len(jax.devices())
@@ -205,10 +304,11 @@ def main(argv=None):
   for kv in kv_heads:
     for seq in seqs:
       out["cases"].append(run_case(mesh, seq, kv, 2 if args.smoke else args.iters, "xla" if args.smoke else "cudnn",
-                                   causal=args.causal))
+                                   causal=args.causal, training=args.training, previous=args.previous_backward))
       with open(args.out, "w", encoding="utf-8") as f:  # after every case: a run cut short keeps its data
         json.dump(out, f, indent=1)
-  bad = [r["name"] for c in out["cases"] for r in c["records"] if "error" in r or r.get("numerics_ok") is False]
+  bad = [r["name"] for c in out["cases"] for r in c["records"]
+         if r["role"] != "previous" and ("error" in r or r.get("numerics_ok") is False)]
   if bad:
     raise SystemExit(f"contestants failed or disagree: {bad}")
 

@@ -8,10 +8,17 @@
 #   tests-attention  GPU tests of the fused ring attention, causal and not
 #   tests-attention-ws  GPU tests of the warp-specialized fused ring attention, its pipelined consumers too
 #   tests-lowering   GPU tests of every fused lowering under its schedules (outputs, gradients, tuner)
+#   tests-lowering-attention  the ring-attention part of tests-lowering (outputs and gradients)
+#   tests-cudnn      cuDNN blocks in distributed schedules: outputs, gradients, the joint backward
 #   bench-ag         all-gather GEMM table: XLA, the shard_map ring, JAX's kernel, our three kernels
 #   bench-rs         reduce-scatter GEMM table
 #   bench-attention  non-causal fused ring attention (S 16K-64K, KV 32 and 8) against all-gathered K/V and rings
 #   bench-causal     causal fused ring attention (S 32K, KV 8) against Ulysses, all-gathered K/V and rings
+#   bench-training   forward+backward: the fused ring-attention lowerings against the cuDNN baselines (S 16K-32K,
+#                    KV 8; S16K also the fused lowering's backward before 2026-11-24)
+#   bench-training-causal  the same, causal S 32K KV 8, zigzag lowerings and the zigzag cuDNN ring
+#   bench-backward   attention's backward on cuDNN blocks: dq and dk-dv in one nest against apart (S 16K-32K, KV 8,
+#                    non-causal and causal)
 #   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
 #   llama-16384      the same at 16K tokens
 #   llama-32768      the same at 32K tokens
@@ -46,6 +53,8 @@ for stage in "$@"; do
     tests-attention) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention.py ;;
     tests-attention-ws) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
     tests-lowering) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
+    tests-lowering-attention) gpu_tests "$stage" 400 tests/gpu/test_fused_lowering.py -k ring_attention ;;
+    tests-cudnn) gpu_tests "$stage" 300 tests/gpu/test_cudnn_attention.py ;;
     bench-ag) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind allgather --iters 20 --out "$W/fused_ag.json" ;;
     bench-rs) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind reducescatter --iters 20 \
         --out "$W/fused_rs.json" ;;
@@ -53,6 +62,16 @@ for stage in "$@"; do
         --kv_heads 32 8 --iters 10 --out "$W/fused_attention.json" ;;
     bench-causal) job "$stage" 560 python3 -m benchmarks.fused_attention --causal --seq 32768 --kv_heads 8 \
         --iters 10 --out "$W/fused_attention_causal.json" ;;
+    bench-training) job "$stage-16k" 300 python3 -m benchmarks.fused_attention --training --previous_backward \
+          --seq 16384 --kv_heads 8 --iters 10 --out "$W/fused_attention_training_16k.json"
+        job "$stage-32k" 300 python3 -m benchmarks.fused_attention --training --seq 32768 --kv_heads 8 --iters 10 \
+          --out "$W/fused_attention_training_32k.json" ;;
+    bench-training-causal) job "$stage" 400 python3 -m benchmarks.fused_attention --training --causal --seq 32768 \
+        --kv_heads 8 --iters 10 --out "$W/fused_attention_training_causal.json" ;;
+    bench-backward) job "$stage" 200 python3 -m benchmarks.attention_backward --seq 16384 32768 --kv_heads 8 \
+          --out "$W/attention_backward.json"
+        job "$stage-causal" 200 python3 -m benchmarks.attention_backward --causal --seq 16384 32768 --kv_heads 8 \
+          --out "$W/attention_backward_causal.json" ;;
     llama-4096|llama-16384|llama-32768) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
         --measure_iters 5 --iters 10 --out "$W/$stage.json" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;

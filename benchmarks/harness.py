@@ -149,21 +149,24 @@ def _agreement(rec) -> str:
 
 
 def check(prepared: Prepared, name: str, y, tolerance: float = BF16_TOLERANCE):
-  """Compares ``y`` (``name``'s output) with the reference's; the first output checked becomes it.
+  """Compares ``y`` (``name``'s output, an array or a tuple of them) with the reference's; the first output
+  checked becomes it.
 
-  The record gets ``rel_err`` (relative Frobenius error, float32) and
-  ``numerics_ok``: false when it is not finite or not below ``tolerance``
-  (the contestant keeps its time, flagged).
+  The record gets ``rel_err`` (relative Frobenius error, float32; of a tuple,
+  the largest of its arrays') and ``numerics_ok``: false when it is not
+  finite or not below ``tolerance`` (the contestant keeps its time, flagged).
   """
   rec = prepared.records[name]
   if prepared.reference is None:
     prepared.reference, prepared.reference_output = name, y
-    rec["rel_err"], rec["numerics_ok"] = 0.0, bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+    rec["rel_err"] = 0.0
+    rec["numerics_ok"] = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(y))
     return
   ref = prepared.reference_output
-  if y.shape != ref.shape:
-    raise ValueError(f"output shape {y.shape} differs from the reference's {ref.shape}")
-  err = float(rel_err(y, ref))
+  ys, refs = jax.tree.leaves(y), jax.tree.leaves(ref)
+  if [x.shape for x in ys] != [x.shape for x in refs]:
+    raise ValueError(f"output shapes {[x.shape for x in ys]} differ from the reference's {[x.shape for x in refs]}")
+  err = max(float(rel_err(a, b)) for a, b in zip(ys, refs))
   rec["rel_err"] = err
   rec["numerics_ok"] = bool(math.isfinite(err) and err < tolerance)
   if not rec["numerics_ok"]:

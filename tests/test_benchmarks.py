@@ -420,6 +420,33 @@ def test_fused_attention_smoke(tmp_path, causal):
   assert len(fused) == (14 if causal else 7) and all("Hopper" in r["skipped"] for r in fused)
 
 
+def test_fused_attention_training_smoke(tmp_path):
+  """``--training``: the differentiable baselines' gradients agree on the CPU; the fused lowerings (and the
+  previous backward, which is no baseline) are skipped."""
+  (case,) = _smoke("fused_attention", tmp_path, "--causal", "--training", "--previous_backward")
+  assert case["training"] and case["causal"]
+  records = {r["name"]: r for r in case["records"]}
+  for name in ("cp_allgather_xla", "ring_xla", "ulysses_xla", "jm_ring", "jm_ring_zigzag"):
+    assert records[name]["median_ms"] > 0 and records[name]["numerics_ok"], records[name]
+    assert records[name]["rel_err"] < 3e-2
+  fused = ["fused_ws", "fused[64x64/2,2/SM]", "fused_ws_zigzag", "fused_zigzag[64x64/2,2/SM]",
+           "fused_ws_previous_backward"]
+  assert all("Hopper" in records[name]["skipped"] for name in fused)
+  assert records["fused_ws_previous_backward"]["role"] == "previous"
+  assert case["summary"]["best_baseline"] in ("cp_allgather_xla", "ring_xla", "ulysses_xla", "jm_ring",
+                                              "jm_ring_zigzag")
+
+
+def test_attention_backward_smoke(tmp_path):
+  """The joint and apart backwards of one ring agree on 2 simulated CPU devices; the one-device fused call is
+  skipped with its reason."""
+  (case,) = _smoke("attention_backward", tmp_path, "--causal")
+  records = {r["name"]: r for r in case["records"]}
+  assert records["joint"]["median_ms"] > 0 and records["apart"]["numerics_ok"] and records["apart"]["rel_err"] < 1e-3
+  assert "several devices" in records["local"]["skipped"]
+  assert case["summary"]["apart_over_joint"] == records["apart"]["median_ms"] / records["joint"]["median_ms"]
+
+
 def test_training_check_smoke(tmp_path):
   """Forward+backward contestants agree with the baseline; zigzag balances the causal ring's work."""
   (case,) = _smoke("training_check", tmp_path)

@@ -253,10 +253,9 @@ def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
   assert f"ring {{{RING}}}" in names
 
 
-def test_a_fused_lowerings_backward_is_its_ordinary_schedules_after_its_forward_again():
-  """``compile_fused`` differentiates through ``ordinary_schedule`` (the schedule without its lowering), whose vjp
-  first runs its forward again: a GEMM's collectives, an attention's whole forward. The cost model prices exactly
-  that."""
+def test_a_fused_gemms_backward_is_its_ordinary_schedules_after_its_collectives_again():
+  """``compile_fused`` differentiates a fused GEMM through ``ordinary_schedule`` (the schedule without its
+  lowering), whose vjp first runs its forward's collectives again. The cost model prices exactly that."""
   mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
   machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
   gemm = jm.library(_bf16(8192, 8192, 8192), mesh)["async_tp"]
@@ -267,14 +266,31 @@ def test_a_fused_lowerings_backward_is_its_ordinary_schedules_after_its_forward_
   no_compute = dataclasses.replace(machine, flops_per_s=1e30)  # the ring alone: sent again, then its transpose
   assert cost.backward_seconds(s, no_compute) == pytest.approx(2 * cost.predict(gemm, no_compute))
   assert cost.backward_seconds(s, machine) > cost.backward_seconds(gemm, machine)
+  assert "gradients: the shard_map lowering's" in str(s)
+
+
+def test_a_fused_ring_attentions_backward_is_the_dual_of_its_cudnn_schedule_without_a_second_forward():
+  """A fused ring attention keeps its kernel's output and log-sum-exp; its backward is the dual programs of the
+  same ring patched with cuDNN (on GPUs), priced as that schedule's backward alone, with no forward again."""
+  from jaxmercury.shard_map.fused_attention import backward_schedule
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
   prog = jm.programs.attention(1, 32, 8, 32768, 32768, 128, causal=True, dtype=jnp.bfloat16)
-  ring = jm.library(prog, mesh)["ring"]
-  for name in (RING, "fused_ring_attention_ws"):
-    s = ring.copy().lower_with(name)
-    plain = fused.ordinary_schedule(s)
-    assert plain.lowering is None and plain.kernel is None and str(plain) == str(ring)
-    assert cost.backward_seconds(s, machine) == pytest.approx(cost.predict(plain, machine)
-                                                             + cost.backward_seconds(plain, machine))
+  for strategy in ("ring", "ring_zigzag"):
+    ring = jm.library(prog, mesh)[strategy]
+    for name in (RING, "fused_ring_attention_ws"):
+      s = ring.copy().lower_with(name)
+      plain = fused.ordinary_schedule(s)
+      assert plain.lowering is None and plain.kernel is None and str(plain) == str(ring)
+      backward = backward_schedule(s)
+      assert backward.kernel == "cudnn_attention" and backward.lowering is None
+      assert backward.plan().storage == ring.plan().storage and backward.zigzags == ring.zigzags
+      assert cost.backward_seconds(s, machine) == pytest.approx(cost.backward_seconds(backward, machine))
+      assert cost.backward_seconds(s, machine) < cost.predict(plain, machine) + cost.backward_seconds(plain, machine)
+      assert "gradients: the dual programs, from the kernel's output and log-sum-exp" in str(s)
+  cpu = _one_device_mesh()  # no cuDNN there: the dual programs run XLA's body
+  s = jm.library(_attention(128), cpu)["ring"].copy().lower_with(RING)
+  assert backward_schedule(s).kernel is None
 
 
 def test_ring_attention_cost_and_memory():
@@ -413,3 +429,33 @@ def test_warp_specialized_ring_attention_lowering_runs_interpreted(strategy, cau
   odd = jm.library(_attention(192, causal=causal), mesh)["ring"]  # a work item is 128 query rows
   assert "2 x block_q=128 does not divide each device's positions of 'i' (192)" in fused.why_not(
       "fused_ring_attention_ws", odd)
+
+
+@pytest.mark.parametrize("lowering,strategy,causal", [(RING, "ring", False), (RING, "ring_zigzag", True),
+                                                      ("fused_ring_attention_ws", "ring_zigzag", True)])
+def test_a_fused_ring_attentions_gradients_come_from_its_own_residuals(lowering, strategy, causal):
+  """Interpreted on one CPU device: dq, dk and dv match the float32 reference's, and differentiating never runs
+  the attention forward again (the program's forward body is not traced: the kernel's output and log-sum-exp
+  feed the dual programs)."""
+  mesh = _one_device_mesh()
+  base = _attention(256, causal=causal)
+  traced = []
+
+  def body(*blocks, **kwargs):
+    traced.append(True)
+    return base.body(*blocks, **kwargs)
+
+  prog = dataclasses.replace(base, body=body)
+  s = jm.library(prog, mesh)[strategy].copy().lower_with(lowering, block_kv=64)
+  q, k, v = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
+  f = s.compile()
+  out, vjp = jax.vjp(lambda *a: f(*a).astype(jnp.float32), q, k, v)
+  grads = vjp(cot)
+  assert not traced, "the backward ran the attention forward again"
+  f32 = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
+  want, want_vjp = jax.vjp(f32.reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+  assert rel_err(out, want) < 2e-2
+  for name, got, ref in zip("qkv", grads, want_vjp(cot)):
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got.astype(jnp.float32), ref) < 3e-2, f"d{name}"

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType
 import pytest
 
 import jaxmercury as jm
@@ -152,6 +153,27 @@ def test_head_parallel_backward_is_one_fused_call(causal):
     assert collective not in text, collective
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel", "tree"])
+def test_any_schedule_on_one_device_has_the_fused_backward(strategy):
+  """Rings, reductions and layouts over a level of one device move nothing: one backward call, no dual passes,
+  the gradients right."""
+  from jaxmercury.shard_map.local_backward import local_reason
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 8, causal=True)
+  schedule = jm.library(prog, one)[strategy]
+  assert local_reason(schedule) is None
+  _check_grads(schedule)
+
+
+def test_xla_fused_backward_only_where_its_scores_fit():
+  """XLA's derivative holds the whole score matrix; past ``XLA_SCORES_BYTES`` the dual programs recompute it."""
+  from jaxmercury.shard_map.local_backward import XLA_SCORES_BYTES, local_reason
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  big = jm.programs.attention(1, 32, 8, 16384, 16384, 128, causal=True)  # 32 GiB of float32 scores
+  assert 4 * 32 * 16384 * 16384 > XLA_SCORES_BYTES
+  assert "bytes of scores per device" in local_reason(jm.library(big, one)["ring"])
+
+
 def test_communicating_schedules_keep_the_dual_backward():
   from jaxmercury.shard_map.local_backward import local_reason
   prog = jm.programs.attention(1, 4, 4, 32, 32, 8, causal=True)
@@ -162,3 +184,56 @@ def test_communicating_schedules_keep_the_dual_backward():
   with registry.interpret_mode():
     lib["ring"].patch("pallas_attention")
   assert local_reason(lib["ring"]) == "kernel 'pallas_attention' has no fused backward"
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_library_backwards_run_dq_and_dkv_in_one_nest(mesh_name):
+  """Every communicating library schedule's dual programs walk the same loops: one joint nest."""
+  from jaxmercury.schedules.dual import attention_duals
+  from jaxmercury.shard_map.joint_backward import joint_reason
+  from jaxmercury.shard_map.local_backward import local_reason
+  prog = jm.programs.attention(**ATTENTION["gqa"], causal=True)
+  for name, schedule in jm.library(prog, make_mesh(mesh_name)).items():
+    if local_reason(schedule) is None:
+      continue
+    _, dq, dkv = attention_duals(schedule, joint=True)
+    assert joint_reason(dq, dkv) is None, name
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ring_zigzag"])
+def test_a_ring_backward_computes_each_block_pair_once_and_moves_keys_once(strategy, monkeypatch):
+  """The joint ring backward: one body call per ring step, where dq and dk-dv apart trace two; its key and value
+  blocks travel one ring (with the dk-dv partials) instead of two."""
+  from jaxmercury.programs import attention_backward as ab
+  from jaxmercury.shard_map import joint_backward
+  calls = {"dq": 0, "dkv": 0, "joint": 0}
+
+  def counted(name, fn):
+    def run(*args, **kwargs):
+      calls[name] += 1
+      return fn(*args, **kwargs)
+    return run
+
+  monkeypatch.setattr(ab, "dq_block", counted("dq", ab.dq_block))
+  monkeypatch.setattr(ab, "dkv_block", counted("dkv", ab.dkv_block))
+  monkeypatch.setattr(joint_backward, "dq_dkv_block", counted("joint", joint_backward.dq_dkv_block))
+  from jaxmercury.shard_map import differentiate
+  prog = jm.programs.attention(1, 8, 2, 256, 256, 8, causal=True)
+  schedule = jm.library(prog, make_mesh("8"))[strategy]
+  xs = prog.random_inputs(fresh_key())
+
+  def permutes():
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(schedule.compile()(*a)), argnums=(0, 1, 2)))
+    return grad.lower(*xs).as_text().count("collective_permute")
+
+  joint = permutes()
+  steps = 8 * (4 if strategy == "ring_zigzag" else 1)  # ring steps, times the zigzag halves' block pairs
+  assert calls == {"dq": 0, "dkv": 0, "joint": steps}, calls
+  if strategy == "ring":  # forward: k, v over 7 steps; backward: k, v over 1 + 7 steps, the dk-dv partials over 7
+    assert joint == 2 * 7 + 2 * 8 + 7
+  monkeypatch.setattr(differentiate, "joint_backward", lambda *a, **k: None)
+  apart = permutes()
+  assert calls == {"dq": steps, "dkv": steps, "joint": steps}, calls
+  # the dq program's own ring of keys and values (and, zigzag, its own reordering of the six inputs)
+  assert apart - joint == 2 * 7 if strategy == "ring" else apart - joint > 2 * 7
+  _check_grads(schedule)

@@ -89,21 +89,23 @@ def _cudnn_backward_masked(q, k, v, o, do, lse, causal):
 
 
 def cudnn_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, fallback):
-  """One block pair's dq (``part="dq"``) or stacked [dk, dv] (``"dkv"``) through cuDNN.
+  """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``, a joint nest's
+  block: one cuDNN call for the two programs) through cuDNN.
 
   Dispatches as ``cudnn_attention_block`` does; hidden causal pairs give zeros.
   """
-  pick = (lambda dq, dk, dv: dq) if part == "dq" else (lambda dq, dk, dv: jnp.stack([dk, dv], axis=3))
+  pick = {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
+          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   padded = ctx.extents["j"] % tk or ctx.extents["i"] % tq
   if padded or not (ctx.contiguous("i") and ctx.contiguous("j")) or (causal and tq != tk):
     return fallback(ctx, q, k, v, o, do, lse)
   if not causal:
     return pick(*_cudnn_backward_masked(q, k, v, o, do, lse, False))
-  shape = jax.eval_shape(lambda *x: pick(*_cudnn_backward_masked(*x, False)), q, k, v, o, do, lse)
+  shapes = jax.eval_shape(lambda *x: pick(*_cudnn_backward_masked(*x, False)), q, k, v, o, do, lse)
   return causal_dispatch.dispatch(ctx, (q, k, v, o, do, lse),
                                   visible=lambda *x: pick(*_cudnn_backward_masked(*x, False)),
-                                  hidden=lambda *x: jnp.zeros(shape.shape, shape.dtype),
+                                  hidden=lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                                   partial=lambda *x: pick(*_cudnn_backward_masked(*x, True)))
 
 

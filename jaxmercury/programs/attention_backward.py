@@ -55,9 +55,9 @@ def _skipping(block):
   def run(ctx, *blocks, causal):
     if not causal:
       return block(ctx, *blocks, causal=False)
-    shape = jax.eval_shape(lambda *x: block(ctx, *x, causal=True), *blocks)
+    shapes = jax.eval_shape(lambda *x: block(ctx, *x, causal=True), *blocks)
     return skip_if_hidden(ctx, functools.partial(block, causal=True),
-                          lambda *x: jnp.zeros(shape.shape, shape.dtype), *blocks)
+                          lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), *blocks)
   return run
 
 
@@ -75,6 +75,17 @@ def dkv_block(ctx, q, k, v, o, do, lse, *, causal):
   dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
   dv = jnp.einsum("bihgj,bihgd->bjhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
   return jnp.stack([dk, dv], axis=3)
+
+
+@_skipping
+def dq_dkv_block(ctx, q, k, v, o, do, lse, *, causal):
+  """``(dq_block(...), dkv_block(...))`` from one computation of the block pair's probabilities: the body of the
+  dq and dk-dv programs run in one nest (``shard_map.lower.lower_joint``)."""
+  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
+  dq = jnp.einsum("bihgj,bjhd->bihgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+  dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+  dv = jnp.einsum("bihgj,bihgd->bjhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+  return dq, jnp.stack([dk, dv], axis=3)
 
 
 def _backward_buffers(p, dtype):

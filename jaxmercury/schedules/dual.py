@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmercury.errors import ScheduleError
 from jaxmercury.programs import attention_backward as ab
+from jaxmercury.schedules.loops import SERIAL
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import replay
 
@@ -91,12 +92,21 @@ def fit_blocks(schedule: Schedule, budget_bytes: int) -> Schedule:
   return schedule
 
 
-def attention_duals(schedule, workspace_bytes: int = 4 << 30) -> tuple[Schedule, Schedule, Schedule]:
+def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = False
+                    ) -> tuple[Schedule, Schedule, Schedule]:
   """(forward with lse, dq, dk-dv) schedules of an attention schedule.
 
   The backward programs keep the forward's distribution and are tiled further
   into serial blocks where one block's recomputed scores would exceed
   ``workspace_bytes``.
+
+  Args:
+    schedule: the forward attention schedule.
+    workspace_bytes: one block call's workspace budget.
+    joint: make the dk-dv schedule walk the dq schedule's loops, to run the
+      two in one nest (``shard_map.joint_backward``): the extra tiles are
+      the dq schedule's, replayed on the dk-dv one, and its serial loops
+      are reordered to the dq schedule's order.
   """
   prog = schedule.program
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
@@ -114,9 +124,16 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30) -> tuple[Schedule,
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
               _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]},
                        kernel=BACKWARD_KERNELS["dq"]))
+  unfitted = len(dq.trace)
   dq = fit_blocks(dq, workspace_bytes)
   dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
                         out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
                _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions},
                         kernel=BACKWARD_KERNELS["dkv"]))
-  return forward, dq, fit_blocks(dkv, workspace_bytes)
+  if not joint:
+    return forward, dq, fit_blocks(dkv, workspace_bytes)
+  replay(dkv, dq.trace[unfitted:])
+  serial = [lp.name for lp in dq.loops if lp.role == SERIAL]
+  if len(serial) > 1:
+    dkv.reorder(*serial)
+  return forward, dq, dkv

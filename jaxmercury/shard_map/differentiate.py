@@ -4,7 +4,8 @@ For attention the forward keeps only ``o`` and the log-sum-exp; the backward
 is one fused kernel call per device where the schedule keeps each device's
 attention whole (``local_backward``), and the dual schedules
 (``schedules.dual``) otherwise, whose programs recompute probabilities block
-by block. Programs without backward programs
+by block: both in one nest, one backward block call per block pair
+(``joint_backward``), where their kernels have a joint block. Programs without backward programs
 are differentiated through their lowered ``shard_map`` program, whose
 collectives JAX transposes into their duals (all-gather and reduce-scatter,
 a ring and the reverse ring, all-to-all and all-to-all).
@@ -18,11 +19,21 @@ import jax
 from jax.sharding import AxisType
 
 from jaxmercury.schedules.dual import attention_duals
+from jaxmercury.shard_map.joint_backward import joint_backward
 from jaxmercury.shard_map.local_backward import local_backward
 
 
-def differentiable(schedule, forward):
-  """``forward`` (the compiled schedule) with the dual backward attached where one exists."""
+def differentiable(schedule, forward, *, forward_with_lse=None):
+  """``forward`` (the compiled schedule) with the dual backward attached where one exists.
+
+  Args:
+    schedule: the loop-nest schedule whose dual programs run the backward.
+    forward: ``f(q, k, v) -> o``, run where nothing is differentiated.
+    forward_with_lse: ``with_lse_schedule -> g(q, k, v) -> olse``: the forward
+      that keeps the backward's residuals, built from the dual's
+      ``attention_with_lse`` schedule (a fused kernel's); default that
+      schedule compiled.
+  """
   prog = schedule.program
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
     return forward
@@ -30,10 +41,9 @@ def differentiable(schedule, forward):
 
   @functools.cache
   def duals():  # built on the first differentiation, not for forward-only use
-    with_lse, dq_s, dkv_s = attention_duals(schedule)
-    fused = local_backward(schedule)
-    backward = (fused,) if fused is not None else (dq_s.compile(), dkv_s.compile())
-    return (with_lse.compile(differentiable=False), *backward)
+    with_lse, dq_s, dkv_s = attention_duals(schedule, joint=True)
+    keep = forward_with_lse(with_lse) if forward_with_lse else with_lse.compile(differentiable=False)
+    return keep, _backward(schedule, dq_s, dkv_s)
 
   @jax.custom_vjp
   def attention(q, k, v):
@@ -46,15 +56,8 @@ def differentiable(schedule, forward):
 
   def bwd(residuals, do):
     q, k, v, o, lse = residuals
-    do = do.astype(q.dtype)
-    _, *backward = duals()
-    if len(backward) == 1:
-      dq, dk, dv = backward[0](q, k, v, o, do, lse)
-      return like(dq, q), like(dk, k), like(dv, v)
-    f_dq, f_dkv = backward
-    dq = f_dq(q, k, v, o, do, lse)
-    dkv = f_dkv(q, k, v, o, do, lse)
-    return like(dq, q), like(dkv[..., 0, :], k), like(dkv[..., 1, :], v)
+    dq, dk, dv = duals()[1](q, k, v, o, do.astype(q.dtype), lse)
+    return like(dq, q), like(dk, k), like(dv, v)
 
   explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
 
@@ -64,3 +67,24 @@ def differentiable(schedule, forward):
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)
+
+
+def _backward(schedule, dq_s, dkv_s):
+  """``(q, k, v, o, do, lse) -> (dq, dk, dv)``: one fused call per device (``local_backward``), else the dual
+  programs in one nest (``joint_backward``), else the two dual programs one after the other."""
+  fused = local_backward(schedule)
+  if fused is not None:
+    return fused
+  joint = joint_backward(dq_s, dkv_s)
+  if joint is not None:
+    def both(*args):
+      dq, dkv = joint(*args)
+      return dq, dkv[..., 0, :], dkv[..., 1, :]
+    return both
+  _, dq_s, dkv_s = attention_duals(schedule)  # each tiled to its own workspace
+  f_dq, f_dkv = dq_s.compile(), dkv_s.compile()
+
+  def apart(*args):
+    dkv = f_dkv(*args)
+    return f_dq(*args), dkv[..., 0, :], dkv[..., 1, :]
+  return apart

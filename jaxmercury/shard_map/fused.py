@@ -20,8 +20,9 @@ they share: ``FusedLowering``, the registry and the lookups the schedule,
 tuner and printer use, and ``compile_fused``.
 ``Schedule.lower_with(name)`` picks one of the lowerings registered here;
 ``Schedule.compile()`` then runs it under the same ``shard_map`` (the plan's
-layouts, padding and global signature) and differentiates through the
-ordinary lowering's backward, since Pallas kernels have no autodiff. The tuner
+layouts, padding and global signature) with a backward, since Pallas kernels
+have no autodiff: a ring attention's dual programs fed by the kernel's output
+and log-sum-exp (``BACKWARDS``), a GEMM's ordinary lowering's vjp. The tuner
 offers every lowering whose ``why_not`` is None as one more candidate.
 
 Each ``FusedLowering`` has a name, a one-line description, the placement kind
@@ -51,6 +52,25 @@ INTERPRET_CTAS = 2  # persistent CTAs of our kernel in interpret mode (a CPU dev
 # (``schedule -> placement | reason``); each kind's module fills them in.
 KIND_NAMES: dict[str, str] = {}
 PLACEMENTS: dict[str, Callable] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnBackward:
+  """A placement kind's backward fed by the fused kernel's own residuals, in place of ``ordinary_schedule``'s vjp.
+
+  Attributes:
+    schedule: ``fused schedule -> loop-nest schedule`` whose backward runs; the
+      cost model prices that schedule's backward, with no forward run again.
+    attach: ``(fused schedule, per-device function) -> jitted f(*inputs)``:
+      the fused forward with that backward.
+  """
+
+  schedule: Callable
+  attach: Callable
+
+
+# Kinds with a backward of their own (ring attention); the others are differentiated through ``ordinary_schedule``.
+BACKWARDS: dict[str, OwnBackward] = {}
 
 
 def layout_text(buf, layout) -> str:
@@ -304,8 +324,10 @@ def summary(schedule) -> str:
   p = low.place(schedule)
   level = p.level if not isinstance(p, str) else "?"
   mode = " (Mosaic GPU interpret mode)" if low.interprets(schedule) else ""
+  grads = ("the dual programs, from the kernel's output and log-sum-exp" if low.kind in BACKWARDS
+           else "the shard_map lowering's")
   return (f"lowered with {low.label(schedule.lowering_params)}{mode}: the whole nest runs as one fused kernel per "
-          f"device, the ring over {level} inside it; gradients: the shard_map lowering's\n  {low.description}")
+          f"device, the ring over {level} inside it; gradients: {grads}\n  {low.description}")
 
 
 def memory_bytes(schedule) -> int:
@@ -317,9 +339,8 @@ def memory_bytes(schedule) -> int:
 
 
 def ordinary_schedule(schedule):
-  """The loop-nest schedule that differentiates a fused one: ``schedule`` without its lowering (its block on
-  XLA's body; a ring attention's cuDNN backward blocks, tried on 2 x H200, left dQ 3.5-3.8% from the float32
-  reference, above the 3% the GPU tests allow bf16 gradients)."""
+  """``schedule`` without its lowering: the same layouts and rings as a loop nest, its block on XLA's body. Its
+  vjp differentiates a fused GEMM; a kind in ``BACKWARDS`` builds its backward from it."""
   plain = schedule.copy()
   plain.lowering, plain.lowering_params = None, {}
   plain.trace = [step for step in plain.trace if step["primitive"] != "lower_with"]
@@ -330,18 +351,22 @@ def compile_fused(schedule):
   """``f(*inputs) -> output`` on global arrays: the fused kernel under the plan's ``shard_map``, with a backward.
 
   The forward is the lowering's per-device function in place of the loop
-  nest, inside the same wrapper as ``lower`` (padding, layouts, cropping);
-  the backward is the vjp of the ordinary ``shard_map`` lowering of the same
-  schedule (``ordinary_schedule``: its rings transposed by JAX). That vjp
-  runs the ordinary forward again for its residuals: a GEMM's collectives
-  only (its products are unused), an attention's whole forward (its output
-  and log-sum-exp).
+  nest, inside the same wrapper as ``lower`` (padding, layouts, cropping).
+  A kind in ``BACKWARDS`` attaches its own backward (ring attention: the
+  dual programs, from the kernel's output and log-sum-exp). Otherwise the
+  backward is the vjp of the ordinary ``shard_map`` lowering of the same
+  schedule (``ordinary_schedule``: its rings transposed by JAX), which runs
+  that lowering's forward again for its residuals: a GEMM's collectives
+  only (its products are unused).
   """
   from jax.sharding import AxisType
 
   from jaxmercury.shard_map.lower import lower
   check(schedule)
-  per_device = lowering(schedule.lowering).build(schedule, **schedule.lowering_params)
+  low = lowering(schedule.lowering)
+  per_device = low.build(schedule, **schedule.lowering_params)
+  if low.kind in BACKWARDS:
+    return BACKWARDS[low.kind].attach(schedule, per_device)
   forward = lower(schedule, jit=False, per_device=per_device)
   ordinary = lower(ordinary_schedule(schedule), jit=False)
   explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))

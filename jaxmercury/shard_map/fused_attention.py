@@ -13,7 +13,8 @@ sequence axes in the same zigzag order (``Schedule.zigzag``, as
 any even multiple of ``n``), and the kernel masks by the global positions
 that order gives each device. Registered in ``jaxmercury.shard_map.fused`` as
 ``fused_ring_attention`` (kind ``"ring_attention"``); gradients come from the
-ordinary lowering. ``fused_ring_attention_ws`` runs the same schedules with
+dual programs of ``backward_schedule`` (cuDNN blocks on GPUs), fed by the
+kernel's own output and log-sum-exp. ``fused_ring_attention_ws`` runs the same schedules with
 the warp-specialized kernel (``pallas_kernels.fused_ring_attention_ws``: two
 consumer warpgroups and a memory warpgroup per CTA).
 """
@@ -21,7 +22,10 @@ consumer warpgroups and a memory warpgroup per CTA).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmercury.errors import PreconditionError
@@ -191,12 +195,21 @@ def _tile(params):
 
 def _per_device(kernel, p: AttentionPlacement, num_ctas, **blocks):
   """``kernel`` (a fused ring attention) on the stored blocks, ``q [b, s, hk, g, d]`` and ``k, v [b, s, hk, d]``,
-  in the placement's mask and order; ``num_ctas()`` is asked when traced."""
-  def per_device(q, k, v):
+  in the placement's mask and order; ``num_ctas()`` is asked when traced.
+
+  ``per_device(q, k, v)`` returns the output block; ``per_device(q, k, v, with_lse=True)`` the block of the
+  backward's residuals, ``[b, s, hk, g, d + 1]`` float32: the output, then the log-sum-exp (the
+  ``attention_with_lse`` program's ``olse``).
+  """
+  def per_device(q, k, v, *, with_lse: bool = False):
     b, s, hk, g, d = q.shape
-    out, _ = kernel(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order, chunks=p.chunks,
-                    num_ctas=num_ctas(), **blocks)
-    return out.reshape(b, s, hk, g, d)
+    out, lse = kernel(q.reshape(b, s, hk * g, d), k, v, p.level, causal=p.causal, order=p.order,
+                      chunks=p.chunks, num_ctas=num_ctas(), **blocks)
+    out = out.reshape(b, s, hk, g, d)
+    if not with_lse:
+      return out
+    lse = jnp.transpose(lse, (0, 2, 1)).reshape(b, s, hk, g, 1)  # [b, h, s] -> [b, s, hk, g, 1]
+    return jnp.concatenate([out.astype(jnp.float32), lse.astype(jnp.float32)], axis=-1)
   return per_device
 
 
@@ -234,8 +247,47 @@ def _ws_make(p: AttentionPlacement, params, interpret: bool):
                      interpret=interpret, **params)
 
 
+# ------------------------------------------------------------------ the backward
+BACKWARD_KERNEL = "cudnn_attention"  # its dual kernels run the backward's blocks where the devices have cuDNN
+
+
+def backward_schedule(schedule):
+  """The loop-nest schedule whose dual programs differentiate a fused ring attention.
+
+  That is ``fused.ordinary_schedule`` (the same layouts and ring, without the
+  lowering) with its blocks patched with ``BACKWARD_KERNEL`` where the mesh's
+  devices run it, so that the dq and dk-dv programs (``schedules.dual``) run
+  cuDNN's flash backward blocks; elsewhere (CPU, interpret mode) XLA's body.
+  """
+  plain = fused.ordinary_schedule(schedule)
+  try:
+    return plain.copy().patch(BACKWARD_KERNEL)
+  except PreconditionError:
+    return plain
+
+
+def _attach_backward(schedule, per_device):
+  """The fused forward with the dual backward of ``backward_schedule``, fed by the kernel's own residuals.
+
+  The forward under differentiation runs the kernel once, keeping its output
+  and log-sum-exp (``per_device(..., with_lse=True)`` lowered on the dual's
+  ``attention_with_lse`` schedule, which stores them as the output); the
+  backward recomputes probabilities block by block from them. Nothing runs
+  twice and no score matrix is kept.
+  """
+  from jaxmercury.shard_map.differentiate import differentiable
+  from jaxmercury.shard_map.lower import lower
+  forward = lower(schedule, jit=False, per_device=per_device)
+
+  def keeping_residuals(with_lse):
+    return jax.jit(lower(with_lse, jit=False, per_device=functools.partial(per_device, with_lse=True)))
+
+  return differentiable(backward_schedule(schedule), forward, forward_with_lse=keeping_residuals)
+
+
 fused.PLACEMENTS[RING_ATTENTION] = placement
 fused.KIND_NAMES[RING_ATTENTION] = "ring attention"
+fused.BACKWARDS[RING_ATTENTION] = fused.OwnBackward(backward_schedule, _attach_backward)
 fused.register(fused.FusedLowering(
     "fused_ring_attention",
     "our Mosaic GPU kernel (pallas_kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "

@@ -2,18 +2,21 @@
 
 When a schedule splits attention over batch and heads only (no ring, no
 cross-device reduction, no resharding of ``q``, ``k``, ``v`` or ``o``, and
-every split axis splits all four alike), each device's slice is a whole
+every split axis splits all four alike; mesh levels of size 1 split
+nothing, so any schedule on one device qualifies), each device's slice is a whole
 attention problem of its own. Its backward is then one kernel call that
 returns dq, dk and dv together, where the dual schedules (``schedules.dual``)
 run a dq pass and a dk-dv pass that each recompute the probabilities.
 
 Fused backward kernels, by the forward's kernel: ``cudnn_attention`` (cuDNN's
 flash backward from the saved output and log-sum-exp) and ``xla`` (JAX's
-derivative of the plain attention). Other kernels keep the dual schedules.
+derivative of the plain attention, where its scores fit ``XLA_SCORES_BYTES``).
+Other kernels keep the dual schedules.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -32,13 +35,19 @@ def _xla(q, k, v, o, do, lse, causal):
 
 
 FUSED_BACKWARD = {"cudnn_attention": cudnn_backward, "xla": _xla}
+XLA_SCORES_BYTES = 4 << 30  # the float32 scores ``_xla`` may hold per device: the dual programs' workspace
 
 
-def _split_axes(plan, prog) -> dict | None:
+def _kept(layout, sizes) -> tuple:
+  """``layout`` without its mesh levels of size 1, which split nothing."""
+  return tuple(tuple(lv for lv in entry if sizes[lv] > 1) for entry in layout)
+
+
+def _split_axes(plan, prog, sizes) -> dict | None:
   """``{axis: levels}`` of the axes the four buffers' layouts split, or None if they split them differently."""
   split = {}
   for name in BUFFERS:
-    for axis, levels in zip(prog.buffer(name).axes, plan.storage[name]):
+    for axis, levels in zip(prog.buffer(name).axes, _kept(plan.storage[name], sizes)):
       if levels:
         if split.setdefault(axis, levels) != levels:
           return None
@@ -46,19 +55,25 @@ def _split_axes(plan, prog) -> dict | None:
 
 
 def local_reason(schedule) -> str | None:
-  """Why the schedule's attention backward cannot run as one fused call per device (None: it can)."""
+  """Why the schedule's attention backward cannot run as one fused call per device (None: it can).
+
+  Rings, reductions and layouts over mesh levels of size 1 move nothing: a
+  ring on a one-device mesh is local attention.
+  """
   prog = schedule.program
   kernel = (schedule.kernel or "xla").partition("[")[0]
   if kernel not in FUSED_BACKWARD:
     return f"kernel {kernel!r} has no fused backward"
   if prog.params["causal"] and prog.buffer("q").shape[1] != prog.buffer("k").shape[1]:
     return "causal attention with queries and keys of different lengths"
-  plan = schedule.plan()
-  if plan.rings or plan.reductions:
+  plan, sizes = schedule.plan(), schedule.levels
+  if any(r.size > 1 for r in plan.rings.values()) or any(sizes[r.level] > 1 for r in plan.reductions):
     return "blocks travel or reduce across devices"
-  if any(plan.storage[b] != plan.resident[b] for b in BUFFERS) or plan.result != plan.storage["o"]:
+  kept = lambda layout: _kept(layout, sizes)  # noqa: E731
+  if (any(kept(plan.storage[b]) != kept(plan.resident[b]) for b in BUFFERS)
+      or kept(plan.result) != kept(plan.storage["o"])):
     return "buffers are resharded around the loop nest"
-  split = _split_axes(plan, prog)
+  split = _split_axes(plan, prog, sizes)
   if split is None:
     return "buffers are split differently"
   common = set.intersection(*(set(prog.buffer(b).axes) for b in BUFFERS))
@@ -66,6 +81,12 @@ def local_reason(schedule) -> str | None:
     return f"axes {sorted(set(split) - common)} split some buffers but not all"
   if any(plan.user_spec(b) is None for b in BUFFERS):
     return "a flattened dimension is split on its minor axis"
+  if kernel == "xla":
+    scores = 4 * math.prod(prog.axes[a].extent // math.prod(sizes[lv] for lv in split.get(a, ()))
+                           for a in ("b", "hk", "g", "i", "j"))
+    if scores > XLA_SCORES_BYTES:
+      return (f"XLA's derivative would hold {scores} bytes of scores per device (over {XLA_SCORES_BYTES}); the dual "
+              "programs recompute them block by block")
   return None
 
 

@@ -131,15 +131,18 @@ def backward_seconds(schedule, machine: Machine) -> float:
   transposes to an all-gather of the output's stored block where the output
   is split over that level (a reduce-scatter), to nothing where it is whole
   there (an all-reduce: every device already holds the whole cotangent). A
-  fused lowering is differentiated through its ordinary schedule
-  (``fused.ordinary_schedule``), whose forward runs again first for the
-  residuals: an attention's whole forward, a GEMM's collectives only (its
-  products are unused).
+  fused ring attention's backward is that of its ``backward_schedule``
+  (``fused.BACKWARDS``: the kernel keeps its residuals); a fused GEMM is
+  differentiated through its ordinary schedule (``fused.ordinary_schedule``),
+  whose collectives run again first (its products are unused).
   """
   if schedule.lowering is None:
     return _nest_seconds(schedule, machine, work=BACKWARD_WORK.get(schedule.program.pattern, 2.0),
                          reductions=TRANSPOSED)
   from jaxmercury.shard_map import fused
+  own = fused.BACKWARDS.get(fused.lowering(schedule.lowering).kind)
+  if own is not None:
+    return backward_seconds(own.schedule(schedule), machine)
   plain = fused.ordinary_schedule(schedule)
   again = _nest_seconds(plain, machine, work=1.0 if plain.program.pattern == "attention" else 0.0,
                         reductions=None)

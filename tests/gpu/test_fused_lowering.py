@@ -8,7 +8,8 @@
 and both gradients against the float32 reference, the gradients against the
 ordinary schedule's, and the tuner offering and timing them; ``ring`` and
 ``context_parallel`` attention, and causal ``ring`` and ``ring_zigzag``,
-lowered with ``fused_ring_attention``.
+lowered with both fused ring attentions (outputs and gradients against the
+float32 reference: the backward is the dual programs on cuDNN blocks).
 
 Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_fused_lowering.py -x -q``
 """
@@ -116,18 +117,25 @@ def test_the_tuner_offers_and_times_them():
 @pytest.mark.parametrize("kv_heads", [8, 2])
 @pytest.mark.parametrize("lowering", ["fused_ring_attention", "fused_ring_attention_ws"])
 def test_ring_attention_every_gpu(strategy, causal, kv_heads, lowering):
-  """The fused ring-attention lowerings: output and gradients against the float32 reference and the ordinary
-  ones."""
+  """The fused ring-attention lowerings: output and gradients against the float32 reference, gradients against the
+  ordinary schedule's; the backward runs the dual programs on cuDNN blocks from the kernel's residuals."""
+  from jaxmercury.shard_map.fused_attention import backward_schedule
   n = len(jax.devices())
   prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, causal=causal, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
   assert fused.why_not(lowering, plain) is None
   s = plain.copy().lower_with(lowering)
+  assert backward_schedule(s).kernel == "cudnn_attention"
   q, k, v = prog.random_inputs(fresh_key())
-  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
-  out, vjp = jax.vjp(s.compile(), q, k, v)
-  ref = prog.reference(q, k, v).astype(jnp.float32)
-  assert rel_err(out.astype(jnp.float32), ref) < TOL
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
+  f = s.compile()
+  out, vjp = jax.vjp(lambda *a: f(*a).astype(jnp.float32), q, k, v)
+  f32 = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
+  ref, ref_vjp = jax.vjp(f32.reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+  assert rel_err(out, ref) < TOL
   _, plain_vjp = jax.vjp(plain.compile(), q, k, v)
-  for g, p in zip(vjp(cot), plain_vjp(cot)):
-    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < GRAD_TOL
+  grads = vjp(cot)
+  for name, g, w, p in zip("qkv", grads, ref_vjp(cot), plain_vjp(cot.astype(jnp.bfloat16))):
+    assert g.dtype == jnp.bfloat16
+    assert rel_err(g.astype(jnp.float32), w) < GRAD_TOL, f"d{name} against the float32 reference"
+    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < GRAD_TOL, f"d{name} against the ordinary one"
