@@ -163,9 +163,10 @@ def check(prepared: Prepared, name: str, y, tolerance: float = BF16_TOLERANCE):
     rec["numerics_ok"] = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(y))
     return
   ref = prepared.reference_output
+  shapes = lambda tree: jax.tree.map(lambda x: x.shape, tree)  # noqa: E731
+  if shapes(y) != shapes(ref):
+    raise ValueError(f"output shape {shapes(y)} differs from the reference's {shapes(ref)}")
   ys, refs = jax.tree.leaves(y), jax.tree.leaves(ref)
-  if [x.shape for x in ys] != [x.shape for x in refs]:
-    raise ValueError(f"output shapes {[x.shape for x in ys]} differ from the reference's {[x.shape for x in refs]}")
   err = max(float(rel_err(a, b)) for a, b in zip(ys, refs))
   rec["rel_err"] = err
   rec["numerics_ok"] = bool(math.isfinite(err) and err < tolerance)
