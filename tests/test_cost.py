@@ -452,3 +452,30 @@ def test_backward_prices_the_gradients_products_and_the_transposed_collectives()
   heads = jm.library(prog, mesh)["ulysses"]
   fast = dataclasses.replace(machine.with_links(x=1e30), latency_s=0.0)
   assert cost.backward_seconds(heads, fast) == pytest.approx(2.5 * cost.compute_seconds(heads, fast), rel=1e-6)
+  slow_backward = dataclasses.replace(fast, backward_flops_per_s={"xla": 300e12})  # half the forward's rate
+  assert cost.backward_seconds(heads, slow_backward) == pytest.approx(
+      2 * cost.backward_seconds(heads, fast), rel=1e-6)
+  assert cost.predict(heads, slow_backward) == cost.predict(heads, fast)
+
+
+def test_backward_rates_time_the_joint_block_on_the_forwards_blocks():
+  """``backward_rates``: the joint dq and dk-dv block of each kernel that has one, on the blocks the forward's rate
+  is measured on, counted as 2.5 forwards; kernels without a joint block, and GEMMs, get none."""
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 32, causal=True)
+  timed = []
+
+  def spy(program, fn, sizes, device):
+    timed.append((program.name, dict(sizes)))
+    return 1e-3
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(calibrate, "_kernel_call_seconds", spy)
+    rates = calibrate.backward_rates(prog, one, ["xla", "pallas_attention"])
+  assert set(rates) == {"xla"} and rates["xla"] > 0  # pallas_attention's dq and dk-dv have no joint block
+  assert [name for name, _ in timed] == [ab.attention_dq(prog).name] * 2
+  sizes = timed[0][1]
+  assert rates["xla"] == pytest.approx(2.5 * calibrate.executed_flops(prog, "xla", sizes) / 1e-3)
+  assert calibrate.backward_rates(jm.programs.matmul(64, 64, 64), one, ["xla"]) == {}
+  measured = calibrate.backward_rates(prog, one, ["xla"])  # the real block runs
+  assert measured["xla"] > 0

@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.pallas_kernels.work import Block
 from jaxmercury.program import BlockContext
-from jaxmercury.tuner.cost import Machine, dense_flops, masked_axes
+from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, dense_flops, masked_axes
 
 REPEATS = 8
 GPU_BLOCK_FLOPS = 1e13  # kernel rates level off well below this (about 15 ms at cuDNN's rate)
@@ -104,8 +105,8 @@ def _kernel_call_seconds(program, fn, sizes, device) -> float:
       ctx = BlockContext(starts={a: origin for a in program.kinds}, sizes=sizes, extents=extents)
 
       def step(_, xs):
-        out = jax.tree.leaves(fn(ctx, *xs))[0]
-        nudge = (out.reshape(-1)[0] * 0).astype(xs[0].dtype)  # a data dependency between repeats
+        outs = jax.tree.leaves(fn(ctx, *xs))  # every output feeds the next repeat: none is dead code
+        nudge = (sum(out.reshape(-1)[0] for out in outs) * 0).astype(xs[0].dtype)
         return (xs[0] + nudge,) + xs[1:]
       return jax.lax.fori_loop(0, repeats, step, xs)
     return jax.jit(run)
@@ -114,16 +115,21 @@ def _kernel_call_seconds(program, fn, sizes, device) -> float:
 
 
 def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
-                   max_flops: float | None = None) -> tuple[float, float]:
-  """(flops per second, fixed seconds per call) of a kernel on one device, on blocks of at most ``max_flops``."""
+                   max_flops: float | None = None, *, backward=None) -> tuple[float, float]:
+  """(flops per second, fixed seconds per call) of a kernel on one device, on blocks of at most ``max_flops``.
+
+  ``backward``: ``(program, block function)`` run instead on the same block
+  sizes, its work ``BACKWARD_WORK`` times the kernel's (``backward_rates``).
+  """
   kernel = registry.kernel(kernel_name)
-  fn = registry.lookup(kernel_name, program, mesh)
+  run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
+  scale = BACKWARD_WORK[program.pattern] if backward else 1.0
   device = mesh.devices.flat[0]
   points = {}
   for shrink in (1, 8):
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
-    flops = executed_flops(program, kernel_name, sizes)
-    points[flops] = _kernel_call_seconds(program, fn, sizes, device)
+    flops = scale * executed_flops(program, kernel_name, sizes)
+    points[flops] = _kernel_call_seconds(run_program, fn, sizes, device)
   ordered = sorted(points.items())  # one point when both sizes do the same work
   (f_small, t_small), (f_big, t_big) = ordered[0], ordered[-1]
   if f_big <= f_small or t_big <= t_small:
@@ -205,6 +211,34 @@ def kernel_rates(program, mesh, kernels=None) -> tuple[dict, float]:
     rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
     overheads.append(overhead)
   return rates, statistics.median(overheads) if overheads else 0.0
+
+
+def backward_rates(program, mesh, kernels) -> dict[str, float]:
+  """Per local kernel of ``kernels`` (an attention program's) whose backward runs as a joint block
+  (``joint_backward.JOINT_BLOCKS``: dq and dk-dv of a block pair in one call), that block's rate on one device,
+  in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none."""
+  if program.pattern != "attention" or program.params.get("emit_lse"):
+    return {}
+  from jaxmercury.programs.attention_backward import attention_dq
+  from jaxmercury.schedules.dual import BACKWARD_KERNELS
+  from jaxmercury.shard_map.joint_backward import JOINT_BLOCKS
+  gpu = mesh.devices.flat[0].platform != "cpu"
+  dq_program = attention_dq(program)
+  rates = {}
+  for name in kernels:
+    base = name.partition("[")[0]
+    dq_kernel = "xla" if base == "xla" else BACKWARD_KERNELS["dq"].get(base)
+    if dq_kernel not in JOINT_BLOCKS:
+      continue
+    try:
+      registry.lookup(dq_kernel, dq_program, mesh)
+    except PreconditionError:
+      continue
+    block = JOINT_BLOCKS[dq_kernel][1](dq_program)
+    # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
+    rates[name], _ = kernel_figures(program, name, mesh, (2 << 30) if gpu else (16 << 20),
+                                    GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
+  return rates
 
 
 def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
@@ -301,8 +335,8 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
 
 def calibrate(program, mesh, *, kernels=None) -> Machine:
   """Measures this machine's figures for ``program`` on ``mesh``: the local kernels' rates (all that apply,
-  or ``kernels``) and, on GPUs where ``kernels`` is not given, the fused ring attentions' (``fused_rates``) and
-  fused GEMMs' (``fused_gemm_rates``)."""
+  or ``kernels``), on GPUs their backward blocks' (``backward_rates``) and, where ``kernels`` is not given,
+  the fused ring attentions' (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``)."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   link_bytes = (64 << 20) if gpu else (4 << 20)
   rates, overhead = kernel_rates(program, mesh, kernels)
@@ -324,4 +358,5 @@ def calibrate(program, mesh, *, kernels=None) -> Machine:
       overlap=statistics.median(overlaps) if overlaps else 1.0,
       memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)),
       fused_flops_per_s=fused_rates(program, mesh) | fused_gemm_rates(program, mesh) if gpu and kernels is None
-      else {})
+      else {},
+      backward_flops_per_s=backward_rates(program, mesh, rates) if gpu else {})

@@ -67,6 +67,10 @@ class Machine:
       (``calibrate.fused_rates``), the fused GEMMs on the whole mesh, ring
       included (``calibrate.fused_gemm_rates``); a fused lowering not here
       takes its ``rate_kernel``'s rate.
+    backward_flops_per_s: per local attention kernel, the rate of its
+      backward block (``calibrate.backward_rates``: the joint dq and dk-dv
+      block, in ``BACKWARD_WORK`` times the forward's flops per second); a
+      kernel not here runs its backward at its forward rate.
   """
 
   name: str
@@ -79,6 +83,7 @@ class Machine:
   overlap: float = 1.0
   memory_bytes_per_s: float = 2e12
   fused_flops_per_s: dict = dataclasses.field(default_factory=dict)
+  backward_flops_per_s: dict = dataclasses.field(default_factory=dict)
 
   def bandwidth(self, level: str) -> float:
     return self.link_bytes_per_s.get(level, self.link_bytes_per_s["*"])
@@ -87,6 +92,12 @@ class Machine:
     """A kernel's measured rate; a variant (``name[p=v]``) not measured takes its kernel's."""
     base = self.kernel_flops_per_s.get(kernel.partition("[")[0], self.flops_per_s)
     return self.kernel_flops_per_s.get(kernel, base)
+
+  def backward(self) -> "Machine":
+    """The machine as a backward pass sees it: each kernel at its backward block's rate where measured."""
+    if not self.backward_flops_per_s:
+      return self
+    return dataclasses.replace(self, kernel_flops_per_s={**self.kernel_flops_per_s, **self.backward_flops_per_s})
 
   def with_links(self, **levels: float) -> "Machine":
     """The same machine with other per-level bandwidths (to plan larger meshes)."""
@@ -125,7 +136,8 @@ def backward_seconds(schedule, machine: Machine) -> float:
 
   A loop nest's backward is priced as its forward with every block's work
   ``BACKWARD_WORK`` times the forward's (a GEMM: two GEMMs of its size; an
-  attention: five block products against two) and every collective
+  attention: five block products against two, at the backward block's
+  measured rate where calibration measured it) and every collective
   transposed, moving the same bytes (gathers become reduce-scatters, ring
   shifts run the other way carrying cotangents). A cross-level reduction
   transposes to an all-gather of the output's stored block where the output
@@ -137,7 +149,7 @@ def backward_seconds(schedule, machine: Machine) -> float:
   whose collectives run again first (its products are unused).
   """
   if schedule.lowering is None:
-    return _nest_seconds(schedule, machine, work=BACKWARD_WORK.get(schedule.program.pattern, 2.0),
+    return _nest_seconds(schedule, machine.backward(), work=BACKWARD_WORK.get(schedule.program.pattern, 2.0),
                          reductions=TRANSPOSED)
   from jaxmercury.shard_map import fused
   own = fused.BACKWARDS.get(fused.lowering(schedule.lowering).kind)
