@@ -35,7 +35,6 @@ if "--smoke" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 
@@ -126,17 +125,14 @@ def main(argv=None):
   n = len(jax.devices())
   mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,))
   seqs, kv_heads = ([256 * n], [8]) if args.smoke else (args.seq, args.kv_heads)
-  out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
-         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "command": "python -m benchmarks.attention_backward " + " ".join(sys.argv[1:] if argv is None else argv),
-         "cases": []}
+  out = {**harness.run_header("attention_backward", argv), "cases": []}
   for kv in kv_heads:
     for seq in seqs:
       out["cases"].append(run_case(mesh, seq, kv, args.causal, args.tiles, "xla" if args.smoke else "cudnn_attention",
                                    2 if args.smoke else args.iters))
       with open(args.out, "w", encoding="utf-8") as f:  # after every case: a run cut short keeps its data
         json.dump(out, f, indent=1)
-  bad = [r["name"] for c in out["cases"] for r in c["records"] if "error" in r or r.get("numerics_ok") is False]
+  bad = harness.failed_contestants(out["cases"])
   if bad:
     raise SystemExit(f"contestants failed or disagree: {bad}")
 

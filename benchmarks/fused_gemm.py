@@ -44,7 +44,6 @@ if "--smoke" in sys.argv:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 
@@ -210,14 +209,10 @@ def main(argv=None):
            if args.kind in ("both", "allgather") else [])
   rs_cases = ([run_rs_shape(mesh, *s, iters) for s in rs_shapes(n, args.smoke)]
               if args.kind in ("both", "reducescatter") else [])
-  out = {"device": jax.devices()[0].device_kind, "n_devices": n, "jax_version": jax.__version__,
-         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "command": "python -m benchmarks.fused_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
-         "cases": cases, "reducescatter_cases": rs_cases}
+  out = {**harness.run_header("fused_gemm", argv), "cases": cases, "reducescatter_cases": rs_cases}
   with open(args.out, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=1)
-  bad = [r["name"] for c in cases + rs_cases for r in c["records"]
-         if "error" in r or r.get("numerics_ok") is False]
+  bad = harness.failed_contestants(cases + rs_cases)
   if bad:
     raise SystemExit(f"contestants failed or disagree: {bad}")
 

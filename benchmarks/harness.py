@@ -37,6 +37,23 @@ def log(text: str):
   print(text, flush=True)
 
 
+def run_header(module: str, argv) -> dict:
+  """A results file's first fields: the device, how many, jax's version, the date (UTC) and the command that
+  ran ``benchmarks.<module>`` (``argv``: its arguments, None for the process's own)."""
+  import datetime
+  import sys
+  args = sys.argv[1:] if argv is None else argv
+  return {"device": jax.devices()[0].device_kind, "n_devices": len(jax.devices()), "jax_version": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "command": f"python -m benchmarks.{module} " + " ".join(args)}
+
+
+def failed_contestants(cases) -> list[str]:
+  """Names of the records of ``cases`` that failed or disagree (a ``previous`` contestant's are not counted)."""
+  return [r["name"] for c in cases for r in c["records"]
+          if r["role"] != "previous" and ("error" in r or r.get("numerics_ok") is False)]
+
+
 def error_text(exc: BaseException) -> str:
   """The exception's type and most telling line; an out-of-memory is named as such."""
   lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
