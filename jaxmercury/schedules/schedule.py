@@ -315,7 +315,8 @@ class Schedule:
     ``collective_matmul_mgpu``; ``params`` are its ``TuningConfig`` fields,
     the enums as ``"M"`` / ``"N"``). ``compile()`` runs the kernel under the
     same ``shard_map`` layouts, padding and global signature; gradients come
-    from the ordinary lowering of this schedule.
+    from the ordinary lowering of this schedule (a GEMM's), or from the dual
+    programs fed by the kernel's output and log-sum-exp (a ring attention's).
 
     Preconditions (the error gives the lowering's ``why_not``): the program
     is a GEMM (loop-nest pattern ``matmul``), its block is not patched and no
@@ -533,8 +534,8 @@ class Schedule:
     they are committed to.
 
     A schedule given ``lower_with`` runs its fused kernel under the same
-    ``shard_map`` layouts; its backward is always attached (the vjp of the
-    ordinary lowering), since the kernel has no autodiff.
+    ``shard_map`` layouts; its backward is always attached, since the kernel
+    has no autodiff (``shard_map.fused.compile_fused``).
 
     Returns:
       ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.

@@ -172,7 +172,7 @@ def joint_problem(first, others) -> str | None:
 
   They must read the same buffers laid out alike, have the same serial loops
   (names, extents, shifts) in the same order, rings on the same loops moving
-  the same buffers, the same axes in zigzag order and the same block sizes.
+  the same buffers, and tile, pad and put in zigzag order the same axes alike.
   """
   def serial(s):
     return [(lp.name, lp.extent, lp.shifted_by, lp.level) for lp in s.loops if lp.role == SERIAL]
@@ -191,6 +191,6 @@ def joint_problem(first, others) -> str | None:
     if {k: (r.buffers, r.level, r.size) for k, r in p.rings.items()} != {
         k: (r.buffers, r.level, r.size) for k, r in p0.rings.items()}:
       return f"the rings of {s.program.name} move other buffers"
-    if s.zigzags != first.zigzags or s.factors != first.factors:
-      return f"{s.program.name} tiles or orders its axes differently"
+    if (s.zigzags, s.factors, s.padded) != (first.zigzags, first.factors, first.padded):
+      return f"{s.program.name} tiles, pads or orders its axes differently"
   return None
