@@ -25,18 +25,20 @@ DEFAULT_KERNELS = {"attention": ("cudnn_attention", "mosaic_attention")}
 
 def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
   """The schedule an operator uses: stored winner, else tuned (if asked), else the nearest sizes' winner, else a
-  default."""
-  from jaxmercury.tuner.database import Database
+  default. With ``training=True`` among ``tune_options``, the winners are those tuned for a training step
+  (``autotune(training=True)``)."""
+  from jaxmercury.tuner.database import FORWARD, TRAINING, Database
   from jaxmercury.tuner.tune import autotune
   db = database if database is not None else Database()
-  found = db.lookup(program, mesh)
+  objective = TRAINING if tune_options.get("training") else FORWARD
+  found = db.lookup(program, mesh, objective=objective)
   if found is not None:
     return found
   if tune:
     result = autotune(program, mesh, database=db, **tune_options)
     if result.best is not None:
       return result.best.schedule
-  near = db.nearest(program, mesh)
+  near = db.nearest(program, mesh, objective=objective)
   if near is not None:
     return near.schedule
   lib = library(program, mesh)

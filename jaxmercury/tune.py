@@ -5,6 +5,7 @@ are real; the timings are CPU timings)::
 
   python -m jaxmercury.tune attention --seq_len 256 --heads 8 --kv_heads 2 --causal
   python -m jaxmercury.tune matmul --m 512 --n 512 --k 1024 --mesh node=2,gpu=4 --json out.json
+  python -m jaxmercury.tune attention --causal --training      # the fastest forward-and-backward step
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ flags.DEFINE_enum("isolation", "thread", ["thread", "process"],
                   "candidate in a worker process that is killed at --time_limit", flag_values=FLAGS)
 flags.DEFINE_string("db", None, "tuning database (default ~/.cache/jaxmercury/tuning.db)", flag_values=FLAGS)
 flags.DEFINE_boolean("retune", False, "tune even if the database holds a winner", flag_values=FLAGS)
+flags.DEFINE_boolean("training", False, "find the fastest training step (forward and backward, gradients checked) "
+                     "instead of the fastest forward; kept apart in the database", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "write the result as JSON here", flag_values=FLAGS)
 flags.DEFINE_string("plot", None, "write the latency-memory scatter (PNG) here", flag_values=FLAGS)
 flags.DEFINE_string("predict_mesh", None, "also predict times on this (larger) mesh, e.g. node=4,gpu=4",
@@ -122,7 +125,7 @@ def result_json(result, mesh) -> dict:
     d = c.to_dict()
     d["schedule"] = json.loads(d["schedule"])
     cands.append(d)
-  return {"winner": short(result.best) if result.best else None, "candidates": cands,
+  return {"objective": result.objective, "winner": short(result.best) if result.best else None, "candidates": cands,
           "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
           "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
 
@@ -144,7 +147,8 @@ def main(argv) -> int:
   prog = _program(rest[1], jm)
   where = ("simulated CPU mesh: correctness is real, timings are CPU timings" if platform == "cpu"
            else f"{jax.devices()[0].device_kind}")
-  print(f"tuning {prog}\non {math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
+  step = " for training (forward and backward)" if FLAGS.training else ""
+  print(f"tuning {prog}{step}\non {math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
   db = jm.Database(FLAGS.db)
   budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
   candidates = None
@@ -155,7 +159,7 @@ def main(argv) -> int:
                                     kernels=registry.candidates(prog, mesh, variants=True))
   result = jm.autotune(prog, mesh, candidates=candidates, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
                        iters=FLAGS.iters, time_limit_s=FLAGS.time_limit, database=db, retune=FLAGS.retune,
-                       isolation=FLAGS.isolation,
+                       isolation=FLAGS.isolation, training=FLAGS.training,
                        log=lambda s: print(s, flush=True))
   print("\n" + result.table())
   report = result_json(result, mesh)

@@ -42,6 +42,32 @@ def test_a_miss_takes_the_winner_of_the_nearest_sizes(tmp_path):
   assert jm.ops.schedule_for(other, mesh, database=db).trace == jm.library(other, mesh)["ring"].trace
 
 
+def test_training_objective_has_its_own_winners(tmp_path):
+  """``training=True`` reads (and tunes) the training step's records; the forward's records, and their nearest
+  sizes, are not taken for it, nor its records for the forward."""
+  from jaxmercury.tuner.database import TRAINING
+  mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "ops.db"))
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  lib = jm.library(prog, mesh)
+  ok = jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0)
+  tree = jm.tuner.tune.Candidate("tree", lib["tree"], 0.5, 1024, ok)
+  db.store(prog, mesh, tree, [tree])  # the forward's winner
+  assert jm.ops.schedule_for(prog, mesh, database=db).trace == lib["tree"].trace
+  default = jm.ops.schedule_for(prog, mesh, database=db, training=True)
+  assert default.trace == lib["ring"].trace  # no training record, none near: the library default
+  cp = jm.tuner.tune.Candidate("context_parallel", lib["context_parallel"], 0.5, 1024, ok)
+  db.store(prog, mesh, cp, [cp], objective=TRAINING)
+  assert jm.ops.schedule_for(prog, mesh, database=db, training=True).trace == lib["context_parallel"].trace
+  assert jm.ops.schedule_for(prog, mesh, database=db).trace == lib["tree"].trace
+  near = jm.programs.attention(1, 4, 2, 128, 128, 16, causal=True)
+  assert jm.ops.schedule_for(near, mesh, database=db, training=True).trace == (
+      jm.library(near, mesh)["context_parallel"].trace)
+  q, k, v = prog.random_inputs(fresh_key())
+  out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db, training=True)
+  assert rel_err(out, prog.reference(q, k, v)) < 1e-5
+
+
 def test_ops_matmul_is_differentiable(tmp_path):
   mesh = make_mesh("2x4")
   db = jm.Database(str(tmp_path / "ops.db"))

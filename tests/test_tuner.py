@@ -392,3 +392,53 @@ def test_close_candidates_are_ranked_by_a_side_by_side_final_round(monkeypatch):
   assert all(len(c.result.times_ms) == 3 for c in finalists)
   assert result.best in finalists and result.best.time_ms == min(c.time_ms for c in finalists)
   assert any(line.startswith("  final round (interleaved):") for line in lines)
+
+
+@pytest.mark.parametrize("prog_name", sorted(PROGRAMS))
+def test_training_tune_checks_gradients_times_steps_and_keeps_its_own_record(prog_name, tmp_path, monkeypatch):
+  """``training=True``: candidates ranked by forward plus backward, checked on the output and each input's
+  gradient, timed as one forward-and-backward call; the record is the training objective's, not the forward's."""
+  from jaxmercury.tuner.database import TRAINING
+  prog, mesh = PROGRAMS[prog_name](), make_mesh("8")
+  db = jm.Database(tmp_path / "t.db")
+  steps = []
+  real = measure.training_step
+  monkeypatch.setattr(measure, "training_step", lambda fn: steps.append(fn) or real(fn))
+  lib = jm.library(prog, mesh)
+  picks = ("ring", "context_parallel") if prog_name == "attention" else ("allgather_matmul", "matmul_reducescatter")
+  options = {"candidates": [(name, lib[name]) for name in picks], "space": 0}
+  result = _tune(prog, mesh, database=db, training=True, **options)
+  ok = _by_status(result, measure.OK)
+  assert result.best is not None and ok and len(steps) >= len(ok)
+  for c in result.candidates:
+    if c.status != measure.FAILED:
+      assert c.predicted_ms == pytest.approx(1e3 * (cost.predict(c.schedule, CPU)
+                                                     + cost.backward_seconds(c.schedule, CPU)))
+  assert db.lookup(prog, mesh) is None  # the forward objective has no record
+  assert db.lookup(prog, mesh, objective=TRAINING).to_json() == result.best.schedule.to_json()
+  assert db.measurements(prog, mesh) == {} and db.measurements(prog, mesh, objective=TRAINING)
+  again = _tune(prog, mesh, database=db, training=True, **options)
+  assert again.from_database and again.best.schedule.to_json() == result.best.schedule.to_json()
+  forward = _tune(prog, mesh, database=db, **options)  # the forward objective tunes on its own
+  assert not forward.from_database and db.lookup(prog, mesh) is not None
+
+
+def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
+  """The training check can fail: a reference whose dk is off by half fails the candidate, naming dk."""
+  from jaxmercury.tuner.reference import trial
+  prog, mesh = PROGRAMS["attention"](), make_mesh("8")
+  schedule = jm.library(prog, mesh)["ring"]
+  inputs, cot, (out, grads) = trial(prog, 7, mesh.devices.flat[0], training=True)
+  good = measure.measure(schedule, inputs, (out, grads), iters=1, cotangent=cot)
+  assert good.status == measure.OK and good.rel_err < measure.tolerance(prog.writes.dtype)
+  bad = measure.measure(schedule, inputs, (out, (grads[0], 1.5 * grads[1], grads[2])), iters=1, cotangent=cot)
+  assert bad.status == measure.FAILED and bad.reason.startswith("wrong gradient dk: relative error")
+
+
+def test_a_training_tune_in_worker_processes():
+  """``isolation="process"`` measures training steps in the worker too."""
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
+  result = _tune(prog, mesh, training=True, isolation="process", space=0, top_k=0,
+                 candidates=[("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"])])
+  (c,) = result.candidates
+  assert c.status == measure.OK, c.result.reason

@@ -40,7 +40,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
 
     model = jaxmercury.distribute(Llama(config, rngs=rngs), mesh=mesh)
 
-    @jaxmercury.distribute(mesh=mesh, tune=True)
+    @jaxmercury.distribute(mesh=mesh, tune=True, training=True)
     class Model(nnx.Module): ...
 
   Args:
@@ -50,7 +50,9 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     tune: tune operators missing from the database.
     attention: route attention.
     linear: route linear layers.
-    **tune_options: passed to ``jaxmercury.autotune`` when tuning.
+    **tune_options: passed to ``jaxmercury.autotune`` when tuning;
+      ``training=True`` (for a model being trained) uses, and tunes, the
+      schedules of the fastest training step rather than of the forward.
 
   Returns:
     The rewired instance, the rewiring subclass, or a decorator.

@@ -1,7 +1,8 @@
 """The tuning database: winning schedule traces and every measurement, in SQLite.
 
 A record's key holds the program's structural hash and parameters, the mesh
-shape and level names, the device kind, the caller's layouts, and the jax and
+shape and level names, the device kind, the caller's layouts, the objective
+(a training step's records apart from the forward's), and the jax and
 jaxmercury versions: a record from another version is not used (and
 ``stale_records`` says it is there). Three tables:
 
@@ -69,15 +70,23 @@ def _device_kind(mesh) -> str:
   return mesh.devices.flat[0].device_kind if isinstance(mesh, jax.sharding.Mesh) else "abstract"
 
 
-def record_key(program, mesh, layouts=None) -> str:
+FORWARD, TRAINING = "forward", "training"  # what a tune minimizes: the forward, or a forward and backward step
+
+
+def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
   """The key of a record: everything a tuned schedule depends on.
 
-  ``layouts`` are the caller's fixed (in_shardings, out_sharding), if any.
+  ``layouts`` are the caller's fixed (in_shardings, out_sharding), if any;
+  ``objective`` what the tune minimized (``FORWARD``, whose keys name no
+  objective, or ``TRAINING``).
   """
+  if objective not in (FORWARD, TRAINING):
+    raise ValueError(f"objective must be {FORWARD!r} or {TRAINING!r}, got {objective!r}")
+  extra = {} if objective == FORWARD else {"objective": objective}
   return json.dumps({
       "program": program.fingerprint(), "params": {k: str(v) for k, v in program.params.items()},
       "mesh": [[n, s] for n, s in mesh.shape.items()], "device": _device_kind(mesh),
-      "layouts": None if layouts is None else str(layouts), **_versions()}, sort_keys=True)
+      "layouts": None if layouts is None else str(layouts), **extra, **_versions()}, sort_keys=True)
 
 
 class Near(NamedTuple):
@@ -221,17 +230,17 @@ class Database:
       return []
 
   # ------------------------------------------------------------ winners
-  def store(self, program, mesh, winner, candidates, layouts=None):
+  def store(self, program, mesh, winner, candidates, layouts=None, *, objective: str = FORWARD):
     """Stores (or replaces) the winner of ``program`` on ``mesh`` and every candidate's outcome."""
     rows = json.dumps([c.to_dict() for c in candidates])
     self._write("INSERT OR REPLACE INTO winners VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (record_key(program, mesh, layouts), program.name, winner.schedule.to_json(), winner.name,
-                 winner.time_ms, winner.memory_bytes, rows, _now()))
+                (record_key(program, mesh, layouts, objective), program.name, winner.schedule.to_json(),
+                 winner.name, winner.time_ms, winner.memory_bytes, rows, _now()))
 
-  def record_data(self, program, mesh, layouts=None) -> dict | None:
+  def record_data(self, program, mesh, layouts=None, *, objective: str = FORWARD) -> dict | None:
     """The stored record as plain data (what ``record_from_data`` reads), or None."""
     rows = self._read("SELECT trace, name, time_ms, memory_bytes, candidates FROM winners WHERE key = ?",
-                      (record_key(program, mesh, layouts),))
+                      (record_key(program, mesh, layouts, objective),))
     if not rows:
       return None
     trace, name, time_ms, memory, cands = rows[0]
@@ -243,14 +252,14 @@ class Database:
       return None
     return {"trace": trace, "name": name, "time_ms": time_ms, "memory_bytes": memory, "candidates": cands}
 
-  def lookup(self, program, mesh, layouts=None):
+  def lookup(self, program, mesh, layouts=None, *, objective: str = FORWARD):
     """The stored winner for ``program`` on ``mesh`` as a fresh Schedule, or None."""
-    record = self.lookup_record(program, mesh, layouts)
+    record = self.lookup_record(program, mesh, layouts, objective=objective)
     return None if record is None else record.winner.schedule
 
-  def lookup_record(self, program, mesh, layouts=None) -> Record | None:
+  def lookup_record(self, program, mesh, layouts=None, *, objective: str = FORWARD) -> Record | None:
     """The stored record, its traces replayed; None if there is none or it is malformed (with a warning)."""
-    data = self.record_data(program, mesh, layouts)
+    data = self.record_data(program, mesh, layouts, objective=objective)
     if data is None:
       return None
     try:
@@ -260,7 +269,7 @@ class Database:
                     f"trusted ({e}); ignored", RuntimeWarning, stacklevel=2)
       return None
 
-  def nearest(self, program, mesh, layouts=None, *, within: float = NEAR_FACTOR):
+  def nearest(self, program, mesh, layouts=None, *, objective: str = FORWARD, within: float = NEAR_FACTOR):
     """The winner tuned for the nearest other sizes of ``program``, replayed on ``program``; or None.
 
     A record qualifies when only sizes differ (int parameters: lengths,
@@ -276,7 +285,7 @@ class Database:
     """
     from jaxmercury.schedules.schedule import Schedule
     from jaxmercury.schedules.trace import is_size, same_but_sizes
-    want = json.loads(record_key(program, mesh, layouts))
+    want = json.loads(record_key(program, mesh, layouts, objective))
     fixed = {k: v for k, v in want.items() if k not in ("program", "params")}
     params = dict(program.params)
     near = []
@@ -285,7 +294,7 @@ class Database:
         have, tuned = json.loads(key), json.loads(trace)["params"]
       except (ValueError, TypeError, KeyError):
         continue
-      if not isinstance(have, dict) or {k: v for k, v in have.items() if k in fixed} != fixed \
+      if not isinstance(have, dict) or {k: v for k, v in have.items() if k not in ("program", "params")} != fixed \
           or not isinstance(tuned, dict) or not same_but_sizes(tuned, params) or tuned == params:
         continue
       ratios = [max(tuned[k], params[k]) / max(min(tuned[k], params[k]), 1) for k in params if is_size(params[k])]
@@ -298,9 +307,9 @@ class Database:
         continue
     return None
 
-  def stale_records(self, program, mesh, layouts=None) -> list[dict]:
+  def stale_records(self, program, mesh, layouts=None, *, objective: str = FORWARD) -> list[dict]:
     """Versions of records for this key made by another jax or jaxmercury (not used)."""
-    want = json.loads(record_key(program, mesh, layouts))
+    want = json.loads(record_key(program, mesh, layouts, objective))
     base = {k: v for k, v in want.items() if k not in VERSION_FIELDS}
     out = []
     for (key,) in self._read("SELECT key FROM winners WHERE program = ?", (program.name,)):
@@ -314,28 +323,28 @@ class Database:
     return out
 
   # ------------------------------------------------------------ measurements
-  def start_measurement(self, program, mesh, candidate, layouts=None):
+  def start_measurement(self, program, mesh, candidate, layouts=None, *, objective: str = FORWARD):
     """Marks a candidate as being measured (one more attempt), before it runs."""
     self._write(
         "INSERT INTO measurements (key, trace, name, result, attempts, created) VALUES (?, ?, ?, NULL, 1, ?) "
         "ON CONFLICT (key, trace) DO UPDATE SET attempts = attempts + 1, result = NULL, created = excluded.created",
-        (record_key(program, mesh, layouts), candidate.schedule.to_json(), candidate.name, _now()))
+        (record_key(program, mesh, layouts, objective), candidate.schedule.to_json(), candidate.name, _now()))
 
-  def store_measurement(self, program, mesh, candidate, layouts=None):
+  def store_measurement(self, program, mesh, candidate, layouts=None, *, objective: str = FORWARD):
     """Stores a candidate's measurement as soon as it is taken."""
     self._write(
         "INSERT INTO measurements (key, trace, name, result, attempts, created) VALUES (?, ?, ?, ?, 0, ?) "
         "ON CONFLICT (key, trace) DO UPDATE SET result = excluded.result, name = excluded.name, "
         "created = excluded.created",
-        (record_key(program, mesh, layouts), candidate.schedule.to_json(), candidate.name,
+        (record_key(program, mesh, layouts, objective), candidate.schedule.to_json(), candidate.name,
          json.dumps(candidate.result.to_dict()), _now()))
 
-  def measurements(self, program, mesh, layouts=None) -> dict[str, Stored]:
+  def measurements(self, program, mesh, layouts=None, *, objective: str = FORWARD) -> dict[str, Stored]:
     """Stored measurements of this key by candidate trace; malformed rows are skipped with a warning."""
     from jaxmercury.tuner.measure import Measurement
     out = {}
     rows = self._read("SELECT trace, name, result, attempts FROM measurements WHERE key = ?",
-                      (record_key(program, mesh, layouts),))
+                      (record_key(program, mesh, layouts, objective),))
     for trace, name, result, attempts in rows:
       try:
         out[trace] = Stored(name, None if result is None else Measurement.from_dict(json.loads(result)),
@@ -345,9 +354,9 @@ class Database:
                       f"{name!r} ({e})", RuntimeWarning, stacklevel=2)
     return out
 
-  def clear_measurements(self, program, mesh, layouts=None):
+  def clear_measurements(self, program, mesh, layouts=None, *, objective: str = FORWARD):
     """Forgets this key's measurements (``autotune(retune=True)`` starts afresh)."""
-    self._write("DELETE FROM measurements WHERE key = ?", (record_key(program, mesh, layouts),))
+    self._write("DELETE FROM measurements WHERE key = ?", (record_key(program, mesh, layouts, objective),))
 
   def count_measurements(self) -> int:
     rows = self._read("SELECT COUNT(*) FROM measurements WHERE result IS NOT NULL", ())

@@ -66,6 +66,19 @@ def tolerance(dtype) -> float:
   return 2e-2 if np.dtype(dtype).itemsize <= 2 else 1e-4
 
 
+def gradient_tolerance(dtype) -> float:
+  """Relative Frobenius error allowed for gradients of this dtype (a backward rounds once more than its forward)."""
+  return 3e-2 if np.dtype(dtype).itemsize <= 2 else 1e-4
+
+
+def training_step(fn):
+  """``step(*inputs, cotangent) -> (output, *gradients)``: ``fn``'s forward and its pullback in one jitted call."""
+  def step(*args):
+    out, pullback = jax.vjp(fn, *args[:-1])
+    return (out, *pullback(args[-1]))
+  return jax.jit(step)
+
+
 def rel_err(y, ref) -> float:
   y = np.asarray(jax.device_get(y), np.float64)
   ref = np.asarray(jax.device_get(ref), np.float64)
@@ -137,13 +150,26 @@ def place_inputs(schedule, inputs):
   return jax.block_until_ready(out)
 
 
+def place_output(schedule, x):
+  """``x`` (shaped like the output: its cotangent) laid out as the schedule stores its output."""
+  if not isinstance(schedule.mesh, jax.sharding.Mesh):
+    return x
+  from jax.sharding import NamedSharding, PartitionSpec
+  spec = schedule.plan().user_spec(schedule.program.writes.name)
+  sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
+  if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
+    x = np.asarray(jax.device_get(x))
+  return jax.block_until_ready(jax.device_put(x, sharding))
+
+
 def _this_process(values: np.ndarray) -> np.ndarray:
   return np.asarray(values)[None]
 
 
 @dataclasses.dataclass
 class _Checked:
-  """What one process saw of the compile, the first run and the check."""
+  """What one process saw of the compile, the first run and the check (per output: the output, then, for a
+  training step, each input's gradient)."""
 
   code: int = _PASSED
   reason: str = ""
@@ -152,22 +178,31 @@ class _Checked:
   compiled_bytes: int | None = None
   run_s: float = 0.0
   finite: bool = True
-  diff: float = 0.0
-  norm: float = 0.0
+  diffs: tuple = ()
+  norms: tuple = ()
+
+  def row(self, outputs: int) -> np.ndarray:
+    """What the processes combine: code, all finite, then each output's squared difference and norm."""
+    diffs, norms = self.diffs or (0.0,) * outputs, self.norms or (0.0,) * outputs
+    return np.array([self.code, float(self.finite), *diffs, *norms], np.float64)
 
 
-def _compile_and_check(schedule, inputs, reference) -> _Checked:
+def _compile_and_check(schedule, inputs, reference, cotangent=None) -> _Checked:
   try:
     inputs = place_inputs(schedule, inputs)
-    compiled = schedule.compile().lower(*inputs).compile()
+    fn = schedule.compile()
+    if cotangent is not None:
+      fn, inputs = training_step(fn), [*inputs, place_output(schedule, cotangent)]
+    compiled = fn.lower(*inputs).compile()
     t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*inputs))
     run_s = time.perf_counter() - t0
   except Exception as e:  # noqa: BLE001 - a candidate's failure is data, not a crash
     return _Checked(_ERROR, _first_line(e))
-  finite, diff, norm = local_error(y, reference)
+  errors = [local_error(a, r) for a, r in zip(jax.tree.leaves(y), jax.tree.leaves(reference))]
   return _Checked(compiled=compiled, inputs=tuple(inputs), compiled_bytes=compiled_memory(compiled),
-                  run_s=run_s, finite=finite, diff=diff, norm=norm)
+                  run_s=run_s, finite=all(e[0] for e in errors), diffs=tuple(e[1] for e in errors),
+                  norms=tuple(e[2] for e in errors))
 
 
 def _timed_runs(compiled, inputs, warmup: int, iters: int) -> list[float]:
@@ -237,10 +272,9 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None)
     xs = place_inputs(schedule, inputs)
     fn = schedule.compile()
     if cotangent_key is not None:
-      out = fn(*xs)  # its shape, dtype and layout
+      out = schedule.program.writes
       cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
-      forward = fn
-      fn, xs = jax.jit(lambda *a: jax.vjp(forward, *a[:-1])[1](a[-1])), [*xs, jax.device_put(cot, out.sharding)]
+      fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
     compiled = fn.lower(*xs).compile()
     jax.block_until_ready(compiled(*xs))
     ready[name] = functools.partial(compiled, *xs)
@@ -249,7 +283,7 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None)
 
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
             time_limit_s: float | None = None, gather: Callable | None = None,
-            on_checked: Callable | None = None) -> Measurement:
+            on_checked: Callable | None = None, cotangent=None) -> Measurement:
   """Compiles ``schedule``, checks it against ``reference``, then times it.
 
   A candidate that fails to compile or run, or whose compile and first run
@@ -274,20 +308,27 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
       all-gather); default this process only. Every process calls it at the
       same points, so all reach the same verdict and time.
     on_checked: called with the first run's seconds once the candidate passed its check.
+    cotangent: time a training step instead (``training_step``: the
+      forward and its backward for this output cotangent, in one call);
+      ``reference`` is then ``(output, gradients)`` and each gradient is
+      checked too (``gradient_tolerance``). ``rel_err`` is the output's.
 
   Returns:
     The ``Measurement``.
   """
   from jaxmercury.tuner.watchdog import run_limited
   gather = gather or _this_process
+  prog = schedule.program
+  names = ["output"] + ([f"d{b.name}" for b in prog.reads] if cotangent is not None else [])
   start = time.perf_counter()
-  checked, timed_out = run_limited(lambda: _compile_and_check(schedule, inputs, reference), time_limit_s)
+  checked, timed_out = run_limited(lambda: _compile_and_check(schedule, inputs, reference, cotangent),
+                                   time_limit_s)
   if timed_out or (time_limit_s is not None and checked.code == _PASSED
                    and time.perf_counter() - start > time_limit_s):
     nbytes = None if checked is None else checked.compiled_bytes
     checked = _Checked(_TIMEOUT, f"time-out: compile and first run took over {time_limit_s:g} s",
                        compiled_bytes=nbytes)
-  rows = gather(np.array([checked.code, float(checked.finite), checked.diff, checked.norm], np.float64))
+  rows = gather(checked.row(len(names)))
   nbytes = checked.compiled_bytes
   failed = [int(c) for c in rows[:, 0]]
   if any(failed):
@@ -296,13 +337,17 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     process, code = next((p, c) for p, c in enumerate(failed) if c)
     return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes)
   if not np.all(rows[:, 1]):
-    return Measurement(FAILED, reason="output has NaN or Inf", compiled_bytes=nbytes)
-  norm = float(np.sum(rows[:, 3]))
-  err = float(np.sqrt(np.sum(rows[:, 2]) / (norm if norm else 1.0)))
-  tol = tolerance(schedule.program.writes.dtype)
-  if err > tol:
-    return Measurement(FAILED, rel_err=err, reason=f"wrong result: relative error {err:.2e} above {tol:.0e}",
-                       compiled_bytes=nbytes)
+    what = "output or a gradient" if cotangent is not None else "output"
+    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes)
+  diffs, norms = np.sum(rows[:, 2:2 + len(names)], axis=0), np.sum(rows[:, 2 + len(names):], axis=0)
+  errs = [float(np.sqrt(d / (n if n else 1.0))) for d, n in zip(diffs, norms)]
+  err = errs[0]
+  for k, (name, e) in enumerate(zip(names, errs)):
+    tol = (tolerance if k == 0 else gradient_tolerance)(prog.writes.dtype)
+    if e > tol:
+      what = "wrong result" if k == 0 else f"wrong gradient {name}"
+      return Measurement(FAILED, rel_err=err, reason=f"{what}: relative error {e:.2e} above {tol:.0e}",
+                         compiled_bytes=nbytes)
   if on_checked is not None:
     on_checked(checked.run_s)
   limit = None if time_limit_s is None else time_limit_s + 10 * (warmup + iters) * checked.run_s

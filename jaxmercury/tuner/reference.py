@@ -1,4 +1,4 @@
-"""The trusted output candidates are checked against, within a device's memory.
+"""The trusted output (and gradients) candidates are checked against, within a device's memory.
 
 Small programs run their plain reference. A program whose body would need
 more temporary memory than ``budget_bytes`` on one device runs as a local
@@ -9,6 +9,7 @@ loops first) until one block fits; long block loops run as ``fori_loop``.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
@@ -40,10 +41,40 @@ def local_schedule(program, device, budget_bytes: int) -> Schedule:
   return s
 
 
-def reference_output(program, inputs, device, budget_bytes: int = 8 << 30):
-  """``program.reference(*inputs)``, tiled on ``device`` when it would not fit."""
+def _trusted(program, inputs, device, budget_bytes: int):
+  """``(f, inputs)``: the plain reference, or where its body would not fit ``budget_bytes`` a tiled one-device
+  schedule of it (with its own backward) and the inputs on ``device``."""
   full = {a: ax.extent for a, ax in program.axes.items()}
   if not program.workspace or program.workspace(full) <= budget_bytes:
-    return program.reference(*inputs)
-  fn = local_schedule(program, device, budget_bytes).compile()
-  return fn(*[jax.device_put(x, device) for x in inputs])
+    return program.reference, inputs
+  return local_schedule(program, device, budget_bytes).compile(), [jax.device_put(x, device) for x in inputs]
+
+
+def reference_output(program, inputs, device, budget_bytes: int = 8 << 30):
+  """``program.reference(*inputs)``, tiled on ``device`` when it would not fit."""
+  fn, inputs = _trusted(program, inputs, device, budget_bytes)
+  return fn(*inputs)
+
+
+def reference_step(program, inputs, cotangent, device, budget_bytes: int = 8 << 30):
+  """``(output, gradients)``: the reference's output and its inputs' gradients for the output's ``cotangent``."""
+  fn, inputs = _trusted(program, inputs, device, budget_bytes)
+  out, pullback = jax.vjp(fn, *inputs)
+  return out, tuple(pullback(cotangent.astype(out.dtype)))
+
+
+def trial(program, seed: int, device, *, training: bool = False):
+  """What a tune checks and times every candidate on: ``(inputs, cotangent, reference)``.
+
+  The inputs are fresh normal values drawn from ``seed``. For the forward,
+  ``cotangent`` is None and ``reference`` the trusted output; for a training
+  step, ``cotangent`` is a normal output cotangent from the same seed and
+  ``reference`` the trusted ``(output, gradients)``.
+  """
+  key = jax.random.key(seed)
+  inputs = program.random_inputs(key)
+  if not training:
+    return inputs, None, reference_output(program, inputs, device)
+  out = program.writes
+  cotangent = jax.random.normal(jax.random.fold_in(key, 1), out.shape, jnp.float32).astype(out.dtype)
+  return inputs, cotangent, reference_step(program, inputs, cotangent, device)

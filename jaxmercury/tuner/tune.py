@@ -44,9 +44,9 @@ from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.shard_map import fused
 from jaxmercury.tuner import agree, cost, measure, watchdog
 from jaxmercury.tuner.calibrate import calibrate
-from jaxmercury.tuner.database import record_from_data
+from jaxmercury.tuner.database import FORWARD, TRAINING, record_from_data
 from jaxmercury.tuner.memory import memory_per_device
-from jaxmercury.tuner.reference import reference_output
+from jaxmercury.tuner.reference import trial
 from jaxmercury.validate import validate
 from jaxmercury.tuner.space import enumerate_schedules
 
@@ -86,6 +86,7 @@ class TuneResult:
   from_database: bool = False
   machine: cost.Machine | None = None
   resumed: int = 0  # measurements read back from the database instead of taken
+  objective: str = FORWARD  # what the times are of: the forward, or a training step (``database.TRAINING``)
 
   def table(self) -> str:
     rows = ["| candidate | predicted ms | measured ms | memory MiB | status | note |",
@@ -185,7 +186,7 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
              in_shardings=None, out_sharding=None,
              memory_budget: int | None = None, machine: cost.Machine | None = None, iters: int = 10,
              time_limit_s: float | None = None, key=None, database=None, retune: bool = False,
-             isolation: str = "thread", resume: bool = True, log=print) -> TuneResult:
+             isolation: str = "thread", resume: bool = True, training: bool = False, log=print) -> TuneResult:
   """Finds the fastest correct schedule of ``program`` on ``mesh``.
 
   The program, mesh and layouts are validated first (``jaxmercury.validate``);
@@ -237,6 +238,12 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       from ``jaxmercury.programs`` on one process only, others fall back to
       ``"thread"``).
     resume: reuse this key's stored measurements instead of re-timing them.
+    training: find the fastest training step instead: candidates are ranked
+      by their predicted forward and backward (``cost.backward_seconds``),
+      checked on their output and every input's gradient for a random
+      output cotangent, and timed as one forward-and-backward call
+      (``measure.training_step``); the database keeps these records apart
+      from the forward's (``database.TRAINING``).
     log: progress printer.
 
   Returns:
@@ -254,14 +261,15 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     log("isolation='process' measures on one process only; measuring in-process under jax.distributed")
     isolation = "thread"
 
-  found = _from_database(program, mesh, layouts, database, retune, log)
+  objective = TRAINING if training else FORWARD
+  found = _from_database(program, mesh, layouts, objective, database, retune, log)
   if found is not None:
     return found
   machine = _machine(program, mesh, machine, database, log)
-  store = _Store(database, program, mesh, layouts, log)
+  store = _Store(database, program, mesh, layouts, log, objective)
   if agree.is_leader():
     cands, timed, resumed = _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
-                                  memory_budget, machine, store, retune, resume, log)
+                                  memory_budget, machine, store, retune, resume, training, log)
     seed = _seed(key)
   if many:
     plan = agree.broadcast_json(_plan_data(cands, timed, seed) if agree.is_leader() else None)
@@ -269,21 +277,21 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       cands, timed, seed = _plan_from_data(program, mesh, plan)
       resumed = sum(1 for n in timed if cands[n].result is not None)
 
-  inputs = reference = None
+  inputs = None
   for n, index in enumerate(timed):
     c = cands[index]
     if c.result is None:
       store.started(c)
       if isolation == "process":
-        c.result = watchdog.measure_in_worker(c.schedule, seed, iters=iters, time_limit_s=time_limit_s)
+        c.result = watchdog.measure_in_worker(c.schedule, seed, iters=iters, time_limit_s=time_limit_s,
+                                              training=training)
         if c.result is None:
           log(f"  {c.name}: no worker can rebuild {program.name}; measuring in-process")
       if c.result is None:
         if inputs is None:
-          inputs = program.random_inputs(jax.random.key(seed))
-          reference = reference_output(program, inputs, agree.local_device(mesh))
+          inputs, cotangent, reference = trial(program, seed, agree.local_device(mesh), training=training)
         c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s,
-                                   gather=agree.gather if many else None)
+                                   gather=agree.gather if many else None, cotangent=cotangent)
       store.measured(c)
       note = ""
     else:
@@ -298,7 +306,8 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   if not many and len(ok) > 1:
     if inputs is None:
       inputs = program.random_inputs(jax.random.key(seed))
-    for c in _final_round(ok, inputs, iters, log):
+    step_key = jax.random.fold_in(jax.random.key(seed), 1) if training else None
+    for c in _final_round(ok, inputs, iters, log, step_key):
       store.measured(c)
   best = min(ok, key=lambda c: c.time_ms) if ok else None
   if many:
@@ -310,11 +319,12 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     best = None if final["best"] is None else cands[final["best"]]
   if best is not None:
     store.winner(best, cands)
-  return TuneResult(best, cands, machine=machine, resumed=resumed)
+  return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective)
 
 
-def _final_round(ok, inputs, iters: int, log) -> list:
-  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side; returns those re-timed.
+def _final_round(ok, inputs, iters: int, log, cotangent_key=None) -> list:
+  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side (``cotangent_key``: their training
+  steps); returns those re-timed.
 
   Their times become the side-by-side ones.
 
@@ -326,7 +336,8 @@ def _final_round(ok, inputs, iters: int, log) -> list:
   if len(finalists) < 2:
     return []
   try:
-    times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters)
+    times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters,
+                                cotangent_key=cotangent_key)
   except Exception as e:  # noqa: BLE001 - keep the first timings
     log(f"  final round skipped: {type(e).__name__}: {e}")
     return []
@@ -337,12 +348,13 @@ def _final_round(ok, inputs, iters: int, log) -> list:
   return finalists
 
 
-def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneResult | None:
+def _from_database(program, mesh, layouts, objective, database, retune: bool, log) -> TuneResult | None:
   """Process 0's stored winner (broadcast to every process), or None to tune."""
   many = agree.process_count() > 1
   if not many and (database is None or retune):
     return None
-  mine = database.record_data(program, mesh, layouts) if database is not None and not retune else None
+  mine = (database.record_data(program, mesh, layouts, objective=objective)
+          if database is not None and not retune else None)
   record = None
   if agree.is_leader() and mine is not None:
     try:
@@ -351,7 +363,7 @@ def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneR
       log(f"{database.path}: the stored record is not trusted ({e}); tuning afresh")
       mine = None
   if agree.is_leader() and mine is None and database is not None and not retune:
-    for old in database.stale_records(program, mesh, layouts):
+    for old in database.stale_records(program, mesh, layouts, objective=objective):
       log(f"{database.path} holds a record from jax {old['jax']} / jaxmercury {old['jaxmercury']}; "
           "not used by this version")
   agreed = agree.broadcast_json(mine if agree.is_leader() else None) if many else mine
@@ -368,10 +380,10 @@ def _from_database(program, mesh, layouts, database, retune: bool, log) -> TuneR
   if record is None:  # another process: process 0's record, replayed here
     record = record_from_data(program, mesh, agreed)
   if not agree.is_leader() and database is not None and (mine is None or mine["trace"] != agreed["trace"]):
-    _Store(database, program, mesh, layouts, log).winner(record.winner, record.candidates)
+    _Store(database, program, mesh, layouts, log, objective).winner(record.winner, record.candidates)
   where = f"in {database.path}" if agree.is_leader() else f"by process {jax.process_index()} from process 0"
   log(f"found {where}: {record.winner.name} ({record.winner.time_ms:.3f} ms)")
-  return TuneResult(record.winner, record.candidates, from_database=True)
+  return TuneResult(record.winner, record.candidates, from_database=True, objective=objective)
 
 
 def _machine(program, mesh, machine, database, log) -> cost.Machine:
@@ -387,17 +399,19 @@ def _machine(program, mesh, machine, database, log) -> cost.Machine:
     if agree.process_count() > 1:
       machine = cost.Machine.from_dict(agree.broadcast_json(machine.to_dict() if agree.is_leader() else None))
     if database is not None:
-      _Store(database, program, mesh, None, log).machine(machine)
+      _Store(database, program, mesh, None, log, FORWARD).machine(machine)
   return machine
 
 
-def _candidate(name, schedule, program, mesh, machine, in_shardings, out_sharding) -> Candidate:
-  """A scored candidate, or one failed with the reason it does not validate."""
+def _candidate(name, schedule, program, mesh, machine, in_shardings, out_sharding, training=False) -> Candidate:
+  """A scored candidate (``training``: its forward and backward predicted), or one failed with the reason it does
+  not validate."""
   try:
     if in_shardings is not None or out_sharding is not None:
       schedule = with_layouts(schedule, in_shardings, out_sharding)
     validate(program, mesh, schedule=schedule, compiling=True)
-    return Candidate(name, schedule, cost.predict(schedule, machine) * 1e3, memory_per_device(schedule))
+    seconds = cost.predict(schedule, machine) + (cost.backward_seconds(schedule, machine) if training else 0.0)
+    return Candidate(name, schedule, seconds * 1e3, memory_per_device(schedule))
   except ScheduleError as e:
     return Candidate(name, schedule, math.inf, 0, measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
 
@@ -429,12 +443,12 @@ def _anchors(fits, library_names) -> dict:
 
 
 def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, store,
-          retune, resume, log):
+          retune, resume, training, log):
   """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
   memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
   pairs = candidates if candidates is not None else default_candidates(
       program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding)
-  cands = [_candidate(name, s, program, mesh, machine, in_shardings, out_sharding) for name, s in pairs]
+  cands = [_candidate(name, s, program, mesh, machine, in_shardings, out_sharding, training) for name, s in pairs]
   fits = []
   for c in cands:
     if c.result is not None:
@@ -455,7 +469,8 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   near = store.nearest() if candidates is None else None
   if near is not None:
     _time_nearest(near, cands, fits, ranked[top_k:], memory_budget,
-                  lambda name, s: _candidate(name, s, program, mesh, machine, in_shardings, out_sharding), log)
+                  lambda name, s: _candidate(name, s, program, mesh, machine, in_shardings, out_sharding, training),
+                  log)
   if retune:
     store.clear()
   stored = store.measurements() if resume and not retune else {}
@@ -526,44 +541,44 @@ def _plan_from_data(program, mesh, data):
 
 
 class _Store:
-  """Database writes that never stop a tune: a failed write is logged and the search goes on."""
+  """Database writes that never stop a tune: a failed write is logged and the search goes on. Records and
+  measurements go under the tune's layouts and objective."""
 
-  def __init__(self, database, program, mesh, layouts, log):
+  def __init__(self, database, program, mesh, layouts, log, objective):
     self.db, self.program, self.mesh, self.layouts, self.log = database, program, mesh, layouts, log
+    self.objective = objective
     self.path = getattr(database, "path", None)
 
-  def _do(self, what, method: str, *args):
+  def _do(self, what, method: str, *args, keyed: bool = True):
     if self.db is None:
       return None
     try:
-      return getattr(self.db, method)(*args)
+      extra = {"objective": self.objective} if keyed else {}
+      return getattr(self.db, method)(self.program, self.mesh, *args, **extra)
     except sqlite3.Error as e:
       self.log(f"warning: could not {what} in {self.path}: {e}")
       return None
 
   def started(self, c):
-    self._do("mark a measurement started", "start_measurement", self.program, self.mesh, c,
-             self.layouts)
+    self._do("mark a measurement started", "start_measurement", c, self.layouts)
 
   def measured(self, c):
-    self._do("store a measurement", "store_measurement", self.program, self.mesh, c,
-             self.layouts)
+    self._do("store a measurement", "store_measurement", c, self.layouts)
 
   def winner(self, best, cands):
-    self._do("store the winner", "store", self.program, self.mesh, best, cands, self.layouts)
+    self._do("store the winner", "store", best, cands, self.layouts)
 
   def machine(self, machine):
-    self._do("store machine figures", "store_machine", self.program, self.mesh, machine)
+    self._do("store machine figures", "store_machine", machine, keyed=False)
 
   def clear(self):
-    self._do("clear measurements", "clear_measurements", self.program, self.mesh, self.layouts)
+    self._do("clear measurements", "clear_measurements", self.layouts)
 
   def measurements(self) -> dict:
-    return self._do("read measurements", "measurements", self.program, self.mesh,
-                    self.layouts) or {}
+    return self._do("read measurements", "measurements", self.layouts) or {}
 
   def nearest(self):
-    return self._do("read the nearest sizes' winner", "nearest", self.program, self.mesh, self.layouts)
+    return self._do("read the nearest sizes' winner", "nearest", self.layouts)
 
 
 def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24, in_shardings=None,

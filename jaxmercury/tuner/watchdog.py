@@ -90,8 +90,9 @@ def kernel_modules(schedule) -> list[str]:
   return [] if not module or module.startswith("jaxmercury") or module == "__main__" else [module]
 
 
-def worker_request(schedule, seed: int, *, iters: int, warmup: int) -> dict | None:
-  """What a worker needs to rebuild and measure ``schedule``, as data; None if it cannot."""
+def worker_request(schedule, seed: int, *, iters: int, warmup: int, training: bool = False) -> dict | None:
+  """What a worker needs to rebuild and measure ``schedule`` (``training``: its training step), as data; None if
+  it cannot."""
   spec = program_factory(schedule.program)
   if spec is None or not isinstance(schedule.mesh, jax.sharding.Mesh):
     return None
@@ -99,7 +100,8 @@ def worker_request(schedule, seed: int, *, iters: int, warmup: int) -> dict | No
   return {"program": spec, "fingerprint": schedule.program.fingerprint(),
           "mesh": {"names": list(mesh.shape), "sizes": list(mesh.shape.values())},
           "platform": mesh.devices.flat[0].platform, "trace": schedule.to_json(), "seed": int(seed),
-          "iters": int(iters), "warmup": int(warmup), "imports": kernel_modules(schedule)}
+          "iters": int(iters), "warmup": int(warmup), "imports": kernel_modules(schedule),
+          "training": bool(training)}
 
 
 def _environment(request) -> dict:
@@ -118,10 +120,10 @@ def _environment(request) -> dict:
 
 
 def measure_in_worker(schedule, seed: int, *, iters: int = 10, warmup: int = 2,
-                      time_limit_s: float | None = None, start_limit_s: float = 300.0):
-  """Measures ``schedule`` in a child process that is killed at the time limit.
+                      time_limit_s: float | None = None, start_limit_s: float = 300.0, training: bool = False):
+  """Measures ``schedule`` (``training``: its training step) in a child process that is killed at the time limit.
 
-  The child builds the inputs from ``seed`` and its own reference. Its
+  The child builds the inputs (and cotangent) from ``seed`` and its own reference (``reference.trial``). Its
   compile and first run get ``time_limit_s`` (from the moment it is ready);
   the timed runs get as long again plus ten times their expected length.
 
@@ -129,7 +131,7 @@ def measure_in_worker(schedule, seed: int, *, iters: int = 10, warmup: int = 2,
     The ``Measurement``, or None when the schedule cannot be rebuilt in a
     worker (a program no shipped factory makes, or an abstract mesh).
   """
-  request = worker_request(schedule, seed, iters=iters, warmup=warmup)
+  request = worker_request(schedule, seed, iters=iters, warmup=warmup, training=training)
   if request is None:
     return None
   proc = subprocess.Popen([sys.executable, "-m", "jaxmercury.tuner.worker"], stdin=subprocess.PIPE,

@@ -2,7 +2,7 @@
 
 Reads one JSON request on stdin (see ``watchdog.worker_request``): the
 program's shipped factory and parameters, the mesh shape, the schedule's
-trace, a seed, timing counts, and modules to import (ones that register the
+trace, a seed, timing counts, whether to time a training step, and modules to import (ones that register the
 candidate's kernel). The trace is replayed through the public primitives;
 nothing in the request is executed. Progress goes to stdout as lines
 ``jaxmercury-worker: ready``, ``... checked <first run seconds>`` and
@@ -34,7 +34,7 @@ def run(request: dict) -> str:
   from jaxmercury import programs
   from jaxmercury.schedules.schedule import Schedule
   from jaxmercury.tuner import measure
-  from jaxmercury.tuner.reference import reference_output
+  from jaxmercury.tuner.reference import trial
 
   for module in request.get("imports", []):
     importlib.import_module(module)
@@ -50,12 +50,12 @@ def run(request: dict) -> str:
     n *= s
   mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=jax.devices()[:n])
   schedule = Schedule.from_json(program, mesh, request["trace"])
-  inputs = program.random_inputs(jax.random.key(request["seed"]))
-  reference = reference_output(program, inputs, mesh.devices.flat[0])
+  inputs, cotangent, reference = trial(program, request["seed"], mesh.devices.flat[0],
+                                      training=bool(request.get("training")))
   jax.block_until_ready(reference)
   _say("ready")
   result = measure.measure(schedule, inputs, reference, warmup=request["warmup"], iters=request["iters"],
-                           on_checked=lambda run_s: _say("checked", f"{run_s:.6f}"))
+                           on_checked=lambda run_s: _say("checked", f"{run_s:.6f}"), cotangent=cotangent)
   return json.dumps(result.to_dict())
 
 
