@@ -322,8 +322,8 @@ def test_measured_training_steps_replace_the_backward_factor(monkeypatch):
 
 
 def test_a_training_step_is_timed_with_its_gradients(monkeypatch):
-  """interleaved(cotangent_key=...) times the schedule's vjp: what it runs returns the gradients of A and B (the
-  data-parallel GEMM's weight gradient all-reduced over the devices)."""
+  """interleaved(cotangent_key=...) times the schedule's vjp: what it runs returns the output and the gradients of
+  A and B (the data-parallel GEMM's weight gradient all-reduced over the devices)."""
   prog = jm.programs.matmul(256, 128, 64)
   s = jm.library(prog, make_mesh("8"))["data_parallel"]
   a, b = prog.random_inputs(fresh_key())
@@ -335,8 +335,8 @@ def test_a_training_step_is_timed_with_its_gradients(monkeypatch):
   out = measure.interleaved({"dp": s}, (a, b), iters=2, cotangent_key=key)
   assert len(out["dp"]) == 2 and all(t > 0 for t in out["dp"])
   cot = jax.random.normal(key, (256, 128), jnp.float32)
-  da, db = ran[0]
-  assert rel_err(da, cot @ b.T) < 1e-5 and rel_err(db, a.T @ cot) < 1e-5
+  y, da, db = ran[0]
+  assert rel_err(y, a @ b) < 1e-5 and rel_err(da, cot @ b.T) < 1e-5 and rel_err(db, a.T @ cot) < 1e-5
 
 
 def test_fused_lowerings_are_candidates_and_their_plan_runs():
