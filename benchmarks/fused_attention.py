@@ -35,7 +35,7 @@ natural order, where the last device does the most work.
 
 ``--training`` times a training step instead: each contestant's forward
 and backward (``jax.vjp`` and its pullback on a fresh random cotangent, one
-jitted call returning dq, dk, dv, each checked against the first
+jitted call returning o, dq, dk, dv, each checked against the first
 contestant's). The kernels alone have no backward, so the fused contestants
 are the schedules' lowerings (``Schedule.compile()``: the kernel keeps its
 output and log-sum-exp for the dual programs, cuDNN blocks);
@@ -143,11 +143,9 @@ def _previous_backward(schedule):
 
 def _training_step(build):
   """``build`` (a forward's builder) turned into the builder of a jitted training step
-  ``(q, k, v, cot) -> (dq, dk, dv)``: the forward and its pullback in one call."""
-  def make():
-    f = build()
-    return jax.jit(lambda q, k, v, cot: jax.vjp(f, q, k, v)[1](cot))
-  return make
+  ``(q, k, v, cot) -> (o, dq, dk, dv)``: the forward and its pullback in one call (``measure.training_step``)."""
+  from jaxmercury.tuner.measure import training_step
+  return lambda: training_step(build())
 
 
 def training_contestants(mesh, prog, spec, impl: str, previous: bool = False):

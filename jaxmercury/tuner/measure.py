@@ -130,6 +130,16 @@ def compiled_memory(compiled) -> int | None:
              - m.alias_size_in_bytes)
 
 
+def _placed(schedule, plan, buffer: str, x):
+  """``x`` laid out as ``plan`` stores ``buffer``; under several processes each keeps its devices' shards."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  spec = plan.user_spec(buffer)
+  sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
+  if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
+    x = np.asarray(jax.device_get(x))
+  return jax.device_put(x, sharding)
+
+
 def place_inputs(schedule, inputs):
   """Inputs laid out as the schedule stores them, so that timing excludes the move.
 
@@ -138,28 +148,15 @@ def place_inputs(schedule, inputs):
   """
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return inputs
-  from jax.sharding import NamedSharding, PartitionSpec
   plan = schedule.plan()
-  out = []
-  for b, x in zip(schedule.program.reads, inputs):
-    spec = plan.user_spec(b.name)
-    sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
-    if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
-      x = np.asarray(jax.device_get(x))
-    out.append(jax.device_put(x, sharding))
-  return jax.block_until_ready(out)
+  return jax.block_until_ready([_placed(schedule, plan, b.name, x) for b, x in zip(schedule.program.reads, inputs)])
 
 
 def place_output(schedule, x):
   """``x`` (shaped like the output: its cotangent) laid out as the schedule stores its output."""
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return x
-  from jax.sharding import NamedSharding, PartitionSpec
-  spec = schedule.plan().user_spec(schedule.program.writes.name)
-  sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
-  if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
-    x = np.asarray(jax.device_get(x))
-  return jax.block_until_ready(jax.device_put(x, sharding))
+  return jax.block_until_ready(_placed(schedule, schedule.plan(), schedule.program.writes.name, x))
 
 
 def _this_process(values: np.ndarray) -> np.ndarray:
