@@ -75,3 +75,45 @@ def lower_for_gpus(fn, *specs, mesh) -> str:
 def mosaic_kernels(text: str) -> int:
   """How many Mosaic GPU kernels a lowered module launches."""
   return text.count("custom_call @mosaic_gpu")
+
+
+# ------------------------------------------------------------------ cuDNN stood in by XLA on CPU
+def _cudnn_standin(q, k, v, causal):
+  b, i, hk, g, d = q.shape
+  out, lse = jax.nn.dot_product_attention(q.reshape(b, i, hk * g, d), k, v, is_causal=causal,
+                                          implementation="xla", return_residual=True)
+  return out.reshape(q.shape).astype(jnp.float32), lse.reshape(b, i, hk, g).astype(jnp.float32)
+
+
+def _cudnn_backward_standin(q, k, v, o, do, lse, causal):
+  """cuDNN's backward math (merged o and lse given) for one aligned block pair, in XLA."""
+  import jaxmercury as jm
+  from jaxmercury.programs import attention_backward as ab
+  sizes = {"i": q.shape[1], "j": k.shape[1]}
+  ctx = jm.BlockContext(starts={}, sizes=sizes, extents=sizes)
+  dq = ab.dq_block(ctx, q, k, v, o, do, lse, causal=causal)
+  dkv = ab.dkv_block(ctx, q, k, v, o, do, lse, causal=causal)
+  return dq, dkv[..., 0, :], dkv[..., 1, :]
+
+
+@pytest.fixture
+def cpu_cudnn(monkeypatch):
+  """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA.
+
+  Returns the list of the backward calls that ran (one ``"backward"`` each,
+  recorded while running, so branches traced but not taken do not count).
+  """
+  import dataclasses
+
+  from jaxmercury.pallas_kernels import cudnn_attention, registry
+  ran = []
+
+  def backward(*args):
+    jax.debug.callback(lambda: ran.append("backward"))
+    return _cudnn_backward_standin(*args)
+  monkeypatch.setattr(cudnn_attention, "_cudnn", _cudnn_standin)
+  monkeypatch.setattr(cudnn_attention, "_cudnn_backward_masked", backward)
+  for name in ("cudnn_attention", "cudnn_attention_dq", "cudnn_attention_dkv"):
+    kernel = registry._KERNELS[name]
+    monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(kernel, platforms=frozenset({"cpu"}), dtypes=None))
+  return ran

@@ -432,7 +432,7 @@ def test_partial_state_counts_each_leaf_in_its_own_shape():
 def test_backward_prices_the_gradients_products_and_the_transposed_collectives():
   """A GEMM's backward is two products of each block; the all-gather of A becomes a reduce-scatter of dA (the
   same bytes); an output reduce-scattered over a level becomes an all-gather of its block, an all-reduced one
-  nothing. An attention block's backward is 2.5 times its forward's work."""
+  nothing. An attention block's backward is 2.5 times its forward's work, on cuDNN's blocks."""
   mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
   machine = cost.Machine("h200-ish", 600e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
   lib = jm.library(jm.programs.matmul(8192, 4096, 14336, dtype=jnp.bfloat16), mesh)
@@ -452,10 +452,13 @@ def test_backward_prices_the_gradients_products_and_the_transposed_collectives()
   heads = jm.library(prog, mesh)["ulysses"]
   fast = dataclasses.replace(machine.with_links(x=1e30), latency_s=0.0)
   assert cost.backward_seconds(heads, fast) == pytest.approx(2.5 * cost.compute_seconds(heads, fast), rel=1e-6)
-  slow_backward = dataclasses.replace(fast, backward_flops_per_s={"xla": 300e12})  # half the forward's rate
+  # on GPUs every attention backward runs cuDNN's blocks, whatever the forward's: its rate, not XLA's, counts
+  slow_backward = dataclasses.replace(fast, backward_flops_per_s={"cudnn_attention": 300e12})  # half the forward's
   assert cost.backward_seconds(heads, slow_backward) == pytest.approx(
       2 * cost.backward_seconds(heads, fast), rel=1e-6)
   assert cost.predict(heads, slow_backward) == cost.predict(heads, fast)
+  slow_xla = dataclasses.replace(fast, backward_flops_per_s={"xla": 300e12})
+  assert cost.backward_seconds(heads, slow_xla) == pytest.approx(cost.backward_seconds(heads, fast), rel=1e-6)
 
 
 def test_backward_rates_time_the_joint_block_on_the_forwards_blocks():

@@ -1,45 +1,17 @@
 """The cuDNN attention kernel's block dispatch, checked on CPU with cuDNN stood in by XLA.
 
-On GPU the same dispatch calls cuDNN (tests/gpu); here each path's choice of
+On GPU the same dispatch calls cuDNN (tests/gpu); here (``conftest.cpu_cudnn``) each path's choice of
 visible / hidden / diagonal / fallback is checked against the reference.
 """
 
-import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxmercury as jm
 from conftest import assert_matches, make_mesh
-from jaxmercury.pallas_kernels import cudnn_attention, registry
-from jaxmercury.programs import attention_backward as ab
-
-
-def _xla_standin(q, k, v, causal):
-  b, i, hk, g, d = q.shape
-  out, lse = jax.nn.dot_product_attention(q.reshape(b, i, hk * g, d), k, v, is_causal=causal,
-                                          implementation="xla", return_residual=True)
-  return out.reshape(q.shape).astype(jnp.float32), lse.reshape(b, i, hk, g).astype(jnp.float32)
-
-
-def _xla_backward_standin(q, k, v, o, do, lse, causal):
-  """cuDNN's backward math (merged o and lse given) for one aligned block pair, in XLA."""
-  sizes = {"i": q.shape[1], "j": k.shape[1]}
-  ctx = jm.BlockContext(starts={}, sizes=sizes, extents=sizes)
-  dq = ab.dq_block(ctx, q, k, v, o, do, lse, causal=causal)
-  dkv = ab.dkv_block(ctx, q, k, v, o, do, lse, causal=causal)
-  return dq, dkv[..., 0, :], dkv[..., 1, :]
-
-
-@pytest.fixture
-def cpu_cudnn(monkeypatch):
-  monkeypatch.setattr(cudnn_attention, "_cudnn", _xla_standin)
-  monkeypatch.setattr(cudnn_attention, "_cudnn_backward_masked", _xla_backward_standin)
-  for name in ("cudnn_attention", "cudnn_attention_dq", "cudnn_attention_dkv"):
-    kernel = registry._KERNELS[name]
-    monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(kernel, platforms=frozenset({"cpu"}), dtypes=None))
+from jaxmercury.pallas_kernels import cudnn_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -380,6 +380,51 @@ def test_gradients_through_the_backward_kernels(standins, strategy, causal):
   assert any(c.has_backward_blocks for c in standins)
 
 
+@pytest.mark.parametrize("strategy, causal", [("ring", True), ("ring_zigzag", True), ("context_parallel", False)])
+def test_gradients_run_cudnns_backward_where_the_devices_have_it(standins, cpu_cudnn, strategy, causal):
+  """With cuDNN offered, a Mosaic-patched schedule's backward runs cuDNN's backward blocks on the same nest
+  (``dual.backward_schedule``), fed by the Mosaic forward's output and log-sum-exp; JAX's Mosaic dq and dk-dv
+  kernels do not run."""
+  from jaxmercury.schedules.dual import attention_duals, backward_schedule
+  prog = _attention(n=2048, causal=causal)
+  params = {} if strategy == "ring_zigzag" else {"block_q": 128}  # a block holds two of the kernel's query blocks
+  s = _library(prog, strategy).patch("mosaic_attention", **params)
+  b = backward_schedule(s)
+  assert b.kernel == "cudnn_attention" and s.kernel.startswith("mosaic_attention")
+  assert [t["args"] for t in b.trace if t["primitive"] == "patch"] == [["cudnn_attention"]]
+  assert b.plan().storage == s.plan().storage and str(b) == str(s).replace(s.kernel, "cudnn_attention")
+  assert attention_duals(s)[0].kernel == s.kernel  # the forward keeping its residuals stays Mosaic
+  _assert_gradients(s)
+  assert "backward" in cpu_cudnn
+  assert not any(c.has_backward_blocks for c in standins) and standins  # the Mosaic forward ran, its backward not
+
+
+def test_without_cudnn_the_backward_keeps_the_kernels_own(standins):
+  """On devices without cuDNN (here: CPU, cuDNN not stood in) the backward stays on the forward kernel's own."""
+  from jaxmercury.schedules.dual import backward_schedule
+  s = _library(_attention(), "ring").patch("mosaic_attention")
+  assert backward_schedule(s) is s
+
+
+def test_backward_is_priced_on_cudnn_for_gpus():
+  """The cost model prices a Mosaic schedule's backward as the cuDNN schedule's on H100s."""
+  from jaxmercury.schedules.dual import backward_schedule
+  from jaxmercury.tuner import cost
+  prog = jm.programs.attention(1, 32, 8, 32768, 32768, 128, causal=True, dtype=jnp.bfloat16)
+  machine = cost.Machine("h100-ish", 700e12, {"*": 150e9}, 20e-6,
+                         kernel_flops_per_s={"mosaic_attention": 500e12, "cudnn_attention": 600e12},
+                         backward_flops_per_s={"mosaic_attention": 100e12, "cudnn_attention": 500e12})
+  ring = jm.library(prog, h100_mesh(8))["ring"]
+  mosaic, cudnn = ring.copy().patch("mosaic_attention"), ring.copy().patch("cudnn_attention")
+  assert backward_schedule(mosaic).kernel == "cudnn_attention"
+  assert cost.backward_seconds(mosaic, machine) == pytest.approx(cost.backward_seconds(cudnn, machine))
+  assert cost.predict(mosaic, machine) > cost.predict(cudnn, machine)
+  f32 = jm.library(jm.programs.attention(**{**prog.params, "dtype": jnp.float32}), h100_mesh(8))["ring"]
+  assert backward_schedule(f32) is f32  # cuDNN takes half precision only
+  with pytest.raises(jm.ScheduleError, match="fused_ring_attention.*ordinary_schedule"):
+    backward_schedule(ring.copy().lower_with("fused_ring_attention"))
+
+
 def test_tiny_gradients_survive_float16(standins):
   """An incoming gradient far below float16's range still gives accurate gradients (it is rescaled)."""
   prog = _attention("mha", n=256, d=64, causal=False)

@@ -9,7 +9,9 @@ reduction), an all-to-all is answered by an all-to-all (the layouts swap
 roles). Buffer names map forward to backward: placements of an input apply to
 that input and to its gradient; placements of the output apply to the
 incoming cotangent and its companions (``o``, ``lse``). A patched forward
-kernel maps to its backward kernels (``BACKWARD_KERNELS``).
+kernel maps to its backward kernels (``BACKWARD_KERNELS``); on devices with
+cuDNN the backward's blocks run cuDNN's whatever the forward's kernel
+(``backward_schedule``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 
 from jax.sharding import PartitionSpec
 
-from jaxmercury.errors import ScheduleError
+from jaxmercury.errors import PreconditionError, ScheduleError
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.schedules.loops import SERIAL
 from jaxmercury.schedules.schedule import Schedule
@@ -30,6 +32,44 @@ BACKWARD_KERNELS = {"dq": {"cudnn_attention": "cudnn_attention_dq", "mosaic_atte
                            "pallas_attention": "pallas_attention_dq", "triton_attention": "pallas_attention_dq"},
                     "dkv": {"cudnn_attention": "cudnn_attention_dkv", "mosaic_attention": "mosaic_attention_dkv",
                             "pallas_attention": "pallas_attention_dkv", "triton_attention": "pallas_attention_dkv"}}
+BACKWARD_BLOCKS = "cudnn_attention"  # the forward kernel whose backward kernels run every backward where they can
+
+
+def backward_schedule(schedule: Schedule) -> Schedule:
+  """The schedule whose dual programs run an attention schedule's backward: its blocks on cuDNN where they can be.
+
+  The backward needs only the output and log-sum-exp the forward saved, not
+  the kernel that computed them, so its blocks may run another kernel's
+  backward. cuDNN's flash backward (``BACKWARD_BLOCKS``, one call returning
+  dq, dk and dv) is the fastest we have: JAX's Mosaic dq and dk-dv kernels
+  recompute the probabilities twice and have no causal mask. The result is
+  ``schedule`` with its ``patch`` steps replaced by ``patch(BACKWARD_BLOCKS)``;
+  where the mesh's devices, the dtype or the shapes rule cuDNN out (CPU,
+  float32), ``schedule`` itself (its kernel's ``BACKWARD_KERNELS``, or XLA's
+  body). Programs without backward programs (other patterns, attention
+  emitting its log-sum-exp): ``schedule``.
+
+  Preconditions: no fused lowering (``shard_map.fused.ordinary_schedule`` removes it).
+
+  Before / after (a ``ring`` patched with ``mosaic_attention``, on GPUs)::
+
+    parallel i0 in 8 @ x:                         parallel i0 in 8 @ x:
+      for j0 in 8 (shift i0 @ x):                   for j0 in 8 (shift i0 @ x):
+        mosaic_attention(o[i0], q[i0], k[j0], ..)     cudnn_attention(o[i0], q[i0], k[j0], ..)
+  """
+  prog = schedule.program
+  if prog.pattern != "attention" or prog.params.get("emit_lse") or schedule.kernel == BACKWARD_BLOCKS:
+    return schedule
+  if schedule.lowering is not None:
+    raise ScheduleError(f"{schedule.program.name}: lowered with {schedule.lowering!r}; take its ordinary schedule "
+                        "(shard_map.fused.ordinary_schedule) first")
+  unpatched = schedule.copy()
+  unpatched.kernel = None
+  unpatched.trace = [step for step in unpatched.trace if step["primitive"] != "patch"]
+  try:
+    return unpatched.patch(BACKWARD_BLOCKS)
+  except PreconditionError:
+    return schedule
 
 
 def _full(spec, rank):

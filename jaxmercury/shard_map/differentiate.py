@@ -1,7 +1,9 @@
 """Training: a ``jax.custom_vjp`` whose backward is the schedule's dual.
 
-For attention the forward keeps only ``o`` and the log-sum-exp; the backward
-is one fused kernel call per device where the schedule keeps each device's
+For attention the forward keeps only ``o`` and the log-sum-exp, and the
+backward runs on ``schedules.dual.backward_schedule`` (the same nest, its
+blocks on cuDNN where the devices have it, whatever kernel ran the forward):
+one fused kernel call per device where the schedule keeps each device's
 attention whole (``local_backward``), and the dual schedules
 (``schedules.dual``) otherwise, whose programs recompute probabilities block
 by block: both in one nest, one backward block call per block pair
@@ -18,7 +20,7 @@ import functools
 import jax
 from jax.sharding import AxisType
 
-from jaxmercury.schedules.dual import attention_duals
+from jaxmercury.schedules.dual import attention_duals, backward_schedule
 from jaxmercury.shard_map.joint_backward import joint_backward
 from jaxmercury.shard_map.local_backward import local_backward
 
@@ -27,7 +29,8 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
   """``forward`` (the compiled schedule) with the dual backward attached where one exists.
 
   Args:
-    schedule: the loop-nest schedule whose dual programs run the backward.
+    schedule: the loop-nest schedule: its ``attention_with_lse`` dual keeps the
+      forward's residuals, its ``backward_schedule``'s dual programs run the backward.
     forward: ``f(q, k, v) -> o``, run where nothing is differentiated.
     forward_with_lse: ``with_lse_schedule -> g(q, k, v) -> olse``: the forward
       that keeps the backward's residuals, built from the dual's
@@ -41,9 +44,11 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
 
   @functools.cache
   def duals():  # built on the first differentiation, not for forward-only use
-    with_lse, dq_s, dkv_s = attention_duals(schedule, joint=True)
+    with_lse = attention_duals(schedule)[0]
     keep = forward_with_lse(with_lse) if forward_with_lse else with_lse.compile(differentiable=False)
-    return keep, _backward(schedule, dq_s, dkv_s)
+    backward = backward_schedule(schedule)
+    _, dq_s, dkv_s = attention_duals(backward, joint=True)
+    return keep, _backward(backward, dq_s, dkv_s)
 
   @jax.custom_vjp
   def attention(q, k, v):

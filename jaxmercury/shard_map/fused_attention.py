@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmercury.errors import PreconditionError
+from jaxmercury.schedules import dual
 from jaxmercury.shard_map import fused
 
 RING_ATTENTION = "ring_attention"
@@ -248,22 +249,15 @@ def _ws_make(p: AttentionPlacement, params, interpret: bool):
 
 
 # ------------------------------------------------------------------ the backward
-BACKWARD_KERNEL = "cudnn_attention"  # its dual kernels run the backward's blocks where the devices have cuDNN
-
-
 def backward_schedule(schedule):
   """The loop-nest schedule whose dual programs differentiate a fused ring attention.
 
   That is ``fused.ordinary_schedule`` (the same layouts and ring, without the
-  lowering) with its blocks patched with ``BACKWARD_KERNEL`` where the mesh's
-  devices run it, so that the dq and dk-dv programs (``schedules.dual``) run
-  cuDNN's flash backward blocks; elsewhere (CPU, interpret mode) XLA's body.
+  lowering) with its blocks on cuDNN where the mesh's devices run it
+  (``schedules.dual.backward_schedule``): the dq and dk-dv programs run cuDNN's
+  flash backward blocks; elsewhere (CPU, interpret mode) XLA's body.
   """
-  plain = fused.ordinary_schedule(schedule)
-  try:
-    return plain.copy().patch(BACKWARD_KERNEL)
-  except PreconditionError:
-    return plain
+  return dual.backward_schedule(fused.ordinary_schedule(schedule))
 
 
 def _attach_backward(schedule, per_device):
@@ -282,7 +276,7 @@ def _attach_backward(schedule, per_device):
   def keeping_residuals(with_lse):
     return jax.jit(lower(with_lse, jit=False, per_device=functools.partial(per_device, with_lse=True)))
 
-  return differentiable(backward_schedule(schedule), forward, forward_with_lse=keeping_residuals)
+  return differentiable(fused.ordinary_schedule(schedule), forward, forward_with_lse=keeping_residuals)
 
 
 fused.PLACEMENTS[RING_ATTENTION] = placement

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxmercury.pallas_kernels import registry
 from jaxmercury.pallas_kernels.work import Block
+from jaxmercury.schedules.dual import backward_schedule
 from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR
 from jaxmercury.shard_map import reshard, storage_order
 from jaxmercury.shard_map.plan import make_plan
@@ -137,7 +138,8 @@ def backward_seconds(schedule, machine: Machine) -> float:
   A loop nest's backward is priced as its forward with every block's work
   ``BACKWARD_WORK`` times the forward's (a GEMM: two GEMMs of its size; an
   attention: five block products against two, at the backward block's
-  measured rate where calibration measured it) and every collective
+  measured rate where calibration measured it; an attention's blocks on
+  cuDNN where its ``backward_schedule`` puts them) and every collective
   transposed, moving the same bytes (gathers become reduce-scatters, ring
   shifts run the other way carrying cotangents). A cross-level reduction
   transposes to an all-gather of the output's stored block where the output
@@ -149,8 +151,8 @@ def backward_seconds(schedule, machine: Machine) -> float:
   whose collectives run again first (its products are unused).
   """
   if schedule.lowering is None:
-    return _nest_seconds(schedule, machine.backward(), work=BACKWARD_WORK.get(schedule.program.pattern, 2.0),
-                         reductions=TRANSPOSED)
+    work = BACKWARD_WORK.get(schedule.program.pattern, 2.0)
+    return _nest_seconds(backward_schedule(schedule), machine.backward(), work=work, reductions=TRANSPOSED)
   from jaxmercury.shard_map import fused
   own = fused.BACKWARDS.get(fused.lowering(schedule.lowering).kind)
   if own is not None:
