@@ -10,6 +10,7 @@
 #   tests-lowering   GPU tests of every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-lowering-attention  the ring-attention part of tests-lowering (outputs and gradients)
 #   tests-cudnn      cuDNN blocks in distributed schedules: outputs, gradients, the joint backward
+#   tests-mosaic-gradients  Mosaic-patched schedules' gradients (their backward on cuDNN blocks)
 #   bench-ag         all-gather GEMM table: XLA, the shard_map ring, JAX's kernel, our three kernels
 #   bench-rs         reduce-scatter GEMM table
 #   bench-attention  non-causal fused ring attention (S 16K-64K, KV 32 and 8) against all-gathered K/V and rings
@@ -19,6 +20,7 @@
 #   bench-training-causal  the same, causal S 32K KV 8, zigzag lowerings and the zigzag cuDNN ring
 #   bench-backward   attention's backward on cuDNN blocks: dq and dk-dv in one nest against apart (S 16K-32K, KV 8,
 #                    non-causal and causal)
+#   tune-training    the tuner for a causal GQA training step (S8K, H32 KV8 D128 bf16), fresh database
 #   llama-4096       one Llama-3 8B block at 4K tokens, calibrated figures, operator candidates measured
 #   llama-16384      the same at 16K tokens
 #   llama-32768      the same at 32K tokens
@@ -55,6 +57,7 @@ for stage in "$@"; do
     tests-lowering) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-lowering-attention) gpu_tests "$stage" 400 tests/gpu/test_fused_lowering.py -k ring_attention ;;
     tests-cudnn) gpu_tests "$stage" 300 tests/gpu/test_cudnn_attention.py ;;
+    tests-mosaic-gradients) gpu_tests "$stage" 400 tests/gpu/test_mosaic_kernels.py -k gradients ;;
     bench-ag) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind allgather --iters 20 --out "$W/fused_ag.json" ;;
     bench-rs) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind reducescatter --iters 20 \
         --out "$W/fused_rs.json" ;;
@@ -72,6 +75,10 @@ for stage in "$@"; do
           --out "$W/attention_backward.json"
         job "$stage-causal" 200 python3 -m benchmarks.attention_backward --causal --seq 16384 32768 --kv_heads 8 \
           --out "$W/attention_backward_causal.json" ;;
+    tune-training) rm -f "$W/tuning.db"
+        job "$stage" 560 python3 -m jaxmercury.tune attention --training --causal --seq_len 8192 --heads 32 \
+          --kv_heads 8 --head_dim 128 --dtype bfloat16 --iters 5 --space 4 --top 3 --db "$W/tuning.db" \
+          --json "$W/tune_training.json" ;;
     llama-4096|llama-16384|llama-32768) job "$stage" 570 python3 -m benchmarks.llama_block --seq "${stage#llama-}" \
         --measure_iters 5 --iters 10 --out "$W/$stage.json" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;

@@ -480,12 +480,17 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l
 
-      def item(i, loaded):
+      def load_q(i):
+        """Item ``i``'s Q tile into this consumer's SMEM; the item's coordinates and its query rows."""
         bi, hi, pair, forwards, q_last = item_of(i)
         q_rows = pl.ds(pair * rows + wg * bq, bq)
-        q_first = order.first(dev, pair * rows + wg * bq) if causal else None
         plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
+        return bi, hi, pair, forwards, q_last, q_rows
+
+      def item(i, loaded):
+        bi, hi, pair, forwards, q_last, q_rows = load_q(i)
+        q_first = order.first(dev, pair * rows + wg * bq) if causal else None
 
         def step(s, state):
           loaded, carry = state
@@ -519,10 +524,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def pipelined_item(i, loaded):
         """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
         step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
-        bi, hi, pair, _, _ = item_of(i)
-        q_rows = pl.ds(pair * rows + wg * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
-        plgpu.barrier_wait(q_loaded.at[wg])
+        bi, hi, _, _, _, q_rows = load_q(i)
         tiles = n_dev * (s_loc // bkv)
         slot_of = lambda t: lax.rem(loaded + t, slots)
 

@@ -225,9 +225,18 @@ def test_ring_with_uneven_blocks_uses_all_paths(causal):
 
 @pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradients_with_mosaic_backward(strategy, causal):
+def test_gradients_of_mosaic_schedules_run_cudnns_backward(strategy, causal):
+  """The Mosaic forward's output and log-sum-exp feed cuDNN's backward blocks (``dual.backward_schedule``):
+  gradients match the float32 reference, and the gradient program launches no Mosaic kernel beyond the
+  forward's (JAX's Mosaic dq and dk-dv kernels do not run)."""
   prog = jm.programs.attention(1, 8, 2, 4096, 4096, 128, causal=causal, dtype=jnp.bfloat16)
-  check_gradients(library_with(prog, strategy, "mosaic_attention"))
+  s = library_with(prog, strategy, "mosaic_attention")
+  check_gradients(s)
+  f = s.compile()
+  xs = prog.random_inputs(fresh_key())
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))).lower(*xs).as_text()
+  assert "__cudnn$fmha" in grad and "Backward" in grad
+  assert 0 < grad.count("custom_call @mosaic_gpu") <= _count_kernels(f, *xs)
 
 
 # ------------------------------------------------------------------ matmul
