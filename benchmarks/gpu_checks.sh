@@ -9,6 +9,7 @@
 #   tests-attention-ws  GPU tests of the warp-specialized fused ring attention, its pipelined consumers too
 #   tests-lowering   GPU tests of every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-lowering-attention  the ring-attention part of tests-lowering (outputs and gradients)
+#   tests-lowering-gemm  the GEMM part of tests-lowering (outputs, gradients through the dual fused GEMM, tuner)
 #   tests-cudnn      cuDNN blocks in distributed schedules: outputs, gradients, the joint backward
 #   tests-mosaic-gradients  Mosaic-patched schedules' gradients (their backward on cuDNN blocks)
 #   bench-ag         all-gather GEMM table: XLA, the shard_map ring, JAX's kernel, our three kernels
@@ -56,6 +57,7 @@ for stage in "$@"; do
     tests-attention-ws) gpu_tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
     tests-lowering) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-lowering-attention) gpu_tests "$stage" 400 tests/gpu/test_fused_lowering.py -k ring_attention ;;
+    tests-lowering-gemm) gpu_tests "$stage" 540 tests/gpu/test_fused_lowering.py -k "not ring_attention" ;;
     tests-cudnn) gpu_tests "$stage" 300 tests/gpu/test_cudnn_attention.py ;;
     tests-mosaic-gradients) gpu_tests "$stage" 400 tests/gpu/test_mosaic_kernels.py -k gradients ;;
     bench-ag) job "$stage" 560 python3 -m benchmarks.fused_gemm --kind allgather --iters 20 --out "$W/fused_ag.json" ;;

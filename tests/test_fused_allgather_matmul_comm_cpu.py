@@ -48,7 +48,7 @@ def test_the_forwarding_path_in_a_loopback_ring(comm_ctas, chunk_rows):
   a = jax.random.normal(fresh_key(), (m, k), jnp.float32).astype(jnp.bfloat16)
   b = jax.random.normal(fresh_key(), (k, cols), jnp.float32).astype(jnp.bfloat16)
   got = _run(lambda a, b: _kernel(a, b, "x", n, SMALL, jnp.dtype(jnp.bfloat16), comm_ctas + 3, comm_ctas,
-                                  chunk_rows, True, loopback=True), a, b)
+                                  chunk_rows, True, loopback=True)[0], a, b)
   want = jnp.tile(jnp.dot(a, b, preferred_element_type=jnp.float32), (n, 1))
   assert got.shape == (n * m, cols)
   assert jnp.all(jnp.isfinite(got.astype(jnp.float32)))

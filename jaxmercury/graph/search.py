@@ -12,9 +12,9 @@ backward: every node costs its measured forward and backward
 (``Candidate.train_seconds``) where ``measure_candidates(training=True)``
 timed it; else an operator costs its forward, its schedule's predicted
 backward (``Candidate.backward_seconds``: the transposed collectives and the
-gradients' block products; a fused GEMM's backward is its ordinary
-schedule's, which first runs that schedule's collectives again, a fused ring
-attention's the dual programs of its ring on cuDNN) and the
+gradients' block products; a fused GEMM's backward is the dual fused GEMM
+of the other placement and one local GEMM, a fused ring attention's the
+dual programs of its ring on cuDNN) and the
 all-reduce of the partial gradients of parameters it keeps whole where it
 splits other axes (``Candidate.grad_sync_seconds``), and glue
 ``BACKWARD_FACTOR`` times its forward. Every edge costs twice its forward

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, sm_count,
-                                                 step_semaphores)
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, gathered_rows, left_peer, pad_to, round_up,
+                                                 sm_count, step_semaphores, unpad_row_blocks)
 
 
 def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_dtype=None,
-                           num_ctas: int | None = None, interpret: bool = False):
+                           num_ctas: int | None = None, interpret: bool = False, gathered: bool = False):
   """``all_gather(a, axis_name, rows) @ b`` with the gather fused into the GEMM; call inside ``shard_map``.
 
   Args:
@@ -51,19 +51,22 @@ def fused_allgather_matmul(a, b, axis_name: str, *, tiles: Tiles = Tiles(), out_
     num_ctas: CTAs of the persistent grid (default: the device's SM count).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only, since
       the interpreter has no peer memory or remote semaphores.
+    gathered: also return ``all_gather(a)`` (``[n * m, k]``), read from the
+      ring's receive buffers (``peer_gemm.gathered_rows``): the backward's
+      residual, with nothing sent again.
 
   Returns:
-    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``.
+    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``; with ``gathered``,
+    ``(that, all_gather(a))``.
   """
   n_dev = check_operands("fused_allgather_matmul", a, b, axis_name, tiles, interpret)
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   (m, k), n = a.shape, b.shape[1]
   mp, kp, np_ = round_up(m, tiles.tile_m), round_up(k, tiles.tile_k), round_up(n, tiles.tile_n)
-  out = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype,
-                num_ctas or sm_count(), interpret)
-  if (mp, np_) == (m, n):
-    return out
-  return out.reshape(n_dev, mp, np_)[:, :m, :n].reshape(n_dev * m, n)
+  out, received = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype,
+                          num_ctas or sm_count(), interpret)
+  out = unpad_row_blocks(out, n_dev, m, n)
+  return (out, gathered_rows(a, received, axis_name)) if gathered else out
 
 
 def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int, interpret: bool):
@@ -116,13 +119,13 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_smem = plgpu.SMEM((tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
-  result, _ = plgpu.kernel(
+  result, received = plgpu.kernel(
       body,
       out_type=[jax.ShapeDtypeStruct((n_dev * m, n), out_dtype),
                 jax.ShapeDtypeStruct((max(n_dev - 1, 1), m, k), a.dtype)],  # filled by the right neighbour
       scratch_types=[out_smem], grid=(grid,), grid_names=("cta",),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(a, b)
-  return result
+  return result, (received if n_dev > 1 else None)
 
 
 def reference(a, b, axis_name: str, out_dtype=None):

@@ -66,7 +66,8 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.mosaic_matmul import Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.pallas_kernels.peer_gemm import check_operands, left_peer, pad_to, round_up, sm_count
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, gathered_rows, left_peer, pad_to, round_up,
+                                                 sm_count, unpad_row_blocks)
 
 KERNEL = "fused_allgather_matmul_comm"
 # Bytes of the communication CTAs' two SMEM slots at most (they reuse the compute pipeline's SMEM scope).
@@ -75,7 +76,7 @@ COMM_SMEM_BYTES = 128 * 1024
 
 def fused_allgather_matmul_comm(a, b, axis_name: str, *, tiles: Tiles = Tiles(), comm_ctas: int = 4,
                                 chunk_rows: int | None = None, out_dtype=None, num_ctas: int | None = None,
-                                interpret: bool = False):
+                                interpret: bool = False, gathered: bool = False):
   """``all_gather(a, axis_name, rows) @ b`` with the ring run by dedicated CTAs; call inside ``shard_map``.
 
   Args:
@@ -91,9 +92,13 @@ def fused_allgather_matmul_comm(a, b, axis_name: str, *, tiles: Tiles = Tiles(),
     out_dtype: the result's dtype (default ``a``'s).
     num_ctas: CTAs of the persistent grid, both kinds (default: the device's SM count).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
+    gathered: also return ``all_gather(a)`` (``[n * m, k]``), read from the
+      ring's receive buffers (``peer_gemm.gathered_rows``): the backward's
+      residual, with nothing sent again.
 
   Returns:
-    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``.
+    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``; with ``gathered``,
+    ``(that, all_gather(a))``.
 
   Raises:
     PreconditionError: naming the operand, tile or count that the kernel cannot take.
@@ -107,11 +112,10 @@ def fused_allgather_matmul_comm(a, b, axis_name: str, *, tiles: Tiles = Tiles(),
   _check_counts(n_dev, comm_ctas, chunk_rows, num_ctas, tiles.tile_m, mp)
   if num_ctas is None:  # one device without an SM count (interpret mode on CPU): one CTA per tile
     num_ctas = (mp // tiles.tile_m) * (np_ // tiles.tile_n)
-  out = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype, num_ctas,
-                comm_ctas, chunk_rows, interpret)
-  if (mp, np_) == (m, n):
-    return out
-  return out.reshape(n_dev, mp, np_)[:, :m, :n].reshape(n_dev * m, n)
+  out, received = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype, num_ctas,
+                          comm_ctas, chunk_rows, interpret)
+  out = unpad_row_blocks(out, n_dev, m, n)
+  return (out, gathered_rows(a, received, axis_name)) if gathered else out
 
 
 def _check_counts(n_dev: int, comm_ctas, chunk_rows, num_ctas, tile_m: int, padded_m: int):
@@ -259,4 +263,4 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
   result = plgpu.kernel(
       body, out_type=out_type, scratch_types=[out_smem], grid=(comm + workers,), grid_names=("cta",),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(a, b)
-  return result[0]
+  return result[0], (result[1] if n_dev > 1 else None)

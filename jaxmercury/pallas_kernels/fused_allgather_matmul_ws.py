@@ -40,13 +40,14 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-from jaxmercury.pallas_kernels.peer_gemm import (check_operands, left_peer, pad_to, round_up, step_semaphores,
-                                                  warp_specialized_kernel)
+from jaxmercury.pallas_kernels.peer_gemm import (check_operands, gathered_rows, left_peer, pad_to, round_up,
+                                                  step_semaphores, unpad_row_blocks, warp_specialized_kernel)
 
 KERNEL = "fused_allgather_matmul_ws"
 
 
-def fused_allgather_matmul_ws(a, b, axis_name: str, *, tiles: WsTiles = WsTiles(), out_dtype=None):
+def fused_allgather_matmul_ws(a, b, axis_name: str, *, tiles: WsTiles = WsTiles(), out_dtype=None,
+                              gathered: bool = False):
   """``all_gather(a, axis_name, rows) @ b`` fused into a warp-specialized GEMM; call inside ``shard_map``.
 
   Args:
@@ -56,9 +57,13 @@ def fused_allgather_matmul_ws(a, b, axis_name: str, *, tiles: WsTiles = WsTiles(
       span every device of the process.
     tiles: the consumer warpgroups' tiles and the pipeline depth (``WsTiles``).
     out_dtype: the result's dtype (default ``a``'s).
+    gathered: also return ``all_gather(a)`` (``[n * m, k]``), read from the
+      ring's receive buffers (``peer_gemm.gathered_rows``): the backward's
+      residual, with nothing sent again.
 
   Returns:
-    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``.
+    ``[n * m, n_cols]``: row block ``j`` is ``a_j @ b``; with ``gathered``,
+    ``(that, all_gather(a))``.
   """
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if reason := tiles.problem(out_itemsize=out_dtype.itemsize):
@@ -67,10 +72,9 @@ def fused_allgather_matmul_ws(a, b, axis_name: str, *, tiles: WsTiles = WsTiles(
   (m, k), n = a.shape, b.shape[1]
   cm, cn = tiles.cta
   mp, kp, np_ = round_up(m, cm), round_up(k, tiles.tile_k), round_up(n, cn)
-  out = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype)
-  if (mp, np_) == (m, n):
-    return out
-  return out.reshape(n_dev, mp, np_)[:, :m, :n].reshape(n_dev * m, n)
+  out, received = _kernel(pad_to(a, mp, kp), pad_to(b, kp, np_), axis_name, n_dev, tiles, out_dtype)
+  out = unpad_row_blocks(out, n_dev, m, n)
+  return (out, gathered_rows(a, received, axis_name)) if gathered else out
 
 
 def _kernel(a, b, axis_name, n_dev: int, tiles: WsTiles, out_dtype):
@@ -118,4 +122,5 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: WsTiles, out_dtype):
   out_type = [jax.ShapeDtypeStruct((n_dev * m, n), out_dtype)]
   if n_dev > 1:  # filled by the right neighbour, one slot per ring step
     out_type.append(jax.ShapeDtypeStruct((n_dev - 1, m, k), a.dtype))
-  return warp_specialized_kernel(body, out_type, grid, a, b)
+  results = warp_specialized_kernel(body, out_type, grid, a, b)
+  return results[0], (results[1] if n_dev > 1 else None)

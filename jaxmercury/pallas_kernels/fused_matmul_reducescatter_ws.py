@@ -161,4 +161,4 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: WsTiles):
   out_type = [jax.ShapeDtypeStruct((mb, n), jnp.float32)]
   if n_dev > 1:  # filled by the right neighbour, one slot per ring step
     out_type.append(jax.ShapeDtypeStruct((n_dev - 1, mb, n), jnp.float32))
-  return warp_specialized_kernel(body, out_type, grid, x, w)
+  return warp_specialized_kernel(body, out_type, grid, x, w)[0]

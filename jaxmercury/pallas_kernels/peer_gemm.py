@@ -86,9 +86,34 @@ def left_peer(dev, n_dev: int, *refs):
 def warp_specialized_kernel(body, out_type, grid: int, *operands):
   """``body`` run on the grid JAX's warp-specialized Hopper GEMM body (``hopper_matmul_mgpu.kernel``) expects:
   ``grid`` persistent CTAs (one per SM) along ``"cluster_grid"``, clusters of one, three warpgroups along
-  ``"wg"`` (two consumers, one producer) and warpgroup lowering; returns the kernel's first output."""
-  results = plgpu.kernel(
+  ``"wg"`` (two consumers, one producer) and warpgroup lowering; returns the kernel's outputs (a list)."""
+  return plgpu.kernel(
       body, out_type=out_type, grid=(grid,), grid_names=("cluster_grid",), cluster=(1,),
       cluster_names=("cluster",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*operands)
-  return results[0]
+
+
+def unpad_row_blocks(out, n_dev: int, m: int, n: int):
+  """An all-gather GEMM's ``[n_dev * mp, np]`` result, each device's row block padded to the tiles, cropped to
+  ``[n_dev * m, n]``."""
+  mp, np_ = out.shape[0] // n_dev, out.shape[1]
+  if (mp, np_) == (m, n):
+    return out
+  return out.reshape(n_dev, mp, np_)[:, :m, :n].reshape(n_dev * m, n)
+
+
+def gathered_rows(a, received, axis_name: str):
+  """``all_gather(a, axis_name, rows)``, read from an all-gather kernel's ring slots: nothing moves again.
+
+  Args:
+    a: this device's row shard ``[m, k]``.
+    received: the kernel's receive buffer ``[n - 1, mp, kp]`` (padded): on
+      device ``r``, slot ``s`` holds the rows of device ``(r + s + 1) % n``,
+      which the ring brought for step ``s + 1``; None on one device.
+    axis_name: the ring's ``shard_map`` axis.
+  """
+  if received is None:
+    return a
+  m, k = a.shape
+  slots = jnp.concatenate([a[None], received[:, :m, :k]])  # slot s: the rows of device (r + s) % n
+  return jnp.roll(slots, lax.axis_index(axis_name), axis=0).reshape(-1, k)

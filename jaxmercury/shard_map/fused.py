@@ -22,7 +22,8 @@ tuner and printer use, and ``compile_fused``.
 ``Schedule.compile()`` then runs it under the same ``shard_map`` (the plan's
 layouts, padding and global signature) with a backward, since Pallas kernels
 have no autodiff: a ring attention's dual programs fed by the kernel's output
-and log-sum-exp (``BACKWARDS``), a GEMM's ordinary lowering's vjp. The tuner
+and log-sum-exp, a GEMM's dual fused GEMM fed by the rows its ring gathered
+(``BACKWARDS``). The tuner
 offers every lowering whose ``why_not`` is None as one more candidate.
 
 Each ``FusedLowering`` has a name, a one-line description, the placement kind
@@ -56,20 +57,23 @@ PLACEMENTS: dict[str, Callable] = {}
 
 @dataclasses.dataclass(frozen=True)
 class OwnBackward:
-  """A placement kind's backward fed by the fused kernel's own residuals, in place of ``ordinary_schedule``'s vjp.
+  """A placement kind's backward, fed by the fused kernel's own residuals (Pallas kernels have no autodiff).
 
   Attributes:
     schedule: ``fused schedule -> loop-nest schedule`` whose backward runs; the
-      cost model prices that schedule's backward, with no forward run again.
+      cost model prices that schedule's backward, with no forward run again;
+      None where the cost model prices the kind's backward itself (GEMMs).
     attach: ``(fused schedule, per-device function) -> jitted f(*inputs)``:
       the fused forward with that backward.
+    description: what computes the gradients, for the printer.
   """
 
-  schedule: Callable
+  schedule: Callable | None
   attach: Callable
+  description: str
 
 
-# Kinds with a backward of their own (ring attention); the others are differentiated through ``ordinary_schedule``.
+# Per placement kind, its backward (each kind's module registers it).
 BACKWARDS: dict[str, OwnBackward] = {}
 
 
@@ -163,7 +167,9 @@ class FusedLowering:
     device_problem: ``(schedule, placement) -> reason | None`` for the mesh's devices.
     param_problem: ``(params, itemsize) -> reason | None``.
     tile: ``params -> (rows, cols, depth)``: the multiples it pads one device's blocks to.
-    make: ``(placement, params, interpret) -> per-device function``.
+    make: ``(placement, params, interpret) -> per-device function``; an
+      all-gather GEMM's also takes ``gathered=True``, returning ``(C block,
+      all_gather(A) or None)`` for its backward (``fused_gemm_backward``).
     interpret: it runs on a one-device CPU mesh in Mosaic GPU interpret mode.
     kind: the placement kind it computes (``KIND_NAMES``).
     fit_problem: ``(placement, params, schedule) -> reason | None``: whether
@@ -324,8 +330,7 @@ def summary(schedule) -> str:
   p = low.place(schedule)
   level = p.level if not isinstance(p, str) else "?"
   mode = " (Mosaic GPU interpret mode)" if low.interprets(schedule) else ""
-  grads = ("the dual programs, from the kernel's output and log-sum-exp" if low.kind in BACKWARDS
-           else "the shard_map lowering's")
+  grads = BACKWARDS[low.kind].description
   return (f"lowered with {low.label(schedule.lowering_params)}{mode}: the whole nest runs as one fused kernel per "
           f"device, the ring over {level} inside it; gradients: {grads}\n  {low.description}")
 
@@ -339,8 +344,8 @@ def memory_bytes(schedule) -> int:
 
 
 def ordinary_schedule(schedule):
-  """``schedule`` without its lowering: the same layouts and rings as a loop nest, its block on XLA's body. Its
-  vjp differentiates a fused GEMM; a kind in ``BACKWARDS`` builds its backward from it."""
+  """``schedule`` without its lowering: the same layouts and rings as a loop nest, its block on XLA's body (what
+  the fused kernel computes, and what a ring attention's backward is built from)."""
   plain = schedule.copy()
   plain.lowering, plain.lowering_params = None, {}
   plain.trace = [step for step in plain.trace if step["primitive"] != "lower_with"]
@@ -352,42 +357,14 @@ def compile_fused(schedule):
 
   The forward is the lowering's per-device function in place of the loop
   nest, inside the same wrapper as ``lower`` (padding, layouts, cropping).
-  A kind in ``BACKWARDS`` attaches its own backward (ring attention: the
-  dual programs, from the kernel's output and log-sum-exp). Otherwise the
-  backward is the vjp of the ordinary ``shard_map`` lowering of the same
-  schedule (``ordinary_schedule``: its rings transposed by JAX), which runs
-  that lowering's forward again for its residuals: a GEMM's collectives
-  only (its products are unused).
+  Pallas kernels have no autodiff, so each kind attaches its own backward
+  (``BACKWARDS``), fed by the kernel's own residuals: a ring attention's dual
+  programs from its output and log-sum-exp, a GEMM's dual fused GEMM from
+  the rows its ring gathered (``fused_gemm_backward``).
   """
-  from jax.sharding import AxisType
-
-  from jaxmercury.shard_map.lower import lower
   check(schedule)
   low = lowering(schedule.lowering)
-  per_device = low.build(schedule, **schedule.lowering_params)
-  if low.kind in BACKWARDS:
-    return BACKWARDS[low.kind].attach(schedule, per_device)
-  forward = lower(schedule, jit=False, per_device=per_device)
-  ordinary = lower(ordinary_schedule(schedule), jit=False)
-  explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
-
-  def like(grad, primal):  # a cotangent has its primal's dtype and, with explicit axes, its sharding
-    grad = grad.astype(primal.dtype)
-    return jax.sharding.reshard(grad, jax.typeof(primal).sharding) if explicit else grad
-
-  @jax.custom_vjp
-  def fused(*inputs):
-    return forward(*inputs)
-
-  def fwd(*inputs):
-    return forward(*inputs), inputs
-
-  def bwd(residuals, g):
-    _, vjp = jax.vjp(ordinary, *residuals)
-    return tuple(like(d, x) for d, x in zip(vjp(g), residuals))
-
-  fused.defvjp(fwd, bwd)
-  return jax.jit(fused)
+  return BACKWARDS[low.kind].attach(schedule, low.build(schedule, **schedule.lowering_params))
 
 
-from jaxmercury.shard_map import fused_attention, fused_gemm  # noqa: E402,F401  register their lowerings
+from jaxmercury.shard_map import fused_attention, fused_gemm, fused_gemm_backward  # noqa: E402,F401  register

@@ -281,7 +281,8 @@ def _attach_backward(schedule, per_device):
 
 fused.PLACEMENTS[RING_ATTENTION] = placement
 fused.KIND_NAMES[RING_ATTENTION] = "ring attention"
-fused.BACKWARDS[RING_ATTENTION] = fused.OwnBackward(backward_schedule, _attach_backward)
+fused.BACKWARDS[RING_ATTENTION] = fused.OwnBackward(backward_schedule, _attach_backward,
+                                                   "the dual programs, from the kernel's output and log-sum-exp")
 fused.register(fused.FusedLowering(
     "fused_ring_attention",
     "our Mosaic GPU kernel (pallas_kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "

@@ -176,9 +176,9 @@ def _ours_make(kernel: str) -> Callable:
     fn = getattr(importlib.import_module(f"jaxmercury.pallas_kernels.{kernel}"), kernel)
     tiles, out_dtype = _tiles(params), p.c.dtype
 
-    def per_device(a, b):
+    def per_device(a, b, **gathered):
       return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype, num_ctas=INTERPRET_CTAS if interpret else None,
-                interpret=interpret)
+                interpret=interpret, **gathered)
     return per_device
   return make
 
@@ -218,10 +218,11 @@ def _comm_make(p: Placement, params, interpret: bool):
   tile_params, comm_ctas, chunk_tiles = _comm_split(params)
   tiles, out_dtype = _tiles(tile_params), p.c.dtype
 
-  def per_device(a, b):
+  def per_device(a, b, gathered: bool = False):
     return fused_allgather_matmul_comm(a, b, p.level, tiles=tiles, comm_ctas=comm_ctas,
                                        chunk_rows=chunk_tiles * tiles.tile_m, out_dtype=out_dtype,
-                                       num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret)
+                                       num_ctas=INTERPRET_CTAS if interpret else None, interpret=interpret,
+                                       gathered=gathered)
   return per_device
 
 
@@ -271,7 +272,7 @@ def _jax_make(p: Placement, params, interpret: bool):
   del interpret  # never: the kernel sizes its grid by the device's SM count
   from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm  # Hopper only: lazy
 
-  from jaxmercury.pallas_kernels.peer_gemm import pad_to, round_up
+  from jaxmercury.pallas_kernels.peer_gemm import pad_to, round_up, unpad_row_blocks
   dim = cm.MatmulDimension
   config = cm.TuningConfig(tile_m=params["tile_m"], tile_n=params["tile_n"], tile_k=params["tile_k"],
                            max_concurrent_steps=params["max_concurrent_steps"],
@@ -281,13 +282,12 @@ def _jax_make(p: Placement, params, interpret: bool):
   rows, cols, depth = _jax_tile(params)
   out_dtype = p.c.dtype
 
-  def per_device(a, b):
+  def per_device(a, b, gathered: bool = False):
     (m, k), n = a.shape, b.shape[1]
     mp, kp, np_ = round_up(m, rows), round_up(k, depth), round_up(n, cols)
     out = cm.all_gather_lhs_matmul(pad_to(a, mp, kp), pad_to(b, kp, np_), p.level, config=config, dtype=out_dtype)
-    if (mp, np_) == (m, n):
-      return out
-    return out.reshape(p.size, mp, np_)[:, :m, :n].reshape(p.size * m, n)
+    out = unpad_row_blocks(out, p.size, m, n)
+    return (out, None) if gathered else out  # it keeps no gathered A: the backward gathers it
   return per_device
 
 
@@ -323,8 +323,8 @@ def _ws_make(kernel: str) -> Callable:
     module = importlib.import_module(f"jaxmercury.pallas_kernels.{kernel}")
     fn, tiles, out_dtype = getattr(module, kernel), _ws_tiles(params), p.c.dtype
 
-    def per_device(a, b):
-      return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype)
+    def per_device(a, b, **gathered):
+      return fn(a, b, p.level, tiles=tiles, out_dtype=out_dtype, **gathered)
     return per_device
   return make
 

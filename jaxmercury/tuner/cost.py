@@ -146,21 +146,49 @@ def backward_seconds(schedule, machine: Machine) -> float:
   is split over that level (a reduce-scatter), to nothing where it is whole
   there (an all-reduce: every device already holds the whole cotangent). A
   fused ring attention's backward is that of its ``backward_schedule``
-  (``fused.BACKWARDS``: the kernel keeps its residuals); a fused GEMM is
-  differentiated through its ordinary schedule (``fused.ordinary_schedule``),
-  whose collectives run again first (its products are unused).
+  (``fused.BACKWARDS``: the kernel keeps its residuals); a fused GEMM's is
+  its dual fused GEMM and one local GEMM (``fused_gemm_backward_seconds``).
   """
   if schedule.lowering is None:
     work = BACKWARD_WORK.get(schedule.program.pattern, 2.0)
     return _nest_seconds(backward_schedule(schedule), machine.backward(), work=work, reductions=TRANSPOSED)
   from jaxmercury.shard_map import fused
-  own = fused.BACKWARDS.get(fused.lowering(schedule.lowering).kind)
-  if own is not None:
-    return backward_seconds(own.schedule(schedule), machine)
-  plain = fused.ordinary_schedule(schedule)
-  again = _nest_seconds(plain, machine, work=1.0 if plain.program.pattern == "attention" else 0.0,
-                        reductions=None)
-  return again + backward_seconds(plain, machine)
+  own = fused.BACKWARDS[fused.lowering(schedule.lowering).kind]
+  if own.schedule is None:
+    return fused_gemm_backward_seconds(schedule, machine)
+  return backward_seconds(own.schedule(schedule), machine)
+
+
+def fused_gemm_backward_seconds(schedule, machine: Machine) -> float:
+  """A fused GEMM's backward (``shard_map.fused_gemm_backward``): the dual fused GEMM, then the local GEMM.
+
+  The dual kernel does the forward's flops and passes ``L - 1`` blocks: an
+  all-gather GEMM's dual reduce-scatters float32 partials of dA's row block
+  ``[m, k]``, a reduce-scatter GEMM's dual gathers dC's row blocks
+  ``[m, n]``; both overlapped with its GEMMs, at its measured rate on the mesh
+  (``fused_flops_per_s``), else its local kernel's. Where the dual kernel
+  cannot run, XLA's GEMM and then its collective. The other gradient is one
+  local GEMM of the forward's flops on the gathered operand; a kernel that
+  keeps no gathered rows (``fused_gemm_backward.REGATHERS``) gathers A first.
+  """
+  from jaxmercury.shard_map import fused, fused_gemm, fused_gemm_backward
+  low = fused.lowering(schedule.lowering)
+  p = low.place(schedule)
+  size, m, k, n = fused_gemm.gemm_shape(schedule)
+  itemsize = np.dtype(schedule.program.reads[0].dtype).itemsize
+  local = compute_seconds(fused.ordinary_schedule(schedule), machine)
+  link = machine.bandwidth(p.level)
+  sent = (size - 1) * (m * k * 4 if p.kind == fused_gemm.ALLGATHER else m * n * itemsize)
+  dual = fused_gemm_backward.dual_lowering(schedule)
+  if dual is None:
+    collective = local + machine.gather_factor * sent / link + machine.latency_s
+  else:
+    collective = _overlapped_gemm_seconds(dual, dual.params(), 2 * size * m * k * n, sent, p.level, schedule,
+                                          machine)
+  regather = 0.0
+  if low.name in fused_gemm_backward.REGATHERS:
+    regather = machine.gather_factor * (size - 1) * m * k * itemsize / link + machine.latency_s
+  return collective + regather + local
 
 
 TRANSPOSED = "transposed"  # ``_nest_seconds``: price each cross-level reduction's transpose
@@ -248,17 +276,24 @@ def fused_seconds(schedule, machine: Machine) -> float:
   if not isinstance(p, fused_gemm.Placement):
     return _ring_attention_seconds(schedule, p, low, machine)
   size, m, k, n = fused_gemm.gemm_shape(schedule)
-  measured = machine.fused_flops_per_s.get(low.name)
-  gemm = 2 * size * m * k * n / (measured or machine.rate(low.rate_kernel))
-  comm_ctas = low.params(**schedule.lowering_params).get("comm_ctas", 0) if size > 1 else 0
-  if comm_ctas and not measured:
-    sms = _sm_count(schedule.mesh)
-    gemm *= sms / max(sms - comm_ctas, 1)
   if p.kind == fused_gemm.ALLGATHER:
     sent = m * k * np.dtype(schedule.program.reads[0].dtype).itemsize
   else:
     sent = m * n * 4
-  return max(gemm, (size - 1) * sent / machine.bandwidth(p.level)) + machine.latency_s
+  return _overlapped_gemm_seconds(low, low.params(**schedule.lowering_params), 2 * size * m * k * n,
+                                  (size - 1) * sent, p.level, schedule, machine)
+
+
+def _overlapped_gemm_seconds(low, params, flops: float, sent: float, level: str, schedule, machine: Machine) -> float:
+  """A fused GEMM kernel ``low`` doing ``flops`` while its ring passes ``sent`` bytes over ``level``: the longer
+  of the two, plus one latency."""
+  measured = machine.fused_flops_per_s.get(low.name)
+  gemm = flops / (measured or machine.rate(low.rate_kernel))
+  comm_ctas = params.get("comm_ctas", 0) if sent else 0
+  if comm_ctas and not measured:
+    sms = _sm_count(schedule.mesh)
+    gemm *= sms / max(sms - comm_ctas, 1)
+  return max(gemm, sent / machine.bandwidth(level)) + machine.latency_s
 
 
 def _sm_count(mesh, default: int = 132) -> int:

@@ -5,8 +5,9 @@
 ``jax_allgather_lhs_matmul`` (JAX's), ``matmul_reducescatter`` and
 ``async_tp_reducescatter`` with ``fused_matmul_reducescatter`` and
 ``fused_matmul_reducescatter_ws`` (ours), over every local GPU: the output
-and both gradients against the float32 reference, the gradients against the
-ordinary schedule's, and the tuner offering and timing them; ``ring`` and
+and both gradients against the float32 reference (the backward is the dual
+fused GEMM of the other placement, ``fused_gemm_backward``) and the ordinary
+schedule's, and the tuner offering and timing them; ``ring`` and
 ``context_parallel`` attention, and causal ``ring`` and ``ring_zigzag``,
 lowered with both fused ring attentions (outputs and gradients against the
 float32 reference: the backward is the dual programs on cuDNN blocks).
@@ -56,7 +57,8 @@ def _check(schedule, plain):
     assert g.dtype == prog.reads[0].dtype
     err = rel_err(g.astype(jnp.float32), w)
     assert err < GRAD_TOL, f"d{name}: rel err {err}\n{schedule}"
-    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < 1e-3, f"d{name} differs from the ordinary one"
+    # the dual kernel sums in float32 and rounds once: bf16 roundings apart from the ordinary backward's
+    assert rel_err(g.astype(jnp.float32), p.astype(jnp.float32)) < 1e-2, f"d{name} differs from the ordinary one"
 
 
 @pytest.mark.parametrize("kind", ["tiled", "ragged"])
