@@ -172,3 +172,18 @@ def test_every_fused_gemm_lowering_has_a_dual_of_the_other_kind():
   assert sorted(fused_gemm_backward.DUALS) == sorted(gemms)
   for name, dual in fused_gemm_backward.DUALS.items():
     assert fused.LOWERINGS[name].kind != fused.LOWERINGS[dual].kind
+
+
+@pytest.mark.parametrize("strategy,lowering", [("async_tp", AG), ("matmul_reducescatter", RS)])
+def test_explicit_mesh_axes(standins, strategy, lowering):
+  """On a mesh of explicit axes the gradients come back sharded as the ordinary lowering's do."""
+  from jax.sharding import AxisType
+  prog = jm.programs.matmul(512, 256, 128, dtype=jnp.bfloat16)
+  plain = jm.library(prog, make_mesh("8", AxisType.Explicit))[strategy]
+  s = plain.copy().lower_with(lowering)
+  _check(s)
+  a, b = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
+  grads = jax.vjp(s.compile(), a, b)[1](cot)
+  plain_grads = jax.vjp(plain.compile(), a, b)[1](cot)
+  assert [jax.typeof(g).sharding.spec for g in grads] == [jax.typeof(g).sharding.spec for g in plain_grads]
