@@ -132,6 +132,19 @@ def fit_blocks(schedule: Schedule, budget_bytes: int) -> Schedule:
   return schedule
 
 
+def with_lse_schedule(schedule) -> Schedule:
+  """The forward that keeps the backward's residuals: ``schedule``'s trace replayed on ``attention_with_lse``
+  (its output ``olse``, the output and log-sum-exp, stored as ``o``); the first of ``attention_duals``."""
+  prog = schedule.program
+  if prog.pattern != "attention" or prog.params.get("emit_lse"):
+    raise ScheduleError(f"{prog.name}: no backward programs for pattern {prog.pattern!r}")
+  specs = _storage_specs(schedule)
+  q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
+  return replay(Schedule(ab.attention_with_lse(prog), schedule.mesh,
+                         in_shardings=[PartitionSpec(*x) for x in (q, k, v)], out_sharding=PartitionSpec(*o)),
+                _renamed(schedule.trace, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, kernel={}))
+
+
 def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = False
                     ) -> tuple[Schedule, Schedule, Schedule]:
   """(forward with lse, dq, dk-dv) schedules of an attention schedule.
@@ -148,18 +161,13 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = F
       the dq schedule's, replayed on the dk-dv one, and its serial loops
       are reordered to the dq schedule's order.
   """
+  forward = with_lse_schedule(schedule)
   prog = schedule.program
-  if prog.pattern != "attention" or prog.params.get("emit_lse"):
-    raise ScheduleError(f"{prog.name}: no backward programs for pattern {prog.pattern!r}")
   specs = _storage_specs(schedule)
   q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
   rows = PartitionSpec(*o[:3])
   backward_ins = [PartitionSpec(*x) for x in (q, k, v, o, o)] + [rows]
   mesh, steps = schedule.mesh, schedule.trace
-
-  forward = replay(Schedule(ab.attention_with_lse(prog), mesh, in_shardings=[PartitionSpec(*x) for x in (q, k, v)],
-                            out_sharding=PartitionSpec(*o)),
-                   _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, kernel={}))
   companions = ["o", "do", "lse"]
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
               _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]},

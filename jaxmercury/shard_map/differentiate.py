@@ -20,7 +20,7 @@ import functools
 import jax
 from jax.sharding import AxisType
 
-from jaxmercury.schedules.dual import attention_duals, backward_schedule
+from jaxmercury.schedules.dual import attention_duals, backward_schedule, with_lse_schedule
 from jaxmercury.shard_map.joint_backward import joint_backward
 from jaxmercury.shard_map.local_backward import local_backward
 
@@ -44,7 +44,7 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
 
   @functools.cache
   def duals():  # built on the first differentiation, not for forward-only use
-    with_lse = attention_duals(schedule)[0]
+    with_lse = with_lse_schedule(schedule)
     keep = forward_with_lse(with_lse) if forward_with_lse else with_lse.compile(differentiable=False)
     backward = backward_schedule(schedule)
     _, dq_s, dkv_s = attention_duals(backward, joint=True)
