@@ -11,7 +11,7 @@ bf16. Every contestant maps the same ``(q, k, v, o, do, lse)`` (the
 schedule's forward residuals, a fresh random cotangent) to ``(dq, dk, dv)``,
 checked against the first contestant's:
 
-- ``joint``: the dual programs in one nest (``shard_map.joint_backward``):
+- ``joint``: the dual programs in one nest (``lowering.joint_backward``):
   one backward block call per block pair;
 - ``apart``: the same dual schedules one after the other, as before
   2026-11-24: each runs a backward block call per block pair (cuDNN's
@@ -60,8 +60,8 @@ def schedule_for(mesh, prog, tiles: int, kernel: str):
 def contestants(schedule):
   """(name, label, builder) of each way to run ``schedule``'s backward, and the residuals' forward."""
   from jaxmercury.schedules.dual import attention_duals
-  from jaxmercury.shard_map.joint_backward import joint_backward
-  from jaxmercury.shard_map.local_backward import local_backward
+  from jaxmercury.lowering.joint_backward import joint_backward
+  from jaxmercury.lowering.local_backward import local_backward
   with_lse, dq_s, dkv_s = attention_duals(schedule, joint=True)
 
   def split(f):

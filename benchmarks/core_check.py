@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
-from jaxmercury.pallas_kernels import registry  # noqa: E402
+from jaxmercury.kernels import registry  # noqa: E402
 from jaxmercury.tuner import measure  # noqa: E402
 
 from benchmarks.baselines import xla as base  # noqa: E402

@@ -86,7 +86,7 @@ def _jm_ring(mesh, prog, spec, impl: str, strategy: str = "ring"):
   """jaxmercury's ``strategy`` schedule of ``prog`` for sequence-sharded callers (blocks on cuDNN where ``impl``
   is ``"cudnn"``), or the reason it does not apply."""
   import jaxmercury as jm
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.tuner.autotuner import with_layouts
   lib = jm.library(prog, mesh)
   if strategy not in lib:
     return None, f"jaxmercury's library has no {strategy} schedule here ({sorted(lib)})"
@@ -98,8 +98,8 @@ def _jm_zigzag_fused(mesh, prog, spec, lowering: str, **params):
   """jaxmercury's ``ring_zigzag`` schedule lowered with the fused kernel ``lowering`` at ``params``, for
   natural-order callers (it puts the sequence into zigzag order and back), or the reason it does not apply."""
   import jaxmercury as jm
-  from jaxmercury.shard_map import fused
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.lowering import fused
+  from jaxmercury.tuner.autotuner import with_layouts
   lib = jm.library(prog, mesh)
   if "ring_zigzag" not in lib:
     return None, f"jaxmercury's library has no ring_zigzag schedule here ({sorted(lib)})"
@@ -113,8 +113,8 @@ def _lowered(mesh, prog, spec, strategy: str, lowering: str, **params):
   """jaxmercury's ``strategy`` schedule for sequence-sharded callers lowered with the fused kernel ``lowering`` at
   ``params``, or the reason it does not apply."""
   import jaxmercury as jm
-  from jaxmercury.shard_map import fused
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.lowering import fused
+  from jaxmercury.tuner.autotuner import with_layouts
   lib = jm.library(prog, mesh)
   if strategy not in lib:
     return None, f"jaxmercury's library has no {strategy} schedule here ({sorted(lib)})"
@@ -127,8 +127,8 @@ def _lowered(mesh, prog, spec, strategy: str, lowering: str, **params):
 def _previous_backward(schedule):
   """``schedule`` (fused) compiled with the backward fused lowerings had before 2026-11-24: the vjp of the
   ordinary lowering on XLA's attention body, which runs that forward again and keeps its scores."""
-  from jaxmercury.shard_map import fused
-  from jaxmercury.shard_map.lower import lower
+  from jaxmercury.lowering import fused
+  from jaxmercury.lowering.lower import lower
   forward = lower(schedule, jit=False, per_device=fused.lowering(schedule.lowering).build(
       schedule, **schedule.lowering_params))
   ordinary = lower(fused.ordinary_schedule(schedule), jit=False)
@@ -150,7 +150,7 @@ def _training_step(build):
 
 def training_contestants(mesh, prog, spec, impl: str, previous: bool = False):
   """Forward+backward contestants (``--training``): the differentiable baselines and fused lowerings."""
-  from jaxmercury.pallas_kernels.fused_ring_attention import Blocks
+  from jaxmercury.kernels.fused_ring_attention import Blocks
   causal = bool(prog.params.get("causal"))
   out = [c for c in contestants(mesh, prog, spec, impl, kernels=False)]
   if causal:
@@ -179,9 +179,9 @@ def training_contestants(mesh, prog, spec, impl: str, previous: bool = False):
 
 def contestants(mesh, prog, spec, impl: str, kernels: bool = True):
   """The forward contestants; ``kernels=False``: only the baselines and jaxmercury's unfused ring."""
-  from jaxmercury.pallas_kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
-  from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS as WS_CONFIGS
-  from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
+  from jaxmercury.kernels.fused_ring_attention import CONFIGS, Blocks, fused_ring_attention
+  from jaxmercury.kernels.fused_ring_attention_ws import CONFIGS as WS_CONFIGS
+  from jaxmercury.kernels.fused_ring_attention_ws import fused_ring_attention_ws
   causal = bool(prog.params.get("causal"))
   out = [harness.Contestant("cp_allgather_" + impl, "baseline",
                             lambda: attn.context_parallel(mesh, LEVELS, causal=causal, impl=impl),

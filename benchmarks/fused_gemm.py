@@ -103,8 +103,8 @@ def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_nam
                     prefix: str):
   """jaxmercury's shard_map ring ``strategy`` (a baseline here) and the fused ``kernel`` at every tile variant."""
   import jaxmercury as jm
-  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.kernels.mosaic_matmul import Tiles
+  from jaxmercury.tuner.autotuner import with_layouts
   x_spec, w_spec, out_spec = specs
   lib = jm.library(jm.programs.matmul(m, n, k, dtype=jnp.bfloat16), mesh)
   ring = with_layouts(lib[strategy], [x_spec, w_spec], out_spec) if strategy in lib else None
@@ -114,11 +114,11 @@ def _ring_and_fused(mesh, m: int, k: int, n: int, specs, strategy: str, ring_nam
 
 
 def contestants(mesh, m: int, k: int, n: int):
-  from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
-  from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
-  from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-  from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+  from jaxmercury.kernels.fused_allgather_matmul import fused_allgather_matmul
+  from jaxmercury.kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+  from jaxmercury.kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
+  from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles
+  from jaxmercury.kernels.mosaic_matmul import Tiles
   specs = base.layouts("allgather", "x")
   out = [harness.Contestant("xla_allgather_dot", "baseline", lambda: base.allgather_dot(mesh, "x"),
                             "all_gather + dot in shard_map")]
@@ -168,11 +168,11 @@ def run_shape(mesh, label, m, k, n, iters):
 
 
 def rs_contestants(mesh, m: int, k: int, n: int):
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
+  from jaxmercury.kernels.fused_matmul_reducescatter import fused_matmul_reducescatter
   specs = base.layouts("reducescatter", "x")
   out = [harness.Contestant("xla_dot_psum_scatter", "baseline", lambda: base.dot_psum_scatter(mesh, "x"),
                             "dot (float32) + psum_scatter in shard_map")]
-  from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
+  from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
   out += _ring_and_fused(mesh, m, k, n, specs, "async_tp_reducescatter", "jm_async_tp_rs",
                          "shard_map ppermute ring of partial sums", fused_matmul_reducescatter, "fused_rs")
   return out + _fused_variants(mesh, specs, fused_matmul_reducescatter_ws, _tiles(WsTiles), WS_TILES,

@@ -62,7 +62,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from jaxmercury import graph as jg  # noqa: E402
 from jaxmercury.graph.dag import OP  # noqa: E402
-from jaxmercury.graph.layouts import Layout  # noqa: E402
+from jaxmercury.analysis.layouts import Layout  # noqa: E402
 from jaxmercury import programs  # noqa: E402
 from jaxmercury.tuner import calibrate  # noqa: E402
 from jaxmercury.tuner.cost import Machine  # noqa: E402

@@ -36,8 +36,8 @@ from jax.sharding import AxisType  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from jaxmercury.pallas_kernels import registry  # noqa: E402
-from jaxmercury.program import BlockContext  # noqa: E402
+from jaxmercury.kernels import registry  # noqa: E402
+from jaxmercury.ir.program import BlockContext  # noqa: E402
 
 DEFAULT_RATIO = 0.9  # the chosen default's rate over cuDNN's, at least
 XLA_MAX_SEQ = 8192  # XLA's attention holds the S x S scores: skipped above this

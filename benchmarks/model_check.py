@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels import registry
+from jaxmercury.kernels import registry
 from jaxmercury.tuner import calibrate, cost
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")

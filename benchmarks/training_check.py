@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from jaxmercury.pallas_kernels import registry  # noqa: E402
-from jaxmercury.schedules import orders  # noqa: E402
+from jaxmercury.kernels import registry  # noqa: E402
+from jaxmercury.ir import orders  # noqa: E402
 from benchmarks.baselines import xla as base  # noqa: E402
 
 

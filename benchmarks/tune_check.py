@@ -31,7 +31,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import jaxmercury as jm  # noqa: E402
 from jaxmercury.tuner import cost, measure  # noqa: E402
-from jaxmercury.tuner.tune import Candidate, default_candidates, with_layouts  # noqa: E402
+from jaxmercury.tuner.autotuner import Candidate, default_candidates, with_layouts  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 

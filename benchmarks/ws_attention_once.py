@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxmercury.pallas_kernels.fused_ring_attention_ws import fused_ring_attention_ws
+from jaxmercury.kernels.fused_ring_attention_ws import fused_ring_attention_ws
 
 
 def main(argv=None):

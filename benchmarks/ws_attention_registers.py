@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import harness
-from jaxmercury.pallas_kernels import fused_ring_attention_ws as ws
+from jaxmercury.kernels import fused_ring_attention_ws as ws
 
 HEADS, HEAD_DIM, BATCH = 32, 128, 1
 SPLITS = ((232, 40), (240, 24))

@@ -8,11 +8,13 @@ with the merged output and log-sum-exp.
 """
 
 import jax
-
-from jax._src.cudnn.fused_attention_stablehlo import MaskType  # noqa: F401
+from jax._src.cudnn.fused_attention_stablehlo import (
+  MaskType,
+  _dot_product_attention_bwd_p_wrapper,
+  _normalize_layout,
+)
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: F401
-from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_bwd_p_wrapper  # noqa: E402
-from jax._src.cudnn.fused_attention_stablehlo import _normalize_layout  # noqa: E402
+from jax.experimental.pallas.ops.gpu import attention_mgpu
 
 
 def cudnn_attention_backward(q, k, v, o, do, lse, *, scale: float, causal: bool):
@@ -40,5 +42,4 @@ def mgpu_attention_backward(q, k, v, o, do, lse, config):
   q, o, do [B, T, H, D] and k, v [B, S, Hkv, D] in float16; lse [B, H, T]
   float32 in base 2; scores unscaled. Returns (dq, dk, dv) in float16.
   """
-  from jax.experimental.pallas.ops.gpu import attention_mgpu
   return attention_mgpu._attention_bwd(config, False, (q, k, v, o, lse), do)

@@ -5,8 +5,8 @@ winner stored in the tuning database, tune on a miss when ``tune=True``, and
 otherwise take the winner tuned for the nearest other sizes of the same
 operator on the same mesh (``Database.nearest``: each size within a factor
 of 4, replayed on these sizes), else a sensible library strategy with the
-fastest local kernel that applies (cuDNN or Mosaic GPU flash attention on
-GPUs).
+preferred local kernel that applies (``registry.default_kernel``: cuDNN or
+Mosaic GPU flash attention on GPUs).
 """
 
 from __future__ import annotations
@@ -14,21 +14,19 @@ from __future__ import annotations
 import functools
 
 from jaxmercury import programs
+from jaxmercury.kernels import registry
 from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.tuner.autotuner import autotune
+from jaxmercury.tuner.database import FORWARD, TRAINING, Database
 
 DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter")}
-# Local kernels a default schedule patches in, the first that applies (measured on H200:
-# benchmarks/results/2026-11-22-local_kernels-H200.json); XLA's own body otherwise.
-DEFAULT_KERNELS = {"attention": ("cudnn_attention", "mosaic_attention")}
 
 
 def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
   """The schedule an operator uses: stored winner, else tuned (if asked), else the nearest sizes' winner, else a
   default. With ``training=True`` among ``tune_options``, the winners are those tuned for a training step
   (``autotune(training=True)``)."""
-  from jaxmercury.tuner.database import FORWARD, TRAINING, Database
-  from jaxmercury.tuner.tune import autotune
   db = database if database is not None else Database()
   objective = TRAINING if tune_options.get("training") else FORWARD
   found = db.lookup(program, mesh, objective=objective)
@@ -43,8 +41,7 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
     return near.schedule
   lib = library(program, mesh)
   schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
-  available = schedule.kernel_candidates()
-  kernel = next((k for k in DEFAULT_KERNELS.get(program.pattern, ()) if k in available), None)
+  kernel = registry.default_kernel(program, mesh)
   return schedule.patch(kernel) if kernel else schedule
 
 

@@ -96,7 +96,7 @@ def parse_links(text: str | None) -> dict[str, float]:
 
 def predictions(prog, machine, jm) -> list:
   """Predicted candidates on --predict_mesh, printed as a table."""
-  from jax.sharding import AbstractMesh, AxisType
+  from jax.sharding import AbstractMesh, AxisType  # JAX starts only after main() set XLA_FLAGS
   names, sizes = parse_mesh(FLAGS.predict_mesh, 1 << 30)
   mesh = AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
   machine = machine.with_links(**parse_links(FLAGS.link_gbps))
@@ -116,16 +116,19 @@ def _program(kind, jm):
   return jm.programs.matmul(FLAGS.m, FLAGS.n, FLAGS.k, dtype=FLAGS.dtype)
 
 
+WINNER_FIELDS = ("name", "strategy", "kernel", "kernel_config", "lowering", "lowering_config", "schedule", "time_ms",
+                 "memory_bytes")
+
+
 def result_json(result, mesh) -> dict:
-  def short(c):
-    return {"name": c.name, "schedule": json.loads(c.schedule.to_json()), "time_ms": c.time_ms,
-            "memory_bytes": c.memory_bytes}
-  cands = []
-  for c in result.candidates:
+  """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``), the winner's too."""
+  def structured(c):
     d = c.to_dict()
     d["schedule"] = json.loads(d["schedule"])
-    cands.append(d)
-  return {"objective": result.objective, "winner": short(result.best) if result.best else None, "candidates": cands,
+    return d
+  cands = [structured(c) for c in result.candidates]
+  winner = {k: v for k, v in structured(result.best).items() if k in WINNER_FIELDS} if result.best else None
+  return {"objective": result.objective, "winner": winner, "candidates": cands,
           "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
           "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
 
@@ -137,9 +140,11 @@ def main(argv) -> int:
     return 2
   flag = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  # JAX starts here, after XLA_FLAGS asked for the simulated CPU devices
   import jax
   from jax.sharding import AxisType
-  import jaxmercury as jm
+
+  import jaxmercury as jm  # imports JAX: after XLA_FLAGS too
 
   platform = jax.devices()[0].platform
   names, sizes = parse_mesh(FLAGS.mesh, len(jax.devices()))
@@ -153,8 +158,8 @@ def main(argv) -> int:
   budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
   candidates = None
   if FLAGS.kernel_variants:
-    from jaxmercury.pallas_kernels import registry
-    from jaxmercury.tuner.tune import default_candidates
+    from jaxmercury.kernels import registry  # imports JAX: after XLA_FLAGS
+    from jaxmercury.tuner.autotuner import default_candidates  # as above
     candidates = default_candidates(prog, mesh, space=FLAGS.space,
                                     kernels=registry.candidates(prog, mesh, variants=True))
   result = jm.autotune(prog, mesh, candidates=candidates, space=FLAGS.space, top_k=FLAGS.top, memory_budget=budget,
@@ -171,7 +176,7 @@ def main(argv) -> int:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=1)
   if FLAGS.plot and result.candidates:
-    from jaxmercury.tuner.plot import latency_memory_plot
+    from jaxmercury.tuner.plot import latency_memory_plot  # matplotlib: only for --plot
     latency_memory_plot(result, FLAGS.plot, title=f"{prog.name} on {dict(mesh.shape)} ({platform})")
   if result.best is None:
     print("\nno candidate passed its numerical check")
@@ -184,7 +189,7 @@ def main(argv) -> int:
 
 def run(argv) -> int:
   """``main`` with bad arguments reported as one line, not a traceback."""
-  from jaxmercury.errors import ScheduleError
+  from jaxmercury.errors import ScheduleError  # imports JAX: not before main() set XLA_FLAGS
   try:
     return main(argv)
   except (ValueError, ScheduleError, flags.Error) as e:

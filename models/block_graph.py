@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import jaxmercury as jm
 from jaxmercury.graph import Graph, Layout, compile_plan, glue_node, input_node, op_node, output_node
-from jaxmercury.graph.candidates import unsplit
+from jaxmercury.graph.options import unsplit
 from models.llama import LlamaConfig, rms_norm, rotary, swiglu
 
 PARAMS = ("attention_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

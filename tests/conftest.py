@@ -5,11 +5,11 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
 
 MESH_SHAPES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("node", "gpu")), "4x2": ((4, 2), ("node", "gpu"))}
 
@@ -105,7 +105,7 @@ def cpu_cudnn(monkeypatch):
   """
   import dataclasses
 
-  from jaxmercury.pallas_kernels import cudnn_attention, registry
+  from jaxmercury.kernels import cudnn_attention, registry
   ran = []
 
   def backward(*args):

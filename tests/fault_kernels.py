@@ -13,7 +13,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from jaxmercury.pallas_kernels import registry
+from jaxmercury.kernels import registry
 
 # The hanging kernel waits for this event (a worker process never sets it and is killed).
 RELEASE = threading.Event()
@@ -55,13 +55,14 @@ BODIES = {"test_raises": _raises, "test_nan": _nan, "test_wrong": _wrong, "test_
 
 
 def _make(body):
-  def make(program):
-    del program
+  def make(program, config, interpret):
+    del program, config, interpret
     return body
   return make
 
 
-KERNELS = {name: registry.Kernel(name, frozenset({"matmul"}), _make(body)) for name, body in BODIES.items()}
+KERNELS = {name: registry.Kernel(name=name, patterns=frozenset({"matmul"}), make=_make(body))
+           for name, body in BODIES.items()}
 
 
 def install():

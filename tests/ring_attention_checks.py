@@ -10,8 +10,8 @@ from conftest import fresh_key, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmercury.pallas_kernels.fused_ring_attention import SequenceOrder, positions, reference
-from jaxmercury.schedules import orders
+from jaxmercury.ir import orders
+from jaxmercury.kernels.fused_ring_attention import SequenceOrder, positions, reference
 
 SEQ = P(None, "x")
 SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)

@@ -39,7 +39,7 @@ def _by_name(case):
 
 
 def _check_case(case, timed, skipped):
-  assert CASE_KEYS <= set(case), sorted(CASE_KEYS - set(case))
+  assert set(case) >= CASE_KEYS, sorted(CASE_KEYS - set(case))
   assert case["status"] == "ok" and case["agree"] is True
   recs = _by_name(case)
   assert set(recs) == set(timed) | set(skipped)
@@ -80,7 +80,7 @@ def test_smoke_suite(tmp_path):
   proc, wall = _run(["--smoke", "--suite", "all", "--out", str(out), "--tune_max_tflop", "1e-6"])
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   results = json.loads(out.read_text())
-  assert TOP_KEYS <= set(results), sorted(TOP_KEYS - set(results))
+  assert set(results) >= TOP_KEYS, sorted(TOP_KEYS - set(results))
   assert results["schema"] == run.SCHEMA and results["smoke"] is True
   assert results["platform"] == "cpu" and results["n_devices"] == 8
   assert set(results["links"]) == {"8", "2x4"} and all(v["bytes_per_s"] > 0 for v in results["links"].values())
@@ -277,12 +277,12 @@ def test_a_failed_tuner_replays_the_sweeps_last_winner():
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from conftest import make_mesh
   from jax.sharding import PartitionSpec as P
 
   import jaxmercury as jm
   from benchmarks import cases
-  from conftest import make_mesh
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.tuner.autotuner import with_layouts
 
   mesh = make_mesh("8")
   seq = P(None, "x")
@@ -316,11 +316,11 @@ def test_cudnn_baselines_lower_for_gpus(monkeypatch):
   """
   import jax
   import jax.numpy as jnp
+  from conftest import make_mesh
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
   from jax.sharding import NamedSharding
 
   from benchmarks.baselines import attention as attn
-  from conftest import make_mesh
 
   monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)

@@ -7,9 +7,9 @@ import sys
 
 import jax
 import pytest
+from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
-from conftest import assert_matches, make_mesh
 
 ATTENTION = ["attention", "--batch", "1", "--heads", "4", "--kv_heads", "2", "--seq_len", "64",
              "--head_dim", "16", "--causal"]

@@ -4,9 +4,9 @@ import random
 
 import jax.numpy as jnp
 import pytest
+from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
-from conftest import assert_matches, make_mesh
 from jaxmercury.tuner import enumerate_schedules
 
 PROGRAMS = {

@@ -21,15 +21,15 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
-from jaxmercury.graph.candidates import _without_output_placement
-from jaxmercury.pallas_kernels import cudnn_attention as ca
-from jaxmercury.pallas_kernels import mosaic_attention as ma
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.pallas_kernels.work import Block, Work, body_share
-from jaxmercury.program import BlockContext
+from jaxmercury.analysis.plan import make_plan
+from jaxmercury.graph.options import _without_output_placement
+from jaxmercury.ir import orders
+from jaxmercury.ir.program import BlockContext
+from jaxmercury.kernels import cudnn_attention as ca
+from jaxmercury.kernels import mosaic_attention as ma
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs import attention_backward as ab
-from jaxmercury.schedules import orders
-from jaxmercury.shard_map.plan import make_plan
 from jaxmercury.tuner import calibrate, cost
 
 FAST, SLOW = 500e12, 100e12
@@ -172,7 +172,7 @@ def test_mosaic_work_is_what_its_blocks_run(monkeypatch, causal):
   blocks = list(_blocks(512, [(256, 256), (256, 128), (128, 256)], 64, [{}, {"i": 2, "j": 2}, {"i": 8, "j": 8}],
                         500))
   blocks += list(_blocks(512, [(256, 256)], 32, [{}]))  # a head dim the kernels do not take
-  params = registry.parse("mosaic_attention")[1]
+  params = dataclasses.asdict(ma.ForwardConfig())
 
   def forward(ctx, block):
     return ma.mosaic_attention_block(ctx, *_inputs(block), causal=causal, params=params,
@@ -183,7 +183,7 @@ def test_mosaic_work_is_what_its_blocks_run(monkeypatch, causal):
   assert seen == ({"kernel", "kernel_causal", "masked", "fallback"} if causal else {"kernel", "fallback"})
 
   dq_prog = ab.attention_dq(prog)
-  dq_params = registry.parse("mosaic_attention_dq")[1]
+  dq_params = dataclasses.asdict(ma.DqConfig())
 
   def backward(ctx, block):
     return ma.mosaic_backward_block(ctx, *_inputs(block, backward=True), causal=causal, part="dq",

@@ -8,10 +8,10 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
-from conftest import assert_matches, make_mesh
-from jaxmercury.pallas_kernels import cudnn_attention
+from jaxmercury.kernels import cudnn_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -11,12 +11,12 @@ import warnings
 
 import jax.numpy as jnp
 import pytest
+from conftest import fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh
 from jaxmercury.tuner import cost, database, measure
-from jaxmercury.tuner.tune import Candidate
+from jaxmercury.tuner.autotuner import Candidate
 
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,8 +189,8 @@ def test_nearest_takes_the_closest_sizes_whose_winner_replays(tmp_path):
   _store(db, jm.library(_attention(1024), mesh)["context_parallel"], "context_parallel")  # 8x away
   target = _attention(128)
   assert db.lookup(target, mesh) is None
-  schedule, tuned, name = db.nearest(target, mesh)
-  assert tuned["q_len"] == 256 and name == "ring" and schedule.program is target
+  schedule, tuned, name, strategy = db.nearest(target, mesh)
+  assert tuned["q_len"] == 256 and name == strategy == "ring" and schedule.program is target
   assert schedule.trace == jm.library(_attention(256), mesh)["ring"].trace
   xs = target.random_inputs(fresh_key())
   assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - target.reference(*xs)))) < 1e-5
@@ -198,7 +198,7 @@ def test_nearest_takes_the_closest_sizes_whose_winner_replays(tmp_path):
   assert db.nearest(target, make_mesh("2x4")) is None  # another mesh
   assert db.nearest(_attention(256), mesh).params["q_len"] == 1024  # never its own record (that is lookup's)
   odd = _attention(1000)  # the 1024 winner replays on a length that is not a multiple of the devices
-  schedule, tuned, _ = db.nearest(odd, mesh)
+  schedule, tuned, _, _ = db.nearest(odd, mesh)
   assert tuned["q_len"] == 1024
   xs = odd.random_inputs(fresh_key())
   assert float(jnp.max(jnp.abs(schedule.compile()(*xs) - odd.reference(*xs)))) < 1e-5
@@ -210,7 +210,7 @@ WRITER = textwrap.dedent("""
     from jax.sharding import AbstractMesh, AxisType
     import jaxmercury as jm
     from jaxmercury.tuner.measure import Measurement
-    from jaxmercury.tuner.tune import Candidate
+    from jaxmercury.tuner.candidates import Candidate
 
     path, who, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
@@ -218,7 +218,9 @@ WRITER = textwrap.dedent("""
     own = jm.programs.matmul(64, 32, 48 if who == "a" else 96)
     db = jm.Database(path)
 
-    class Trace:
+    class Trace:  # a schedule's stand-in: its trace and no kernel
+      kernel = kernel_config = lowering = lowering_config = None
+
       def __init__(self, text):
         self.text = text
       def to_json(self):

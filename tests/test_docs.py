@@ -84,8 +84,8 @@ def run_document(path: pathlib.Path) -> int:
     try:
       code = compile("\n" * (block.line - 1) + block.code, str(path), "exec")
       with contextlib.redirect_stdout(out):
-        exec(code, namespace)  # noqa: S102 - the documentation's own example
-    except BaseException as e:  # noqa: BLE001 - reported with the document's line numbers
+        exec(code, namespace)
+    except BaseException as e:
       print(f"FAILED {where}:\n{out.getvalue()}{''.join(traceback.format_exception(e))}")
       return 1
     if block.expected is not None and _normalize(out.getvalue()) != _normalize(block.expected):

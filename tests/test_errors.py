@@ -1,10 +1,10 @@
 """Invalid schedules raise a ScheduleError that names the problem, before tracing."""
 
 import pytest
+from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from conftest import make_mesh
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_join_preconditions(mm):
 
 
 def test_patch_unknown_or_unavailable_kernel(mm):
-  with pytest.raises(jm.UnknownNameError, match="no kernel 'flash9'"):
+  with pytest.raises(jm.UnknownNameError, match="no local kernel 'flash9'"):
     mm.patch("flash9")
   with pytest.raises(jm.PreconditionError, match="implements"):
     mm.patch("cudnn_attention")

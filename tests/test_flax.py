@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fresh_key, make_mesh, rel_err
 from flax import nnx
 
 import jaxmercury as jm
 import models
-from conftest import fresh_key, make_mesh, rel_err
 from jaxmercury import ops
 from jaxmercury.flax import AttentionFn, DotGeneral, Routing, replicate_state
 

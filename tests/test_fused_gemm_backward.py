@@ -1,4 +1,4 @@
-"""The fused GEMMs' backward (``shard_map.fused_gemm_backward``) over 8 simulated CPU devices.
+"""The fused GEMMs' backward (``lowering.fused_gemm_backward``) over 8 simulated CPU devices.
 
 The Mosaic GPU kernels run only on Hopper GPUs (and, interpreted, on one CPU
 device), so here XLA programs stand in for them with the same per-device
@@ -19,8 +19,10 @@ from conftest import fresh_key, make_mesh, rel_err
 from jax import lax
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels.peer_gemm import gathered_rows
-from jaxmercury.shard_map import fused, fused_gemm, fused_gemm_backward
+from jaxmercury.analysis import placements
+from jaxmercury.kernels import placements as kplacements
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.peer_gemm import gathered_rows
 
 AG, AG_WS, AG_JAX = "fused_allgather_matmul", "fused_allgather_matmul_ws", "jax_allgather_lhs_matmul"
 RS, RS_WS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"
@@ -62,16 +64,16 @@ STANDINS = {AG: _allgather_standin, AG_WS: _allgather_standin, AG_JAX: _jax_stan
 @pytest.fixture
 def standins(monkeypatch):
   """Every fused GEMM lowering runs its stand-in on any devices; ``standins(name)`` takes one off the devices."""
-  def runs(schedule, p):
+  def runs(p, mesh):
     return None
 
   for name, make in STANDINS.items():
-    monkeypatch.setitem(fused.LOWERINGS, name, dataclasses.replace(
-        fused.LOWERINGS[name], make=make, device_problem=runs, interpret=False))
+    monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(
+        registry._KERNELS[name], make=make, devices=runs, interpret=False))
 
   def off(name):
-    monkeypatch.setitem(fused.LOWERINGS, name, dataclasses.replace(
-        fused.LOWERINGS[name], device_problem=lambda schedule, p: "not on these devices"))
+    monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(
+        registry._KERNELS[name], devices=lambda p, mesh: "not on these devices"))
   return off
 
 
@@ -84,7 +86,7 @@ def _gradients(schedule):
   out, vjp = jax.vjp(f, a, b)
   ref_out, ref_vjp = jax.vjp(jnp.dot, a.astype(jnp.float32), b.astype(jnp.float32))
   assert rel_err(out.astype(jnp.float32), ref_out) < 1e-2
-  _, plain_vjp = jax.vjp(fused.ordinary_schedule(schedule).compile(), a, b)
+  _, plain_vjp = jax.vjp(schedule.without('lower_with').compile(), a, b)
   grad = jax.jit(lambda a, b, c: jax.vjp(f, a, b)[1](c)).lower(a, b, cot).compile().as_text()
   return vjp(cot), plain_vjp(cot), ref_vjp(cot.astype(jnp.float32)), grad
 
@@ -127,7 +129,7 @@ def test_an_allgather_gemms_backward_reduce_scatters_da_and_gathers_nothing(stan
   prog = jm.programs.matmul(*shape, dtype=jnp.bfloat16)
   plain = jm.library(prog, make_mesh("8"))[strategy]
   s = plain.copy().lower_with(lowering)
-  assert fused_gemm_backward.dual_lowering(s).name == {AG: RS, AG_WS: RS_WS}[lowering]
+  assert placements.dual_kernel(s).name == {AG: RS, AG_WS: RS_WS}[lowering]
   hlo = _check(s)
   assert _gather_ops(hlo) == 0 and _scatter_ops(hlo) == 1
   assert "gradients: the dual fused GEMM, fed by the forward's gathered rows" in str(s)
@@ -140,7 +142,7 @@ def test_a_reducescatter_gemms_backward_gathers_dc_once(standins, strategy, lowe
   only collectives are that ring's (the forward's output is not needed, so its reduce-scatter is gone too)."""
   prog = jm.programs.matmul(*shape, dtype=jnp.bfloat16)
   s = jm.library(prog, make_mesh("8"))[strategy].copy().lower_with(lowering)
-  assert fused_gemm_backward.dual_lowering(s).name == {RS: AG, RS_WS: AG_WS}[lowering]
+  assert placements.dual_kernel(s).name == {RS: AG, RS_WS: AG_WS}[lowering]
   hlo = _check(s)
   assert _gather_ops(hlo) == 0 and _scatter_ops(hlo) == 0 and "collective-permute" in hlo
 
@@ -148,7 +150,7 @@ def test_a_reducescatter_gemms_backward_gathers_dc_once(standins, strategy, lowe
 def test_jaxs_kernel_keeps_no_rows_so_its_backward_gathers_a(standins):
   prog = jm.programs.matmul(512, 256, 128, dtype=jnp.bfloat16)
   s = jm.library(prog, make_mesh("8"))["async_tp"].copy().lower_with(AG_JAX)
-  assert fused_gemm_backward.dual_lowering(s).name == RS_WS
+  assert placements.dual_kernel(s).name == RS_WS
   hlo = _check(s)
   assert _gather_ops(hlo) == 1 and _scatter_ops(hlo) == 1  # the backward's gather of A (the forward's is unused)
 
@@ -157,8 +159,8 @@ def test_jaxs_kernel_keeps_no_rows_so_its_backward_gathers_a(standins):
 def test_without_the_dual_kernel_xlas_collectives_stand_in(standins, strategy, lowering):
   prog = jm.programs.matmul(512, 256, 128, dtype=jnp.bfloat16)
   s = jm.library(prog, make_mesh("8"))[strategy].copy().lower_with(lowering)
-  standins(fused_gemm_backward.DUALS[lowering])
-  assert fused_gemm_backward.dual_lowering(s) is None
+  standins(registry.fused(lowering).backward.dual)
+  assert placements.dual_kernel(s) is None
   hlo = _check(s)
   if lowering == AG:
     assert _gather_ops(hlo) == 0 and _scatter_ops(hlo) == 1  # psum_scatter of dA
@@ -166,12 +168,12 @@ def test_without_the_dual_kernel_xlas_collectives_stand_in(standins, strategy, l
     assert _gather_ops(hlo) == 1 and _scatter_ops(hlo) == 0  # all_gather of dC
 
 
-def test_every_fused_gemm_lowering_has_a_dual_of_the_other_kind():
-  gemms = [name for name, low in fused.LOWERINGS.items() if low.kind in (fused_gemm.ALLGATHER,
-                                                                        fused_gemm.REDUCESCATTER)]
-  assert sorted(fused_gemm_backward.DUALS) == sorted(gemms)
-  for name, dual in fused_gemm_backward.DUALS.items():
-    assert fused.LOWERINGS[name].kind != fused.LOWERINGS[dual].kind
+def test_every_fused_gemm_kernel_has_a_dual_of_the_other_kind():
+  gemms = [k for k in registry.fused_kernels() if k.placement in (kplacements.ALLGATHER, kplacements.REDUCESCATTER)]
+  assert len(gemms) == 6
+  for k in gemms:
+    assert isinstance(k.backward, registry.DualGemm)
+    assert k.placement != registry.fused(k.backward.dual).placement
 
 
 @pytest.mark.parametrize("strategy,lowering", [("async_tp", AG), ("matmul_reducescatter", RS)])

@@ -17,10 +17,13 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.shard_map import fused, fused_gemm
-from jaxmercury.tuner import cost, memory
-from jaxmercury.tuner import tune as tune_module
+from jaxmercury.analysis import memory, placements
+from jaxmercury.kernels import config as configs
+from jaxmercury.kernels import jax_allgather_matmul, registry
+from jaxmercury.lowering import fused as lowering_fused
+from jaxmercury.tuner import autotuner as tune_module
+from jaxmercury.tuner import cost
+from jaxmercury.tuner.candidates import Candidate
 
 OURS, JAXS = "fused_allgather_matmul", "jax_allgather_lhs_matmul"
 OURS_RS, WS_RS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"
@@ -40,38 +43,38 @@ def test_why_not_names_the_problem_on_the_simulated_mesh():
   mesh = make_mesh("8")
   lib = jm.library(_bf16(), mesh)
   for strategy in ("async_tp", "allgather_matmul"):
-    ours = fused.why_not(OURS, lib[strategy])
+    ours = placements.why_not(OURS, lib[strategy])
     assert "Hopper" in ours and "cpu" in ours and "interpret mode" in ours and "level 'x'" in ours, ours
-    assert "Hopper" in fused.why_not(JAXS, lib[strategy])
+    assert "Hopper" in placements.why_not(JAXS, lib[strategy])
   for strategy in ("matmul_reducescatter", "async_tp_reducescatter"):  # A split along k: reduce-scatter kernels
     for name in (OURS, JAXS):
-      assert fused.why_not(name, lib[strategy]) == (
+      assert placements.why_not(name, lib[strategy]) == (
           f"{name} computes an all-gather GEMM; this schedule stores A[m, k@x], B[k@x, n], C[m@x, n]: "
           "a GEMM + reduce-scatter")
-    assert "Hopper" in fused.why_not(OURS_RS, lib[strategy]) and "Hopper" in fused.why_not(WS_RS, lib[strategy])
-  assert fused.why_not(OURS_RS, lib["async_tp"]).startswith("fused_matmul_reducescatter computes a GEMM + "
+    assert "Hopper" in placements.why_not(OURS_RS, lib[strategy]) and "Hopper" in placements.why_not(WS_RS, lib[strategy])
+  assert placements.why_not(OURS_RS, lib["async_tp"]).startswith("fused_matmul_reducescatter computes a GEMM + "
                                                             "reduce-scatter; this schedule stores A[m@x, k]")
-  replicated = tune_module.with_layouts(lib["allgather_matmul"], [P(), P()], P())
-  assert fused.why_not(OURS, replicated).startswith("buffer A is stored A[m, k]: neither its rows (m) nor its "
+  replicated = lib["allgather_matmul"].with_layouts([P(), P()], P())
+  assert placements.why_not(OURS, replicated).startswith("buffer A is stored A[m, k]: neither its rows (m) nor its "
                                                     "columns (k) are split")
   f32 = jm.library(jm.programs.matmul(256, 256, 128), mesh)["async_tp"]
-  assert "float32" in fused.why_not(OURS, f32) and "bf16 or fp16" in fused.why_not(OURS, f32)
+  assert "float32" in placements.why_not(OURS, f32) and "bf16 or fp16" in placements.why_not(OURS, f32)
   two_levels = jm.library(_bf16(), make_mesh("2x4"))["async_tp"]
-  assert "split over 2 levels" in fused.why_not(OURS, two_levels)
+  assert "split over 2 levels" in placements.why_not(OURS, two_levels)
   attention = jm.library(jm.programs.attention(1, 4, 2, 64, 64, 16, dtype=jnp.bfloat16), mesh)["ring"]
-  assert "pattern 'matmul'" in fused.why_not(OURS, attention)
-  assert fused.applicable(lib["async_tp"]) == []
+  assert "pattern 'matmul'" in placements.why_not(OURS, attention)
+  assert placements.applicable(lib["async_tp"]) == []
 
 
 def test_why_not_reads_the_callers_layouts():
   mesh = _one_device_mesh()
   prog = _bf16(128, 128, 64)
   s = jm.library(prog, mesh)["async_tp"]
-  assert fused.why_not(OURS, s) is None
+  assert placements.why_not(OURS, s) is None
   # the same trace for a caller whose C is split by rows: C's layout is not the kernel's
-  laid = tune_module.with_layouts(s, None, P("x", None))
-  assert fused.why_not(OURS, laid).startswith("buffer C is stored C[m@x, n], not C[m, n@x]")
-  assert "device" in fused.why_not(JAXS, s)  # one of the process's 8 devices: JAX's kernel spans them all
+  laid = s.with_layouts(None, P("x", None))
+  assert placements.why_not(OURS, laid).startswith("buffer C is stored C[m@x, n], not C[m, n@x]")
+  assert "device" in placements.why_not(JAXS, s)  # one of the process's 8 devices: JAX's kernel spans them all
 
 
 def test_lower_with_raises_before_anything_runs():
@@ -85,7 +88,7 @@ def test_lower_with_raises_before_anything_runs():
                                                  "'fused_matmul_reducescatter_ws', 'fused_ring_attention', "
                                                  "'fused_ring_attention_ws', 'jax_allgather_lhs_matmul'"):
     s.lower_with("fused_gemm")
-  assert s.to_json() == before and s.lowering is None and s.lowering_params == {}
+  assert s.to_json() == before and s.lowering is None and s.lowering_config is None
 
   one = jm.library(_bf16(128, 128, 64), _one_device_mesh())["async_tp"]
   with pytest.raises(jm.UnknownNameError, match="no parameter 'tile_q'; parameters: .*'tile_m'"):
@@ -107,15 +110,15 @@ def test_trace_round_trip_and_printer_keep_the_lowering():
   s = jm.library(prog, mesh)["async_tp"].lower_with(OURS, **SMALL)
   assert s.trace[-1] == {"primitive": "lower_with", "args": [OURS], "kwargs": SMALL}
   again = jm.Schedule.from_json(prog, mesh, s.to_json())
-  assert (again.lowering, again.lowering_params) == (OURS, SMALL) and again.to_json() == s.to_json()
+  assert (again.lowering, configs.changed(again.lowering_config)) == (OURS, SMALL) and again.to_json() == s.to_json()
   jm.validate.validate(prog, mesh, schedule=again)
   text = str(again)
   assert "lowered with fused_allgather_matmul(tile_m=64, max_concurrent_steps=2) (Mosaic GPU interpret mode): " \
          "the whole nest runs as one fused kernel per device" in text
   assert "lowered with" not in str(jm.library(prog, mesh)["async_tp"])
-  copied = s.copy()
-  copied.lowering_params["tile_m"] = 128
-  assert s.lowering_params == SMALL
+  with pytest.raises(AttributeError):  # a schedule changes only through its primitives
+    s.copy().lowering_config = None
+  assert configs.changed(s.lowering_config) == SMALL
 
 
 # ------------------------------------------------------------------ numerics (interpret mode, one device)
@@ -149,23 +152,25 @@ def test_interpreted_kernel_and_its_backward_match_the_reference(strategy, lower
 # ------------------------------------------------------------------ tuner and cost model
 def test_the_tuner_offers_no_fused_candidates_on_the_cpu_mesh():
   for mesh in (make_mesh("8"), make_mesh("2x4"), _one_device_mesh()):
-    names = [n for n, _ in tune_module.default_candidates(_bf16(), mesh, space=4)]
+    names = [c.name for c in tune_module.default_candidates(_bf16(), mesh, space=4)]
     assert not any("{" in n for n in names), names
   with registry.interpret_mode():  # interpret mode is offered only when asked for, as for kernels
-    names = [n for n, _ in tune_module.default_candidates(_bf16(128, 128, 64), _one_device_mesh(), space=4)]
+    names = [c.name for c in tune_module.default_candidates(_bf16(128, 128, 64), _one_device_mesh(), space=4)]
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{OURS}}}"} <= set(names)
   assert not any(JAXS in n for n in names)
 
 
 def test_fused_variants_of_library_strategies_are_anchors():
-  class C:  # only names matter
-    def __init__(self, name):
-      self.name = name
-  fits = [C(n) for n in ("async_tp {fused_allgather_matmul}", "async_tp [mosaic_matmul]", "async_tp",
-                         "par(n) {fused_allgather_matmul}")]
+  mesh = _one_device_mesh()
+  lib = jm.library(_bf16(128, 128, 64), mesh)
+  c = lambda strategy, s, origin="library": Candidate(strategy, s, 1.0, 1, origin=origin)
+  fused = c("async_tp", lib["async_tp"].copy().lower_with(OURS))
+  plain = c("async_tp", lib["async_tp"])
+  space = c("par(n)", lib["async_tp"].copy().lower_with(OURS), origin="space")
+  fits = [fused, plain, c("async_tp", lib["async_tp"]), space]
   anchors = tune_module._anchors(fits, {"async_tp"})
-  assert {k: c.name for k, c in anchors.items()} == {
-      "async_tp {fused_allgather_matmul}": "async_tp {fused_allgather_matmul}", "async_tp": "async_tp [mosaic_matmul]"}
+  assert anchors == {("async_tp", OURS): fused, ("async_tp", None): plain}
+  assert fused.name == "async_tp {fused_allgather_matmul}"
 
 
 def test_cost_model_overlaps_the_ring_with_the_gemm():
@@ -213,20 +218,20 @@ def test_ring_attention_why_not_names_the_problem():
   mesh = make_mesh("8")
   lib = jm.library(_attention(1024), mesh)
   for strategy in ("ring", "context_parallel"):  # both store q, k, v, o split along the sequence
-    assert "Hopper" in fused.why_not(RING, lib[strategy])
-  assert fused.why_not(RING, lib["tree"]).startswith("buffer q is stored q[b, i, hk, g, d]: its sequence is "
+    assert "Hopper" in placements.why_not(RING, lib[strategy])
+  assert placements.why_not(RING, lib["tree"]).startswith("buffer q is stored q[b, i, hk, g, d]: its sequence is "
                                                     "split over 0 levels")
   causal = jm.library(_attention(1024, causal=True), mesh)["ring"]
-  assert "Hopper" in fused.why_not(RING, causal)  # causal rings apply too (tests/test_fused_causal_attention.py)
+  assert "Hopper" in placements.why_not(RING, causal)  # causal rings apply too (tests/test_fused_causal_attention.py)
   f32 = jm.library(_attention(1024, dtype=jnp.float32), mesh)["ring"]
-  assert "bf16 or fp16" in fused.why_not(RING, f32)
+  assert "bf16 or fp16" in placements.why_not(RING, f32)
   short = jm.library(_attention(256), mesh)["ring"]  # 32 positions per device: not a multiple of 64
-  assert "holds 32 positions of 'i', not a multiple" in fused.why_not(RING, short)
+  assert "block_q=64 does not divide each device's positions of 'i' (32)" in placements.why_not(RING, short)
   odd_d = jm.library(_attention(1024, d=96), mesh)["ring"]
-  assert "head dimension 'd' = 96" in fused.why_not(RING, odd_d)
+  assert "head dimension 'd' = 96" in placements.why_not(RING, odd_d)
   gemm = jm.library(_bf16(), mesh)["async_tp"]
-  assert "pattern 'attention'" in fused.why_not(RING, gemm)
-  assert fused.why_not(OURS, lib["ring"]).startswith("the fused kernels compute GEMMs")
+  assert "pattern 'attention'" in placements.why_not(RING, gemm)
+  assert placements.why_not(OURS, lib["ring"]).startswith("the fused kernels compute GEMMs")
 
 
 def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
@@ -250,7 +255,7 @@ def test_ring_attention_lowering_runs_interpreted_with_the_ordinary_gradients():
     assert got.dtype == ref.dtype == jnp.bfloat16
     assert rel_err(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
   with registry.interpret_mode():
-    names = [n for n, _ in tune_module.default_candidates(prog, mesh, space=2)]
+    names = [c.name for c in tune_module.default_candidates(prog, mesh, space=2)]
   assert f"ring {{{RING}}}" in names
 
 
@@ -271,14 +276,14 @@ def test_a_fused_gemms_backward_is_the_dual_fused_gemm_and_one_local_gemm():
   compute_only = dataclasses.replace(machine.with_links(x=1e30), latency_s=0.0)
   for s in (ag, rs):
     assert cost.backward_seconds(s, compute_only) == pytest.approx(
-        2 * cost.compute_seconds(fused.ordinary_schedule(s), compute_only))
+        2 * cost.compute_seconds(s.without('lower_with'), compute_only))
   assert "gradients: the dual fused GEMM, fed by the forward's gathered rows" in str(ag)
 
 
 def test_a_fused_ring_attentions_backward_is_the_dual_of_its_cudnn_schedule_without_a_second_forward():
   """A fused ring attention keeps its kernel's output and log-sum-exp; its backward is the dual programs of the
   same ring patched with cuDNN (on GPUs), priced as that schedule's backward alone, with no forward again."""
-  from jaxmercury.shard_map.fused_attention import backward_schedule
+  from jaxmercury.lowering.fused_attention import backward_schedule
   mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
   machine = cost.Machine("h200-ish", 700e12, {"*": 150e9}, 20e-6, call_overhead_s=0.0)
   prog = jm.programs.attention(1, 32, 8, 32768, 32768, 128, causal=True, dtype=jnp.bfloat16)
@@ -286,7 +291,7 @@ def test_a_fused_ring_attentions_backward_is_the_dual_of_its_cudnn_schedule_with
     ring = jm.library(prog, mesh)[strategy]
     for name in (RING, "fused_ring_attention_ws"):
       s = ring.copy().lower_with(name)
-      plain = fused.ordinary_schedule(s)
+      plain = s.without('lower_with')
       assert plain.lowering is None and plain.kernel is None and str(plain) == str(ring)
       backward = backward_schedule(s)
       assert backward.kernel == "cudnn_attention" and backward.lowering is None
@@ -331,7 +336,7 @@ def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
   the SM count of a real device, so it has no such check; ``Schedule.compile`` refuses abstract meshes.)"""
   from jax.sharding import NamedSharding
 
-  from jaxmercury.shard_map.lower import lower
+  from jaxmercury.lowering.lower import lower
   mesh = h100_mesh(8)
   prog = (jm.programs.attention(1, 8, 2, 8192, 8192, 128, dtype=jnp.bfloat16) if attention
           else jm.programs.matmul(2048, 2048, 1024, dtype=jnp.bfloat16))
@@ -339,7 +344,7 @@ def test_our_lowerings_lower_for_eight_h100s(strategy, lowering, attention):
   plan = s.plan()
   specs = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=NamedSharding(mesh, plan.user_spec(b.name) or P()))
            for b in prog.reads]
-  text = lower_for_gpus(lower(s, per_device=fused.lowering(lowering).build(s, **s.lowering_params)), *specs,
+  text = lower_for_gpus(lower(s, per_device=lowering_fused.per_device(s)), *specs,
                         mesh=mesh)
   assert mosaic_kernels(text) == 1
 
@@ -357,7 +362,7 @@ def test_ring_attention_parameters_are_checked_against_the_schedule():
                      match=r"ctas_per_sm=2: 2 CTAs of \d+ bytes of shared memory \(head dim 128\)"):
     wide.copy().lower_with(RING, block_kv=128, ctas_per_sm=2)
   assert wide.copy().lower_with(RING).lowering == RING  # the defaults fit
-  assert "at most 192" in fused.why_not(RING, jm.library(_attention(256, d=256), one)["ring"])
+  assert "at most 192" in placements.why_not(RING, jm.library(_attention(256, d=256), one)["ring"])
   zigzag = jm.library(_attention(384, causal=True), one)["ring_zigzag"]  # two chunks of 192 positions
   with pytest.raises(jm.PreconditionError, match=r"block_kv=128 does not divide each zigzag chunk's positions of "
                                                  r"'i' \(192\)"):
@@ -369,38 +374,38 @@ def test_unverified_placements_are_not_offered(monkeypatch):
   (lower_with still takes it); in interpret mode, where the tuner checks it on the CPU, it is offered."""
   one, eight = _one_device_mesh(), make_mesh("8")
   s = jm.library(_attention(1024), one)["ring"]
-  assert WS_RING in fused.offered(s)  # interpreted here
-  ring_untested = lambda p: None if p.size == 1 else f"its ring over {p.size} GPUs has not run"  # noqa: E731
-  as_on_gpus = dataclasses.replace(fused.LOWERINGS[WS_RING], interpret=False, device_problem=lambda schedule, p: None,
+  assert WS_RING in placements.offered(s)  # interpreted here
+  ring_untested = lambda p: None if p.size == 1 else f"its ring over {p.size} GPUs has not run"
+  as_on_gpus = dataclasses.replace(registry._KERNELS[WS_RING], interpret=False, devices=lambda schedule, p: None,
                                    unverified=ring_untested)
-  monkeypatch.setitem(fused.LOWERINGS, WS_RING, as_on_gpus)
-  assert WS_RING in fused.offered(s)
+  monkeypatch.setitem(registry._KERNELS, WS_RING, as_on_gpus)
+  assert WS_RING in placements.offered(s)
   ring = jm.library(_attention(1024), eight)["ring"]
-  assert WS_RING in fused.applicable(ring)
-  assert WS_RING not in fused.offered(ring)
+  assert WS_RING in placements.applicable(ring)
+  assert WS_RING not in placements.offered(ring)
   assert ring.copy().lower_with(WS_RING).lowering == WS_RING
 
 
 def test_every_fused_lowering_has_run_its_rings_on_gpus():
   """Every registered kernel's multi-GPU tests passed on 2 x H200 (the ring attentions' causal and
   warp-specialized rings on 2026-11-23, session 10): none is held back from several GPUs."""
-  assert [name for name, low in fused.LOWERINGS.items() if low.unverified is not None] == []
+  assert [name for name, low in ((k.name, k) for k in registry.fused_kernels()) if low.unverified is not None] == []
   causal = jm.library(_attention(1024, causal=True), make_mesh("8"))["ring"]
-  as_on_gpus = {name: dataclasses.replace(fused.LOWERINGS[name], interpret=False,
-                                          device_problem=lambda schedule, p: None) for name in (RING, WS_RING)}
+  as_on_gpus = {name: dataclasses.replace(registry._KERNELS[name], interpret=False,
+                                          devices=lambda schedule, p: None) for name in (RING, WS_RING)}
   for name, low in as_on_gpus.items():
-    assert low.why_not(causal) is None
+    assert placements.why_not(low, causal) is None
     with pytest.MonkeyPatch.context() as m:
-      m.setitem(fused.LOWERINGS, name, low)
-      assert name in fused.offered(causal)
+      m.setitem(registry._KERNELS, name, low)
+      assert name in placements.offered(causal)
 
 
 def test_jax_kernel_refuses_a_one_device_ring(monkeypatch):
   """JAX's all-gather kernel fails at run time on one GPU (XLA sets up no NVSHMEM there): refused beforehand."""
   s = jm.library(_bf16(256, 256, 128), _one_device_mesh())["async_tp"]
-  assert "needs several GPUs" not in fused.why_not("jax_allgather_lhs_matmul", s)  # the mesh problem comes first
-  monkeypatch.setattr(fused_gemm, "hopper_devices", lambda every_process_device: lambda schedule, p: None)
-  assert "needs several GPUs on mesh level 'x' (it has 1)" in fused.why_not("jax_allgather_lhs_matmul", s)
+  assert "needs several GPUs" not in placements.why_not("jax_allgather_lhs_matmul", s)  # the mesh problem comes first
+  monkeypatch.setattr(jax_allgather_matmul, "hopper_devices", lambda every_process_device: lambda p, mesh: None)
+  assert "needs several GPUs on mesh level 'x' (it has 1)" in placements.why_not("jax_allgather_lhs_matmul", s)
 
 
 def test_a_zigzag_order_is_another_kernel():
@@ -409,9 +414,9 @@ def test_a_zigzag_order_is_another_kernel():
   one = _one_device_mesh()
   lib = jm.library(_attention(256, causal=True), one)
   natural, zigzag = (lib[name].copy().lower_with(RING) for name in ("ring", "ring_zigzag"))
-  assert fused.signature(natural) != fused.signature(zigzag)
+  assert placements.signature(natural) != placements.signature(zigzag)
   with registry.interpret_mode():
-    names = [n for n, _ in tune_module.default_candidates(_attention(256, causal=True), one, space=2)]
+    names = [c.name for c in tune_module.default_candidates(_attention(256, causal=True), one, space=2)]
   assert {f"ring {{{RING}}}", f"ring_zigzag {{{RING}}}"} <= set(names)
 
 
@@ -433,7 +438,7 @@ def test_warp_specialized_ring_attention_lowering_runs_interpreted(strategy, cau
   for got, ref in zip(vjp(cot), vjp_plain(cot)):
     assert rel_err(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
   odd = jm.library(_attention(192, causal=causal), mesh)["ring"]  # a work item is 128 query rows
-  assert "2 x block_q=128 does not divide each device's positions of 'i' (192)" in fused.why_not(
+  assert "2 x block_q=128 does not divide each device's positions of 'i' (192)" in placements.why_not(
       "fused_ring_attention_ws", odd)
 
 

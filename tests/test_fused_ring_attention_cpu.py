@@ -21,10 +21,17 @@ from jax.sharding import PartitionSpec as P
 from ring_attention_checks import SEQ, SPECS, check_loopback, first_devices, local_inputs, run
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _item, _kernel, fused_ring_attention,
-                                                            positions, reference, ring_attention)
-from jaxmercury.schedules import orders
-
+from jaxmercury.ir import orders
+from jaxmercury.kernels.fused_ring_attention import (
+  CONFIGS,
+  Blocks,
+  _item,
+  _kernel,
+  fused_ring_attention,
+  positions,
+  reference,
+  ring_attention,
+)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),

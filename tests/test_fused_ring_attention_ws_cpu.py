@@ -29,11 +29,15 @@ from jax.sharding import PartitionSpec as P
 from ring_attention_checks import SEQ, SPECS, assert_close, check_loopback, first_devices, local_inputs, run
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels.fused_ring_attention import reference
-from jaxmercury.pallas_kernels.fused_ring_attention_ws import (CONFIGS, INTERPRET_CTAS, WsBlocks, _kernel,
-                                                               fused_ring_attention_ws)
-from jaxmercury.schedules import orders
-
+from jaxmercury.ir import orders
+from jaxmercury.kernels.fused_ring_attention import reference
+from jaxmercury.kernels.fused_ring_attention_ws import (
+  CONFIGS,
+  INTERPRET_CTAS,
+  WsBlocks,
+  _kernel,
+  fused_ring_attention_ws,
+)
 
 BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=3), dict(block_q=64, block_kv=128, max_concurrent_steps=2)]
 

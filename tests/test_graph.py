@@ -7,21 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fresh_key, make_mesh, rel_err
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh, rel_err
 from jaxmercury import graph as jg
-from jaxmercury.graph import collectives as cl
-from jaxmercury.graph import fusion, hlo
-from jaxmercury.graph.collectives import Collective as C
-from jaxmercury.graph.layouts import Layout
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis import fusion, hlo
+from jaxmercury.analysis.collectives import Collective as C
+from jaxmercury.analysis.layouts import Layout
 from jaxmercury.graph.search import BACKWARD_FACTOR, node_seconds
-from jaxmercury.shard_map import reshard
+from jaxmercury.lowering import collectives as run_collectives
 from jaxmercury.tuner import cost, measure
-from jaxmercury.tuner.tune import with_layouts
 
 MACHINE = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 AR, RS, AG, A2A, SLICE, SCALE = cl.ALL_REDUCE, cl.REDUCE_SCATTER, cl.ALL_GATHER, cl.ALL_TO_ALL, cl.SLICE, cl.SCALE
@@ -59,12 +58,12 @@ def _program(mesh, src: Layout, seq):
     in_spec = P(level, *src.spec)
 
     def body(x):
-      return cl.run(x[0], seq, sizes)
+      return run_collectives.run(x[0], seq, sizes)
   else:
     in_spec = src.spec
 
     def body(x):
-      return cl.run(x, seq, sizes)
+      return run_collectives.run(x, seq, sizes)
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=dst.spec, check_vma=False))
 
@@ -124,11 +123,11 @@ def test_rules_refuse_when_preconditions_fail(pair, src):
 
 def test_tp_sp_transition_moves_half_the_bytes_in_lowered_schedules():
   """k-parallel GEMM then a sequence-split consumer: all-reduce + slice (unfused) vs reduce-scatter (fused)."""
-  from jaxmercury.graph.candidates import _without_output_placement
+  from jaxmercury.graph.options import _without_output_placement
   mesh = mesh4()
   prog = jm.programs.matmul(64, 32, 48)
   fused = jm.library(prog, mesh)["matmul_reducescatter"]
-  unfused = with_layouts(_without_output_placement(fused), None, P("x", None))
+  unfused = _without_output_placement(fused).with_layouts(None, P("x", None))
   a, b = prog.random_inputs(fresh_key())
   texts = [s.compile().lower(a, b).as_text() for s in (unfused, fused)]
   kinds = [[c.kind for c in hlo.collectives(t)] for t in texts]
@@ -139,10 +138,6 @@ def test_tp_sp_transition_moves_half_the_bytes_in_lowered_schedules():
   # the volume formulas: all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the float32 partial C
   state = 64 * 32 * 4
   assert moved == pytest.approx([2 * 3 / 4 * state, 3 / 4 * state])
-
-
-def _as_collectives(steps):
-  return [C(st.op, st.level, st.dim, st.to_dim) for st in steps]
 
 
 def test_fused_edges_never_move_more_than_needed():
@@ -159,7 +154,7 @@ def test_fused_edges_never_move_more_than_needed():
     fused_bytes = cl.sequence_bytes(src, fused, shape, 2, sizes)
     assert fused_bytes <= cl.sequence_bytes(src, naive, shape, 2, sizes) + 1e-9
     if not src.partial:
-      direct = _as_collectives(reshard.steps(src.dims, dst.dims))
+      direct = cl.steps(src, dst)
       assert fused_bytes <= cl.sequence_bytes(src, direct, shape, 2, sizes) + 1e-9, (src, dst, fused, direct)
     checked += 1
   assert checked > 100
@@ -246,9 +241,9 @@ def test_block_plan_is_printed_runs_and_matches_the_block():
     assert rel_err(got, ref) < 1e-4
 
 def test_candidates_take_measured_times_from_the_database(tmp_path):
-  from jaxmercury.graph.candidates import op_candidates
+  from jaxmercury.graph.options import op_candidates
   from jaxmercury.tuner import measure
-  from jaxmercury.tuner.tune import Candidate as Tuned
+  from jaxmercury.tuner.candidates import Candidate as Tuned
   mesh = make_mesh("8")
   prog = jm.programs.matmul(64, 32, 48)
   db = jm.Database(str(tmp_path / "graph.db"))
@@ -392,7 +387,7 @@ def test_training_objective_prices_replicated_weights_gradients():
   """data_parallel keeps the weights whole and splits the rows: no communication forward, but every device holds
   a partial weight gradient to all-reduce in training. The training objective counts it (and the backward), so
   it can prefer another plan than the forward objective."""
-  from jaxmercury.graph.candidates import grad_sync_seconds, op_candidates
+  from jaxmercury.graph.options import grad_sync_seconds, op_candidates
   mesh = make_mesh("8")
   prog = jm.programs.matmul(256, 512, 512)
   found = {c.name: c for c in op_candidates(prog, mesh, MACHINE, activations=["A"])}

@@ -1,9 +1,9 @@
 """The lowered program holds the collectives each strategy implies."""
 
 import pytest
+from conftest import fresh_key, make_mesh
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh
 
 CASES = [
     ("attention", "ring", "collective_permute"),

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
 
 import jaxmercury as jm
-from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels import mosaic_attention as ma
-from jaxmercury.pallas_kernels import mosaic_matmul as mm
-from jaxmercury.pallas_kernels import registry
+from jaxmercury.kernels import mosaic_attention as ma
+from jaxmercury.kernels import mosaic_matmul as mm
+from jaxmercury.kernels import registry
 from jaxmercury.programs import attention_backward as ab
 
 MOSAIC = ("mosaic_attention", "mosaic_attention_dq", "mosaic_attention_dkv", "mosaic_matmul", "jax_mosaic_matmul")
@@ -76,7 +76,7 @@ def test_refused_on_cpu_and_not_offered(name):
     with mode:
       with pytest.raises(PreconditionError, match=rf"{name}.*gpu.*'cpu'"):
         jm.Schedule(prog, mesh).patch(name)
-      assert name not in registry.candidates(prog, mesh, variants=True)
+      assert name not in {v.name for v in registry.variants(prog, mesh)}
 
 
 # ------------------------------------------------------------------ mosaic_matmul in interpret mode
@@ -85,8 +85,8 @@ def test_refused_on_cpu_and_not_offered(name):
 def _feasible_variants():
   k = registry.kernel("mosaic_matmul")
   out = []
-  for name in k.variants():
-    tiles = mm.Tiles(**registry.parse(name)[1])
+  for choice in k.variants():
+    tiles = choice.config.tiles()
     if tiles.problem() is None:
       out.append(tiles)
   return out
@@ -95,9 +95,9 @@ def _feasible_variants():
 def test_infeasible_matmul_variants_are_refused(interpreted_gemm):
   prog = jm.programs.matmul(256, 256, 256, jnp.bfloat16)
   with pytest.raises(PreconditionError, match="registers"):
-    jm.Schedule(prog, _one_device()).patch("mosaic_matmul[tile_n=256]")
+    jm.Schedule(prog, _one_device()).patch("mosaic_matmul", tile_n=256)
   with pytest.raises(PreconditionError, match="shared memory"):
-    jm.Schedule(prog, _one_device()).patch("mosaic_matmul[tile_k=128]")
+    jm.Schedule(prog, _one_device()).patch("mosaic_matmul", tile_k=128)
   assert len(_feasible_variants()) >= 6
 
 
@@ -114,7 +114,7 @@ def test_matmul_interpret_every_variant(dtype):
 
 def test_matmul_block_falls_back_off_the_tiles():
   prog = jm.programs.matmul(200, 128, 128, jnp.bfloat16)
-  block = mm._make(prog, interpret=True)
+  block = mm._make(prog, mm.MosaicMatmulConfig(), True)
   a, b = _normal((200, 128), jnp.bfloat16), _normal((128, 128), jnp.bfloat16)
   ctx = jm.BlockContext(starts={}, sizes={"m": 200, "n": 128, "k": 128}, extents={"m": 200, "n": 128, "k": 128})
   np.testing.assert_array_equal(block(ctx, a, b), prog.body(ctx, a, b))
@@ -137,7 +137,8 @@ def interpreted_gemm(monkeypatch):
   monkeypatch.setattr(mm, "mosaic_gemm", counted)
   kernel = registry._KERNELS["mosaic_matmul"]
   monkeypatch.setitem(registry._KERNELS, "mosaic_matmul", dataclasses.replace(
-      kernel, platforms=frozenset({"cpu"}), supports=None, make=functools.partial(mm._make, interpret=True)))
+      kernel, platforms=frozenset({"cpu"}), supports=None,
+      make=lambda program, config, interpret: mm._make(program, config, True)))
   return calls
 
 
@@ -177,9 +178,9 @@ def test_matmul_variants_lower():
   a, b = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16)
   for tiles in _feasible_variants():
     assert mosaic_kernels(_lower(functools.partial(mm.mosaic_gemm, tiles=tiles), a, b)) == 1, tiles
-  for name in registry.kernel("jax_mosaic_matmul").variants():
-    params = registry.parse(name)[1]
-    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, name
+  for choice in registry.kernel("jax_mosaic_matmul").variants():
+    params = dataclasses.asdict(choice.config)
+    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, choice
 
 
 def _spec(*shape, dtype=jnp.bfloat16):
@@ -189,16 +190,16 @@ def _spec(*shape, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("d", [128, 256])
 def test_attention_shared_memory_estimates(cuda_runtime, d):
   """Where the estimate admits a configuration it lowers; where it refuses, lowering runs out of SMEM."""
-  am = ma._mgpu()
+  am = ma.attention_mgpu
   q, k, lse = _spec(1, 512, 2, 2, d), _spec(1, 512, 2, d), _spec(1, 512, 2, 2, dtype=jnp.float32)
-  for name in registry.kernel("mosaic_attention").variants():
-    p = registry.parse(name)[1]
+  for choice in registry.kernel("mosaic_attention").variants():
+    p = dataclasses.asdict(choice.config)
     config = ma._forward_config(512, 512, d, p)
     raw = am.TuningConfig(block_q=p["block_q"], block_kv=p["block_kv"], max_concurrent_steps=p["max_concurrent_steps"])
     _assert_lowers_iff(config is not None, lambda *x: ma.forward(*x, raw), q, k, k)
   for part in ("dq", "dkv"):
-    for name in registry.kernel(f"mosaic_attention_{part}").variants():
-      p = registry.parse(name)[1]
+    for choice in registry.kernel(f"mosaic_attention_{part}").variants():
+      p = dataclasses.asdict(choice.config)
       config = ma._backward_config(512, 512, d, part, p)
       if config is None:  # every warpgroup count was refused: check the last one tried (one)
         blocks = ma._backward_blocks(part, p)
@@ -231,13 +232,14 @@ def test_attention_blocks_lower(cuda_runtime):
     return lambda s, *x: fn(jm.BlockContext({"i": s[0], "j": s[1]}, sizes, extents), *x)
 
   even, whole = {"i": 256, "j": 256}, {"i": 1024, "j": 1024}
-  assert mosaic_kernels(_lower(block(ma._make(prog), even, whole), starts, q, k, k)) == 2
+  forward = ma._make(prog, ma.ForwardConfig(), False)
+  assert mosaic_kernels(_lower(block(forward, even, whole), starts, q, k, k)) == 2
   padded = {"i": 1000, "j": 1000}
-  assert mosaic_kernels(_lower(block(ma._make(prog), even, padded), starts, q, k, k)) == 0
-  for part in ("dq", "dkv"):
+  assert mosaic_kernels(_lower(block(forward, even, padded), starts, q, k, k)) == 0
+  for part, config in (("dq", ma.DqConfig()), ("dkv", ma.DkvConfig())):
     make = ma._make_backward(part)
     program = getattr(ab, f"attention_{part}")(prog)
-    assert mosaic_kernels(_lower(block(make(program), even, whole), starts, q, k, k, q, q, lse)) == 1
+    assert mosaic_kernels(_lower(block(make(program, config, False), even, whole), starts, q, k, k, q, q, lse)) == 1
 
 
 # ------------------------------------------------------------------ attention dispatch with stand-ins
@@ -245,13 +247,13 @@ def test_attention_blocks_lower(cuda_runtime):
 
 def _forward_standin(q, k, v, config):
   """attention_mgpu's forward conventions, by JAX's own reference of it (unscaled scores, base-2 lse [b, h, i])."""
-  out, (lse,) = ma._mgpu().attention_reference(q, k, v, causal=config.causal, save_residuals=True)
+  out, (lse,) = ma.attention_mgpu.attention_reference(q, k, v, causal=config.causal, save_residuals=True)
   return out.astype(q.dtype), lse
 
 
 def _backward_standin(q, k, v, o, do, lse2, config):
   """attention_mgpu's backward math and conventions in XLA: float16 in and out, unscaled, base-2 lse [b, h, i]."""
-  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  f32 = lambda x: x.astype(jnp.float32)
   b, i, h, d = q.shape
   j, hk = k.shape[1], k.shape[2]
   kk, vv = (jnp.repeat(f32(x), h // hk, axis=2) for x in (k, v))  # query head h reads kv head h // g
@@ -259,7 +261,7 @@ def _backward_standin(q, k, v, o, do, lse2, config):
   delta = jnp.einsum("bihd,bihd->bhi", f32(o), f32(do))
   ds = p * (jnp.einsum("bihd,bjhd->bhij", f32(do), vv) - delta[..., None])
   dq = jnp.einsum("bhij,bjhd->bihd", ds, kk)
-  per_group = lambda x: x.reshape(b, j, hk, h // hk, d).sum(3)  # noqa: E731
+  per_group = lambda x: x.reshape(b, j, hk, h // hk, d).sum(3)
   dk = per_group(jnp.einsum("bhij,bihd->bjhd", ds, f32(q)))
   dv = per_group(jnp.einsum("bhij,bihd->bjhd", p, f32(do)))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -390,9 +392,10 @@ def test_gradients_run_cudnns_backward_where_the_devices_have_it(standins, cpu_c
   params = {} if strategy == "ring_zigzag" else {"block_q": 128}  # a block holds two of the kernel's query blocks
   s = _library(prog, strategy).patch("mosaic_attention", **params)
   b = backward_schedule(s)
-  assert b.kernel == "cudnn_attention" and s.kernel.startswith("mosaic_attention")
+  assert b.kernel == "cudnn_attention" and s.kernel == "mosaic_attention"
   assert [t["args"] for t in b.trace if t["primitive"] == "patch"] == [["cudnn_attention"]]
-  assert b.plan().storage == s.plan().storage and str(b) == str(s).replace(s.kernel, "cudnn_attention")
+  kernel_label = str(s).split("[kernel ")[1].split("]")[0]
+  assert b.plan().storage == s.plan().storage and str(b) == str(s).replace(kernel_label, "cudnn_attention")
   assert attention_duals(s)[0].kernel == s.kernel  # the forward keeping its residuals stays Mosaic
   _assert_gradients(s)
   assert "backward" in cpu_cudnn
@@ -421,7 +424,7 @@ def test_backward_is_priced_on_cudnn_for_gpus():
   assert cost.predict(mosaic, machine) > cost.predict(cudnn, machine)
   f32 = jm.library(jm.programs.attention(**{**prog.params, "dtype": jnp.float32}), h100_mesh(8))["ring"]
   assert backward_schedule(f32) is f32  # cuDNN takes half precision only
-  with pytest.raises(jm.ScheduleError, match="fused_ring_attention.*ordinary_schedule"):
+  with pytest.raises(jm.ScheduleError, match="fused_ring_attention.*without\\('lower_with'\\)"):
     backward_schedule(ring.copy().lower_with("fused_ring_attention"))
 
 
@@ -437,7 +440,8 @@ def test_tiny_gradients_survive_float16(standins):
   tiny = (do.astype(jnp.float32) * 1e-9).astype(jnp.bfloat16)
   for part in ("dq", "dkv"):
     program = getattr(ab, f"attention_{part}")(prog)
-    got = ma._make_backward(part)(program)(ctx, q, k, v, o, tiny, lse)
+    config = ma.DqConfig() if part == "dq" else ma.DkvConfig()
+    got = ma._make_backward(part)(program, config, False)(ctx, q, k, v, o, tiny, lse)
     want = program.body(ctx, q, k, v, o, tiny, lse)
     assert float(jnp.max(jnp.abs(want))) < 1e-6
     assert rel_err(got, want) < 2e-2, part
@@ -452,7 +456,7 @@ def test_forward_conversions(standins):
     k, v = (_normal((1, 256, hk, 64), jnp.bfloat16) for _ in range(2))
     sizes = {"i": 256, "j": 256}
     ctx = jm.BlockContext(starts={}, sizes=sizes, extents=sizes)
-    out, lse = ma._make(prog)(ctx, q, k, v)
+    out, lse = ma._make(prog, ma.ForwardConfig(), False)(ctx, q, k, v)
     ref_out, ref_lse = prog.body(ctx, q, k, v)
     assert out.dtype == lse.dtype == jnp.float32
     assert rel_err(out, ref_out) < 1e-2 and float(jnp.max(jnp.abs(lse - ref_lse))) < 2e-2 * math.log(256)

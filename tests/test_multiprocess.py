@@ -15,9 +15,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import fresh_key, make_mesh
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh
 from jaxmercury.tuner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ PROCESS = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import jaxmercury as jm
     from jaxmercury.tuner import cost, measure
-    from jaxmercury.tuner.tune import Candidate
+    from jaxmercury.tuner.autotuner import Candidate
 
     machine = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))

@@ -247,10 +247,10 @@ def execute(path: str, out: str) -> int:
       with contextlib.redirect_stdout(recorder.stdout):
         tree = ast.parse(source)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, f"<cell {count}>", "exec"), namespace)  # noqa: S102 - the notebook's own code
+        exec(compile(tree, f"<cell {count}>", "exec"), namespace)
         if last is not None:
-          result = eval(compile(ast.Expression(last.value), f"<cell {count}>", "eval"), namespace)  # noqa: S307
-    except BaseException as e:  # noqa: BLE001 - recorded in the notebook, then the run stops
+          result = eval(compile(ast.Expression(last.value), f"<cell {count}>", "eval"), namespace)
+    except BaseException as e:
       recorder.flush()
       lines = traceback.format_exception(e)
       recorder.outputs.append({"output_type": "error", "ename": type(e).__name__, "evalue": str(e),

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import fresh_key, make_mesh, rel_err
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh, rel_err
 
 
 def test_ops_use_default_then_stored_winner(tmp_path):
@@ -32,7 +32,7 @@ def test_a_miss_takes_the_winner_of_the_nearest_sizes(tmp_path):
   db = jm.Database(str(tmp_path / "ops.db"))
   tuned = jm.programs.attention(1, 4, 2, 128, 128, 16, causal=True)
   tree = jm.library(tuned, mesh)["tree"]
-  w = jm.tuner.tune.Candidate("tree", tree, 0.5, 1024, jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0))
+  w = jm.tuner.Candidate("tree", tree, 0.5, 1024, jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0))
   db.store(tuned, mesh, w, [w])
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
   assert jm.ops.schedule_for(prog, mesh, database=db).trace == jm.library(prog, mesh)["tree"].trace
@@ -51,12 +51,12 @@ def test_training_objective_has_its_own_winners(tmp_path):
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
   lib = jm.library(prog, mesh)
   ok = jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0)
-  tree = jm.tuner.tune.Candidate("tree", lib["tree"], 0.5, 1024, ok)
+  tree = jm.tuner.Candidate("tree", lib["tree"], 0.5, 1024, ok)
   db.store(prog, mesh, tree, [tree])  # the forward's winner
   assert jm.ops.schedule_for(prog, mesh, database=db).trace == lib["tree"].trace
   default = jm.ops.schedule_for(prog, mesh, database=db, training=True)
   assert default.trace == lib["ring"].trace  # no training record, none near: the library default
-  cp = jm.tuner.tune.Candidate("context_parallel", lib["context_parallel"], 0.5, 1024, ok)
+  cp = jm.tuner.Candidate("context_parallel", lib["context_parallel"], 0.5, 1024, ok)
   db.store(prog, mesh, cp, [cp], objective=TRAINING)
   assert jm.ops.schedule_for(prog, mesh, database=db, training=True).trace == lib["context_parallel"].trace
   assert jm.ops.schedule_for(prog, mesh, database=db).trace == lib["tree"].trace
@@ -79,10 +79,13 @@ def test_ops_matmul_is_differentiable(tmp_path):
   assert rel_err(ga, wa) < 1e-5 and rel_err(gb, wb) < 1e-5
 
 
-def test_default_schedule_patches_the_first_kernel_that_applies(tmp_path, monkeypatch):
-  """On CPUs no default kernel applies (XLA's body); in interpret mode a Pallas one does."""
-  from jaxmercury.pallas_kernels import registry
-  monkeypatch.setitem(jm.ops.DEFAULT_KERNELS, "attention", ("cudnn_attention", "pallas_attention"))
+def test_default_schedule_patches_the_preferred_kernel_that_applies(tmp_path, monkeypatch):
+  """On CPUs no preferred kernel applies (XLA's body); in interpret mode a Pallas one does, once preferred."""
+  import dataclasses
+
+  from jaxmercury.kernels import registry
+  pallas = registry._KERNELS["pallas_attention"]
+  monkeypatch.setitem(registry._KERNELS, "pallas_attention", dataclasses.replace(pallas, preference=1))
   mesh = make_mesh("8")
   db = jm.Database(str(tmp_path / "ops.db"))
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)

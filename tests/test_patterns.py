@@ -1,5 +1,6 @@
 """Loop-nest patterns: patch matches a user's program up to axis names, and checks its body."""
 
+import dataclasses
 import functools
 import math
 
@@ -9,7 +10,7 @@ import pytest
 from conftest import fresh_key, make_mesh, rel_err
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels import patterns, registry
+from jaxmercury.kernels import patterns, registry
 from jaxmercury.programs.attention import attention_block
 
 
@@ -18,19 +19,26 @@ def kernels(monkeypatch):
   """A private registry with test kernels written for the patterns' own axis names."""
   monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
 
-  def make_attention(program, block=4):
-    assert block in (4, 8)
+  def make_attention(program, config, interpret):
+    assert config.block in (4, 8)
     return functools.partial(attention_block, causal=program.params["causal"])
 
-  registry.register(registry.Kernel("test_attention", frozenset({"attention"}), make_attention,
-                                    params={"block": (4, 8)}))
-  registry.register(registry.Kernel("test_matmul", frozenset({"matmul"}),
-                                    lambda program: lambda ctx, a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)))
-  registry.register(registry.Kernel("test_hopper_only", frozenset({"matmul"}), registry.kernel("test_matmul").make,
+  registry.register(registry.Kernel(name="test_attention", patterns=frozenset({"attention"}), make=make_attention,
+                                    config=Blocks))
+  registry.register(registry.Kernel(
+      name="test_matmul", patterns=frozenset({"matmul"}),
+      make=lambda program, config, interpret: lambda ctx, a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)))
+  registry.register(registry.Kernel(name="test_hopper_only", patterns=frozenset({"matmul"}),
+                                    make=registry.kernel("test_matmul").make,
                                     supports=lambda device: f"needs a Hopper GPU, device is {device.device_kind}"))
-  registry.register(registry.Kernel("test_interpreted", frozenset({"matmul"}),
-                                    lambda program, interpret=False: _interpreted_matmul(interpret),
+  registry.register(registry.Kernel(name="test_interpreted", patterns=frozenset({"matmul"}),
+                                    make=lambda program, config, interpret: _interpreted_matmul(interpret),
                                     platforms=frozenset({"gpu"}), interpret=True))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Blocks:
+  block: int = jm.kernels.param(4, 8)
 
 
 def _interpreted_matmul(interpret):
@@ -83,7 +91,7 @@ def test_user_attention_matches_with_its_own_axis_names(kernels, causal):
   assert m.to_pattern == {"batch": "b", "tq": "i", "kvh": "hk", "grp": "g", "dim": "d", "tk": "j"}
   s = jm.Schedule(prog, make_mesh("8")).tile("tq", 8).parallelize("tq0", "x").tile("tk", 8).shift("tk0", "tq0")
   s.patch("test_attention", block=8)
-  assert s.kernel == "test_attention[block=8]" and "test_attention[block=8]" in str(s)
+  assert s.kernel == "test_attention" and "[kernel test_attention(block=8)]" in str(s)
   xs = prog.random_inputs(fresh_key())
   assert rel_err(s.compile()(*xs), prog.reference(*xs)) < 2e-5
 
@@ -120,19 +128,24 @@ def test_user_matmul_schedule_with_renamed_kernel(kernels):
 
 def test_variants_names_and_bad_parameters(kernels):
   k = registry.kernel("test_attention")
-  assert k.variants() == ["test_attention", "test_attention[block=8]"]
+  assert [str(v) for v in k.variants()] == ["test_attention", "test_attention(block=8)"]
   prog = jm.programs.attention(1, 2, 2, 16, 16, 8)
-  assert "test_attention[block=8]" in registry.candidates(prog, make_mesh("8"), variants=True)
-  assert "test_attention[block=8]" not in registry.candidates(prog, make_mesh("8"))
+  eight = registry.KernelChoice("test_attention", Blocks(block=8))
+  assert eight in registry.variants(prog, make_mesh("8"))
+  assert jm.Schedule(prog, make_mesh("8")).kernel_variants() == registry.variants(prog, make_mesh("8"))
+  assert "test_attention" in registry.candidates(prog, make_mesh("8"))
   assert jm.Schedule(prog, make_mesh("8")).kernel_candidates() == registry.candidates(prog, make_mesh("8"))
   s = jm.Schedule(prog, make_mesh("8"))
   with pytest.raises(jm.PreconditionError, match=r"block=16 is not one of the choices \[4, 8\]"):
     s.patch("test_attention", block=16)
-  with pytest.raises(jm.UnknownNameError, match="has no parameter 'tile'"):
-    s.patch("test_attention[tile=4]")
+  with pytest.raises(jm.UnknownNameError, match="no parameter 'tile'"):
+    s.patch("test_attention", tile=4)
   assert s.kernel is None  # a refused patch leaves the schedule as it was
-  s.patch("test_attention[block=4]")
-  assert s.kernel == "test_attention"  # the default is written as the plain name
+  s.patch("test_attention", block=4)
+  assert s.kernel == "test_attention" and s.kernel_config == Blocks()
+  assert s.trace[-1] == {"primitive": "patch", "args": ["test_attention"], "kwargs": {}}  # the default: no kwargs
+  s.patch(eight)
+  assert s.kernel_config == Blocks(block=8) and s.trace[-1]["kwargs"] == {"block": 8}
 
 
 def test_device_requirements_and_interpret_mode(kernels):
@@ -165,7 +178,8 @@ def test_shipped_programs_match_their_patterns():
 
 
 def test_pattern_known_only_by_name(kernels):
-  registry.register(registry.Kernel("test_gated", frozenset({"gated"}), lambda program: program.body))
+  registry.register(registry.Kernel(name="test_gated", patterns=frozenset({"gated"}),
+                                    make=lambda program, config, interpret: program.body))
   prog = jm.programs.matmul(16, 16, 16)
   with pytest.raises(jm.PreconditionError, match="declares pattern 'matmul', not 'gated'"):
     jm.Schedule(prog, make_mesh("8")).patch("test_gated")

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fresh_key, rel_err
 
 import jaxmercury as jm
-from conftest import fresh_key, rel_err
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (8, 1)])

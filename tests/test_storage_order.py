@@ -3,10 +3,10 @@
 import re
 
 import pytest
+from conftest import fresh_key, make_mesh, rel_err, tolerance
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh, rel_err, tolerance
-from jaxmercury.shard_map import storage_order
+from jaxmercury.lowering import storage_order
 
 
 def _apply(dest, plan, devices):

@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import fresh_key, make_mesh
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh
 from jaxmercury.tuner import enumerate_schedules
 
 

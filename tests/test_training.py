@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType
 import pytest
+from conftest import fresh_key, make_mesh, rel_err, tolerance
+from jax.sharding import AxisType
 
 import jaxmercury as jm
-from conftest import fresh_key, make_mesh, rel_err, tolerance
 from jaxmercury.tuner import enumerate_schedules
 
 ATTENTION = {
@@ -138,12 +138,11 @@ def test_head_parallel_backward_is_one_fused_call(causal):
   """Attention split over heads only: the backward is one kernel call per device, no dual passes."""
   from jax.sharding import PartitionSpec as P
 
-  from jaxmercury.shard_map.local_backward import local_reason
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.lowering.local_backward import local_reason
   prog = jm.programs.attention(2, 16, 8, 32, 32, 8, causal=causal)
   mesh = make_mesh("8")
   heads = P(None, None, "x", None)
-  schedule = with_layouts(jm.library(prog, mesh)["ulysses"], [heads] * 3, heads)
+  schedule = jm.library(prog, mesh)["ulysses"].with_layouts([heads] * 3, heads)
   assert local_reason(schedule) is None
   _check_grads(schedule)
   xs = prog.random_inputs(fresh_key())
@@ -157,7 +156,7 @@ def test_head_parallel_backward_is_one_fused_call(causal):
 def test_any_schedule_on_one_device_has_the_fused_backward(strategy):
   """Rings, reductions and layouts over a level of one device move nothing: one backward call, no dual passes,
   the gradients right."""
-  from jaxmercury.shard_map.local_backward import local_reason
+  from jaxmercury.lowering.local_backward import local_reason
   one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   prog = jm.programs.attention(1, 4, 2, 64, 64, 8, causal=True)
   schedule = jm.library(prog, one)[strategy]
@@ -166,21 +165,23 @@ def test_any_schedule_on_one_device_has_the_fused_backward(strategy):
 
 
 def test_xla_fused_backward_only_where_its_scores_fit():
-  """XLA's derivative holds the whole score matrix; past ``XLA_SCORES_BYTES`` the dual programs recompute it."""
-  from jaxmercury.shard_map.local_backward import XLA_SCORES_BYTES, local_reason
+  """XLA's derivative holds the whole score matrix; past ``kernels.xla.SCORES_BYTES`` the dual programs recompute
+  it."""
+  from jaxmercury.kernels.xla import SCORES_BYTES as XLA_SCORES_BYTES
+  from jaxmercury.lowering.local_backward import local_reason
   one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   big = jm.programs.attention(1, 32, 8, 16384, 16384, 128, causal=True)  # 32 GiB of float32 scores
-  assert 4 * 32 * 16384 * 16384 > XLA_SCORES_BYTES
+  assert XLA_SCORES_BYTES < 4 * 32 * 16384 * 16384
   assert "bytes of scores per device" in local_reason(jm.library(big, one)["ring"])
 
 
 def test_communicating_schedules_keep_the_dual_backward():
-  from jaxmercury.shard_map.local_backward import local_reason
+  from jaxmercury.lowering.local_backward import local_reason
   prog = jm.programs.attention(1, 4, 4, 32, 32, 8, causal=True)
   lib = jm.library(prog, make_mesh("8"))
   assert local_reason(lib["ring"]) == "blocks travel or reduce across devices"
   assert local_reason(lib["context_parallel"]) == "buffers are resharded around the loop nest"
-  from jaxmercury.pallas_kernels import registry
+  from jaxmercury.kernels import registry
   with registry.interpret_mode():
     lib["ring"].patch("pallas_attention")
   assert local_reason(lib["ring"]) == "kernel 'pallas_attention' has no fused backward"
@@ -189,9 +190,9 @@ def test_communicating_schedules_keep_the_dual_backward():
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
 def test_library_backwards_run_dq_and_dkv_in_one_nest(mesh_name):
   """Every communicating library schedule's dual programs walk the same loops: one joint nest."""
+  from jaxmercury.lowering.joint_backward import joint_reason
+  from jaxmercury.lowering.local_backward import local_reason
   from jaxmercury.schedules.dual import attention_duals
-  from jaxmercury.shard_map.joint_backward import joint_reason
-  from jaxmercury.shard_map.local_backward import local_reason
   prog = jm.programs.attention(**ATTENTION["gqa"], causal=True)
   for name, schedule in jm.library(prog, make_mesh(mesh_name)).items():
     if local_reason(schedule) is None:
@@ -204,8 +205,8 @@ def test_library_backwards_run_dq_and_dkv_in_one_nest(mesh_name):
 def test_a_ring_backward_computes_each_block_pair_once_and_moves_keys_once(strategy, monkeypatch):
   """The joint ring backward: one body call per ring step, where dq and dk-dv apart trace two; its key and value
   blocks travel one ring (with the dk-dv partials) instead of two."""
+  from jaxmercury.kernels import xla
   from jaxmercury.programs import attention_backward as ab
-  from jaxmercury.shard_map import joint_backward
   calls = {"dq": 0, "dkv": 0, "joint": 0}
 
   def counted(name, fn):
@@ -216,8 +217,8 @@ def test_a_ring_backward_computes_each_block_pair_once_and_moves_keys_once(strat
 
   monkeypatch.setattr(ab, "dq_block", counted("dq", ab.dq_block))
   monkeypatch.setattr(ab, "dkv_block", counted("dkv", ab.dkv_block))
-  monkeypatch.setattr(joint_backward, "dq_dkv_block", counted("joint", joint_backward.dq_dkv_block))
-  from jaxmercury.shard_map import differentiate
+  monkeypatch.setattr(xla, "dq_dkv_block", counted("joint", xla.dq_dkv_block))
+  from jaxmercury.lowering import differentiate
   prog = jm.programs.attention(1, 8, 2, 256, 256, 8, causal=True)
   schedule = jm.library(prog, make_mesh("8"))[strategy]
   xs = prog.random_inputs(fresh_key())

@@ -9,14 +9,16 @@ import sys
 
 import jax.numpy as jnp
 import pytest
+from conftest import assert_matches, fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 import jaxmercury as jm
-from conftest import assert_matches, fresh_key, make_mesh
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.tuner import calibrate, cost, measure, memory, plot
-from jaxmercury.tuner import tune as tune_module
-from jaxmercury.tuner.tune import Candidate, TuneResult
+from jaxmercury.analysis import memory
+from jaxmercury.kernels import registry
+from jaxmercury.tuner import autotuner as tune_module
+from jaxmercury.tuner import calibrate, cost, measure, plot
+from jaxmercury.tuner.autotuner import TuneResult
+from jaxmercury.tuner.candidates import Candidate
 
 # A fixed, rough CPU machine: tests that are not about calibration need not pay for it.
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
@@ -85,7 +87,8 @@ def _dot_block(ctx, a, b):
 def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monkeypatch):
   """With two kernels, a strategy's other kernel competes with the design space for the top_k places."""
   monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
-  registry.register(registry.Kernel("test_dot", frozenset({"matmul"}), lambda program: _dot_block))
+  registry.register(registry.Kernel(name="test_dot", patterns=frozenset({"matmul"}),
+                                    make=lambda program, config, interpret: _dot_block))
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
   machine = cost.Machine("test CPU, two kernels", flops_per_s=10e9, link_bytes_per_s={"*": 1e9},
                          latency_s=50e-6, kernel_flops_per_s={"xla": 10e9, "test_dot": 40e9})
@@ -96,7 +99,7 @@ def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monk
 
   anchors = set()
   for name in lib:  # each strategy's best-predicted kernel is timed
-    variants = {c.name: c for c in result.candidates if c.name.split(" [")[0] == name}
+    variants = {c.name: c for c in result.candidates if c.strategy == name}
     assert set(variants) == {name, f"{name} [test_dot]"}
     best = min(variants.values(), key=lambda c: c.predicted_ms)
     assert best.status == measure.OK, best.result.reason
@@ -111,11 +114,11 @@ def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monk
   assert pruned and max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in pruned)
   for c in pruned:
     assert f"below the top {top_k}" in c.result.reason, (c.name, c.result.reason)
-    base = c.name.split(" [")[0]
-    if base in lib:  # another kernel of a library strategy says which variant stands for it
+    base = c.strategy
+    if c.origin == "library":  # another kernel of a library strategy says which variant stands for it
       anchor = next(a for a in anchors if a.split(" [")[0] == base)
       assert c.result.reason.endswith(f"; {base} is timed as {anchor}"), c.result.reason
-  assert any(c.name.split(" [")[0] in lib for c in pruned)
+  assert any(c.origin == "library" for c in pruned)
   table = result.table()
   assert all(f"| {c.name} |" in table for c in result.candidates) and "below the top 2" in table
 
@@ -375,10 +378,12 @@ def test_latency_memory_plot_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_kernel_variants_take_their_kernels_measured_rate():
+  from jaxmercury.kernels.mosaic_attention import ForwardConfig
   machine = cost.Machine("rates", 100e12, {"*": 400e9}, 20e-6,
-                         kernel_flops_per_s={"k": 500e12, "k[block_q=128]": 450e12})
-  assert machine.rate("k[block_q=128]") == 450e12
-  assert machine.rate("k[block_kv=64]") == 500e12  # not measured: its kernel's rate
+                         kernel_flops_per_s={"k": 500e12, "k(block_q=128)": 450e12})
+  assert machine.rate("k", ForwardConfig(block_q=128)) == 450e12
+  assert machine.rate("k", ForwardConfig(block_kv=64)) == 500e12  # not measured: its kernel's rate
+  assert machine.rate("k", ForwardConfig()) == machine.rate("k") == 500e12
   assert machine.rate("other") == 100e12
 
 

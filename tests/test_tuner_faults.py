@@ -15,13 +15,13 @@ import textwrap
 import time
 
 import pytest
+from conftest import assert_matches, fresh_key, make_mesh
 
 import jaxmercury as jm
-from conftest import assert_matches, fresh_key, make_mesh
-from jaxmercury.pallas_kernels import registry
+from jaxmercury.kernels import registry
+from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import cost, measure
-from jaxmercury.tuner import tune as tune_module
-from jaxmercury.tuner.tune import Candidate
+from jaxmercury.tuner.autotuner import Candidate
 
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 HERE = os.path.dirname(os.path.abspath(__file__))

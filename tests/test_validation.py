@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from conftest import make_mesh
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.validate import validate
+from jaxmercury.kernels import registry
+from jaxmercury.schedules.validate import validate
 
 
 def _mm(m=64, n=32, k=48, dtype=jnp.float32):
@@ -62,8 +62,7 @@ def _inputs(*shapes, dtype=jnp.float32):
 
 
 def _with_bf16_only_kernel():
-  kernel = registry.Kernel("test_bf16_only", frozenset({"matmul"}), None, frozenset({np.dtype(jnp.bfloat16)}))
-  return kernel
+  return registry.Kernel(name="test_bf16_only", patterns=frozenset({"matmul"}), dtypes=frozenset({np.dtype(jnp.bfloat16)}))
 
 
 def _trace_data(schedule):
@@ -80,7 +79,8 @@ def _mutate_loops(s):
 
 
 def _drop_last_step(s):
-  s.trace.pop()
+  s.trace.pop()  # a copy: the schedule's own trace is read-only
+  s._trace.pop()  # reaching into private state is caught by ``validate``
   return s
 
 
@@ -124,7 +124,7 @@ CASES = [
     ("loop-indexes-no-buffer", lambda: _grid(kinds="ssrr", loops=(*_axes(), jm.Axis("z", 2))), jm.ProgramError,
      r"loop 'z' indexes no buffer"),
     ("attention-heads", lambda: jm.programs.attention(1, 6, 4, 8, 8, 8), jm.ScheduleError,
-     r"heads \(6\) must be a multiple of kv_heads \(4\)"),
+     r"heads \(6\) must be a positive multiple of kv_heads \(4\)"),
     ("float64-without-x64", lambda: jm.Schedule(_x64_program(), make_mesh("8")), jm.ProgramError,
      r"buffer 'A' has dtype float64, which JAX computes as float32 while jax_enable_x64 is off"),
     ("schedule-of-non-program", lambda: jm.Schedule("matmul", make_mesh("8")), jm.ProgramError,
@@ -200,15 +200,16 @@ CASES = [
      r"pad\('m'\): multiple must be a positive int, got 0"),
     ("parallelize-extent", lambda: _sched("2x4").parallelize("m", "gpu"), jm.PreconditionError,
      r"parallelize\('m', 'gpu'\): loop extent 64 must equal the size 4 of mesh level 'gpu'; tile\('m', 4\) first"),
-    ("patch-unknown-kernel", lambda: _sched().patch("flash9"), jm.UnknownNameError, r"no kernel 'flash9'; registered:"),
+    ("patch-unknown-kernel", lambda: _sched().patch("flash9"), jm.UnknownNameError, r"patch: no local kernel 'flash9'; local kernels:"),
     ("patch-wrong-pattern", lambda: _sched().patch("cudnn_attention"), jm.PreconditionError,
      r"patch\('cudnn_attention'\): kernel implements \['attention'\]: matmul does not match loop-nest pattern 'attention'"),
     ("patch-wrong-dtype", lambda: _sched().patch("test_bf16_only"), jm.PreconditionError,
      r"patch\('test_bf16_only'\): kernel accepts \['bfloat16'\], program has \['float32'\]"),
     # ---------------------------------------------------------------- traces
-    ("schedule-changed-behind-its-trace", lambda: _mutate_loops(_sched()).compile(), jm.TraceError,
-     r"schedule and its trace disagree on loops"),
-    ("trace-step-dropped", lambda: _drop_last_step(_tiled_parallel()).compile(), jm.TraceError,
+    ("schedule-changed-behind-its-trace", lambda: jm.validate.validate(_mm(), schedule=_mutate_loops(_sched())),
+     jm.TraceError, r"schedule and its trace disagree on loops"),
+    ("trace-step-dropped", lambda: jm.validate.validate(_mm(), schedule=_drop_last_step(_tiled_parallel())),
+     jm.TraceError,
      r"schedule and its trace disagree on loops.*change schedules only through their primitives"),
     ("trace-steps-not-list", lambda: _replay({**_trace_data(_sched()), "steps": {"tile": 1}}), jm.TraceError,
      r"trace steps must be a list"),

@@ -7,17 +7,18 @@ with the edges' resharding (``fusion`` rules applied to each edge);
 ``compile_plan`` runs the chosen plan.
 """
 
-from jaxmercury.graph import collectives, fusion, hlo
-from jaxmercury.graph.collectives import Collective
-from jaxmercury.graph.dag import Candidate, Graph, Node, glue_node, input_node, op_node, output_node
+from jaxmercury.analysis import collectives, fusion, hlo
+from jaxmercury.analysis.collectives import Collective
+from jaxmercury.analysis.fusion import RULES, Rule, fuse
+from jaxmercury.analysis.layouts import Layout, enumerate_layouts, view
+from jaxmercury.graph.dag import Graph, Node, glue_node, input_node, op_node, output_node
 from jaxmercury.graph.execute import CompiledPlan, compile_plan
-from jaxmercury.graph.fusion import RULES, Rule, fuse
-from jaxmercury.graph.layouts import Layout, enumerate_layouts, view
-from jaxmercury.graph.measure import measure_candidates
-from jaxmercury.graph.search import EdgePlan, Plan, dynamic, exhaustive, fixed, search
+from jaxmercury.graph.options import NodeOption
+from jaxmercury.graph.search import EdgePlan, GraphPlan, dynamic, exhaustive, fixed, search
+from jaxmercury.graph.timing import measure_candidates
 
 __all__ = [
-    "Candidate", "Collective", "CompiledPlan", "EdgePlan", "Graph", "Layout", "Node", "Plan", "RULES", "Rule",
+    "NodeOption", "Collective", "CompiledPlan", "EdgePlan", "Graph", "Layout", "Node", "GraphPlan", "RULES", "Rule",
     "collectives", "compile_plan", "dynamic", "enumerate_layouts", "exhaustive", "fixed", "fuse", "fusion",
     "glue_node", "hlo", "input_node", "measure_candidates", "op_node", "output_node", "search", "view",
 ]

@@ -4,7 +4,7 @@ Nodes are of four kinds:
 
 - ``input``: a tensor given to the graph, in a fixed layout;
 - ``op``: a jaxmercury program (GEMM, attention), one candidate per library
-  schedule (``jaxmercury.graph.candidates``);
+  schedule (``jaxmercury.graph.options``);
 - ``glue``: a local function between operators (normalization, rotary
   embedding, activation, residual add), one candidate per layout it can run in;
 - ``output``: the graph's result, required in a fixed layout.
@@ -19,55 +19,14 @@ is carried across the reshape (``layouts.view``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxmercury.graph.layouts import Layout
+from jaxmercury.analysis.layouts import Layout
+from jaxmercury.graph.options import NodeOption, glue_candidates, op_candidates
 
 INPUT, OP, GLUE, OUTPUT = "input", "op", "glue", "output"
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """One way to run a node.
-
-  Attributes:
-    name: e.g. the library strategy's name, or the layout for glue.
-    inputs: the layout of each input, over the shape the node reads it in.
-    output: the layout of the output (may be partial over mesh levels).
-    seconds: predicted (or measured) time of the node itself.
-    schedule: ``op`` nodes: the jaxmercury ``Schedule`` that runs it, its
-      inputs fixed to ``inputs``; partial outputs are all-reduced by it
-      unless the plan turns the reduction into a reduce-scatter.
-    params: ``op`` nodes: ``PartitionSpec`` per parameter buffer (weights).
-    source: where ``seconds`` comes from: ``"predicted"``, ``"database"`` or
-      ``"measured"`` (``measure_candidates``).
-    grad_sync_seconds: ``op`` nodes, in training: the all-reduce of the
-      gradients of parameters the schedule keeps whole on a mesh level that
-      splits the computation along another axis (each device holds a partial
-      gradient), predicted, less the part that hides under the node's own
-      backward (``candidates.grad_sync_seconds``).
-    backward_seconds: ``op`` nodes: the predicted time of the schedule's
-      backward pass beyond its forward (``cost.backward_seconds``), without
-      the gradient all-reduce; None (glue): ``BACKWARD_FACTOR`` prices it.
-    train_seconds: ``op`` nodes: the measured time of the node's forward and
-      backward (``measure_candidates(..., training=True)``: its ``vjp``, the
-      gradient all-reduce included); None: not measured, and training prices
-      the node from ``seconds``, ``backward_seconds`` and
-      ``grad_sync_seconds``.
-  """
-
-  name: str
-  inputs: tuple[Layout, ...]
-  output: Layout | None
-  seconds: float = 0.0
-  schedule: object = None
-  params: tuple = ()
-  source: str = "predicted"
-  grad_sync_seconds: float = 0.0
-  train_seconds: float | None = None
-  backward_seconds: float | None = None
 
 
 @dataclasses.dataclass
@@ -150,13 +109,13 @@ class Graph:
 
 def input_node(name: str, shape: Sequence[int], dtype, layout: Layout) -> Node:
   """A graph input held in ``layout``."""
-  return Node(name, INPUT, (), tuple(shape), dtype, (), [Candidate(f"given {layout}", (), layout)])
+  return Node(name, INPUT, (), tuple(shape), dtype, (), [NodeOption(f"given {layout}", (), layout)])
 
 
 def output_node(name: str, producer: str, shape: Sequence[int], dtype, layout: Layout) -> Node:
   """The graph's result, required in ``layout``."""
   return Node(name, OUTPUT, (producer,), tuple(shape), dtype, (tuple(shape),),
-              [Candidate(f"required {layout}", (layout,), None)])
+              [NodeOption(f"required {layout}", (layout,), None)])
 
 
 def op_node(name: str, program, *, inputs: Mapping[str, str], params: Mapping[str, str], mesh, machines,
@@ -172,7 +131,6 @@ def op_node(name: str, program, *, inputs: Mapping[str, str], params: Mapping[st
     machines: figures for the candidates' times (see ``candidates.machine_for``).
     **options: passed to ``candidates.op_candidates``.
   """
-  from jaxmercury.graph.candidates import op_candidates
   fed = [b.name for b in program.reads if b.name in inputs]
   missing = [b.name for b in program.reads if b.name not in inputs and b.name not in params]
   if missing:
@@ -190,7 +148,6 @@ def glue_node(name: str, fn: Callable, inputs: Sequence[str], shape: Sequence[in
 
   Every input is read in ``shape`` (the output's).
   """
-  from jaxmercury.graph.candidates import glue_candidates
   cands = glue_candidates(shape, dtype, len(inputs), mesh, machines, allowed=allowed, touches=touches)
   return Node(name, GLUE, tuple(inputs), tuple(shape), dtype, (tuple(shape),) * len(inputs), cands, fn=fn,
               param_keys=tuple(params))

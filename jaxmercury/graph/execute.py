@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxmercury.graph import collectives as cl
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis.layouts import Layout, view
 from jaxmercury.graph.dag import GLUE, INPUT, OP, OUTPUT
-from jaxmercury.graph.layouts import Layout, view
-from jaxmercury.shard_map.plan import make_plan
-from jaxmercury.tuner.tune import with_layouts
+from jaxmercury.lowering.collectives import reshard_program
 
 
 def _split_reductions(edge, partial):
@@ -46,7 +45,7 @@ def realize(candidate, reductions, producer_shape, consumer_shape, sizes):
     return schedule, Layout(candidate.output.dims)
   prog = schedule.program
   out = prog.writes
-  loops = {red.level: red.loop for red in make_plan(schedule).reductions}
+  loops = {red.level: red.loop for red in schedule.plan().reductions}
   # the edge's steps act in the consumer's view: carry the layout after them back to the producer's shape
   start = view(candidate.output, producer_shape, consumer_shape, sizes)
   after = cl.trajectory(start, reductions)[-1]
@@ -58,7 +57,7 @@ def realize(candidate, reductions, producer_shape, consumer_shape, sizes):
     if r.kind == cl.REDUCE_SCATTER:
       dim = next(d for d, e in enumerate(back.dims) if r.level in e)
       variant.shard(out.name, loops[r.level], axis=out.dims[dim][0].name)
-  return with_layouts(variant, schedule.in_shardings, back.spec), back
+  return variant.with_layouts(schedule.in_shardings, back.spec), back
 
 
 @dataclasses.dataclass
@@ -101,11 +100,11 @@ def compile_plan(plan) -> CompiledPlan:
         schedule, layout = realize(cand, reductions, node.shape, consumer.input_shapes[outs[0].index], sizes)
         produced[node.name] = (schedule, layout)
         view_layout = cl.trajectory(outs[0].src, reductions)[-1]
-        moves[(node.name, outs[0].consumer, outs[0].index)] = cl.reshard_program(mesh, view_layout, rest)
+        moves[(node.name, outs[0].consumer, outs[0].index)] = reshard_program(mesh, view_layout, rest)
       else:
         produced[node.name] = (cand.schedule, cand.output)
         for e in outs:
-          moves[(e.producer, e.consumer, e.index)] = cl.reshard_program(mesh, e.src, list(e.fused))
+          moves[(e.producer, e.consumer, e.index)] = reshard_program(mesh, e.src, list(e.fused))
   compiled = {name: s.compile() for name, (s, _) in produced.items() if s is not None}
 
   def constrain(x, layout):

@@ -9,14 +9,14 @@ resharding (the all-gather before q, k and v projections happens once).
 
 With ``training=True`` the objective is a training step's forward and
 backward: every node costs its measured forward and backward
-(``Candidate.train_seconds``) where ``measure_candidates(training=True)``
+(``NodeOption.train_seconds``) where ``measure_candidates(training=True)``
 timed it; else an operator costs its forward, its schedule's predicted
-backward (``Candidate.backward_seconds``: the transposed collectives and the
+backward (``NodeOption.backward_seconds``: the transposed collectives and the
 gradients' block products; a fused GEMM's backward is the dual fused GEMM
 of the other placement and one local GEMM, a fused ring attention's the
 dual programs of its ring on cuDNN) and the
 all-reduce of the partial gradients of parameters it keeps whole where it
-splits other axes (``Candidate.grad_sync_seconds``), and glue
+splits other axes (``NodeOption.grad_sync_seconds``), and glue
 ``BACKWARD_FACTOR`` times its forward. Every edge costs twice its forward
 resharding (the backward runs its transpose: all-gather and reduce-scatter
 swap, moving the same bytes). A plan with replicated weights and split
@@ -39,11 +39,11 @@ import math
 
 import numpy as np
 
-from jaxmercury.graph import collectives as cl
-from jaxmercury.graph.candidates import machine_for
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis.fusion import RULES, fuse
+from jaxmercury.analysis.layouts import Layout, view
 from jaxmercury.graph.dag import GLUE, INPUT, OP, OUTPUT, Graph
-from jaxmercury.graph.fusion import RULES, fuse
-from jaxmercury.graph.layouts import Layout, view
+from jaxmercury.graph.options import machine_for
 
 BACKWARD_FACTOR = 3.0  # glue: forward + backward over forward (the backward reads and writes twice as much)
 
@@ -102,11 +102,11 @@ class EdgePlan:
 
 
 @dataclasses.dataclass
-class Plan:
+class GraphPlan:
   """The chosen candidate of every node and the resharding of every edge."""
 
   graph: Graph
-  choice: dict  # node name -> Candidate
+  choice: dict  # node name -> NodeOption
   edges: list  # EdgePlan
   seconds: float
   method: str
@@ -176,7 +176,7 @@ class _Edges:
     found = self._plan(p.shape, c.input_shapes[index], np.dtype(p.dtype).itemsize, src_layout, dst)
     return None if found is None else dataclasses.replace(found, producer=producer, consumer=consumer, index=index)
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache  # noqa: B019  (one planner per search: the cache goes with it)
   def _plan(self, shape_from, shape_to, itemsize, src_layout, dst):
     src = view(src_layout, shape_from, shape_to, self.sizes)
     if src is None or not dst.fits(shape_to, self.sizes):
@@ -211,7 +211,7 @@ def _edges(graph: Graph, machines, training: bool) -> _Edges:
   return _Edges(graph, machines, 2.0 if training else 1.0)
 
 
-def exhaustive(graph: Graph, machines, *, training: bool = False) -> Plan:
+def exhaustive(graph: Graph, machines, *, training: bool = False) -> GraphPlan:
   """Tries every joint assignment of candidates (``training``: see the module docstring)."""
   _check(graph)
   edges = _edges(graph, machines, training)
@@ -241,7 +241,7 @@ def exhaustive(graph: Graph, machines, *, training: bool = False) -> Plan:
                  explored, training)
 
 
-def dynamic(graph: Graph, machines, *, training: bool = False) -> Plan:
+def dynamic(graph: Graph, machines, *, training: bool = False) -> GraphPlan:
   """Dynamic programming over the nodes in order (``training``: see the module docstring).
 
   The state is, for every tensor still waiting for a consumer, its output
@@ -292,7 +292,7 @@ def dynamic(graph: Graph, machines, *, training: bool = False) -> Plan:
   return _finish(graph, edges, choice, "dynamic programming over the frontier", explored, training)
 
 
-def _finish(graph, edges, choice, method, explored, training: bool = False) -> Plan:
+def _finish(graph, edges, choice, method, explored, training: bool = False) -> GraphPlan:
   plans, done = [], set()
   for prod, cons, k in graph.edges():
     e = edges.plan(prod, cons, k, choice[prod].output, choice[cons].inputs[k])
@@ -301,10 +301,10 @@ def _finish(graph, edges, choice, method, explored, training: bool = False) -> P
     done.add(e.key)
     plans.append(e)
   total = sum(node_seconds(c, training) for c in choice.values()) + sum(e.seconds for e in plans)
-  return Plan(graph, choice, plans, total, method, explored, training)
+  return GraphPlan(graph, choice, plans, total, method, explored, training)
 
 
-def search(graph: Graph, machines, *, exhaustive_limit: int = 4096, training: bool = False) -> Plan:
+def search(graph: Graph, machines, *, exhaustive_limit: int = 4096, training: bool = False) -> GraphPlan:
   """The cheapest plan: ``exhaustive`` when the space has at most ``exhaustive_limit`` assignments, else ``dynamic``.
 
   ``training``: minimize a training step's time instead of the forward's (module docstring).
@@ -314,7 +314,7 @@ def search(graph: Graph, machines, *, exhaustive_limit: int = 4096, training: bo
   return dynamic(graph, machines, training=training)
 
 
-def fixed(graph: Graph, machines, choice: dict, *, training: bool = False) -> Plan:
+def fixed(graph: Graph, machines, choice: dict, *, training: bool = False) -> GraphPlan:
   """The plan of a given assignment (for comparisons)."""
   return _finish(graph, _edges(graph, machines, training), dict(choice), "given assignment", 1, training)
 

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.dsl import Axis, grid, match_buffer
-from jaxmercury.reductions import LogSumExp
+from jaxmercury.errors import ProgramError
+from jaxmercury.ir.dsl import Axis, grid, match_buffer
+from jaxmercury.ir.reductions import LogSumExp
 
 
 def attention_block(ctx, q, k, v, *, causal: bool):
@@ -82,9 +83,10 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
   spatial, and j (key), a reduction merged by log-sum-exp. The head
   dimension d is a block axis.
   """
-  if kv_heads < 1 or heads % kv_heads:
-    from jaxmercury.errors import ScheduleError
-    raise ScheduleError(f"attention: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+  if not isinstance(kv_heads, int) or kv_heads < 1:
+    raise ProgramError(f"attention: kv_heads must be a positive int, got {kv_heads!r}")
+  if not isinstance(heads, int) or heads < 1 or heads % kv_heads:
+    raise ProgramError(f"attention: heads ({heads!r}) must be a positive multiple of kv_heads ({kv_heads})")
   b, hk, g = Axis("b", batch), Axis("hk", kv_heads), Axis("g", heads // kv_heads)
   i, j, d = Axis("i", q_len), Axis("j", kv_len), Axis("d", head_dim)
   q = match_buffer("q", (b, i, (hk, g), d), dtype)
@@ -99,4 +101,5 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
                           head_dim=head_dim, causal=causal, dtype=str(np.dtype(dtype))),
               flops=4.0 * batch * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0),
               workspace=_scores_bytes,
-              statement=f"o[b, i, hk*g] <- softmax{'_causal' if causal else ''}(q[b, i, hk*g] . k[b, j, hk]) v[b, j, hk]")
+              statement=(f"o[b, i, hk*g] <- softmax{'_causal' if causal else ''}(q[b, i, hk*g] . k[b, j, hk]) "
+                         "v[b, j, hk]"))

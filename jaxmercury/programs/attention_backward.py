@@ -20,9 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmercury.dsl import Axis, grid, match_buffer
+from jaxmercury.ir.dsl import Axis, grid, match_buffer
+from jaxmercury.ir.reductions import LogSumExp, Sum
 from jaxmercury.programs.attention import skip_if_hidden
-from jaxmercury.reductions import LogSumExp, Sum
 
 
 def _axes(p):
@@ -80,7 +80,7 @@ def dkv_block(ctx, q, k, v, o, do, lse, *, causal):
 @_skipping
 def dq_dkv_block(ctx, q, k, v, o, do, lse, *, causal):
   """``(dq_block(...), dkv_block(...))`` from one computation of the block pair's probabilities: the body of the
-  dq and dk-dv programs run in one nest (``shard_map.lower.lower_joint``)."""
+  dq and dk-dv programs run in one nest (``lowering.lower.lower_joint``)."""
   p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
   dq = jnp.einsum("bihgj,bjhd->bihgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
   dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.dsl import Axis, grid, match_buffer
-from jaxmercury.reductions import Sum
+from jaxmercury.ir.dsl import Axis, grid, match_buffer
+from jaxmercury.ir.reductions import Sum
 
 
 @jax.custom_vjp

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.dsl import Axis, grid, match_buffer
-from jaxmercury.reductions import Sum
+from jaxmercury.ir.dsl import Axis, grid, match_buffer
+from jaxmercury.ir.reductions import Sum
 
 
 def _weighted_sum_body(ctx, a, b):

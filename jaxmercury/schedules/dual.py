@@ -9,9 +9,10 @@ reduction), an all-to-all is answered by an all-to-all (the layouts swap
 roles). Buffer names map forward to backward: placements of an input apply to
 that input and to its gradient; placements of the output apply to the
 incoming cotangent and its companions (``o``, ``lse``). A patched forward
-kernel maps to its backward kernels (``BACKWARD_KERNELS``); on devices with
-cuDNN the backward's blocks run cuDNN's whatever the forward's kernel
-(``backward_schedule``).
+kernel maps to the backward block kernels it declares
+(``kernels.registry.AttentionBackward``); on devices where a kernel declared
+``everywhere`` runs (cuDNN), the backward's blocks run its kernels whatever
+the forward's kernel (``backward_schedule``).
 """
 
 from __future__ import annotations
@@ -20,19 +21,25 @@ import math
 
 from jax.sharding import PartitionSpec
 
+from jaxmercury.analysis.memory import block_sizes
 from jaxmercury.errors import PreconditionError, ScheduleError
+from jaxmercury.ir.loops import SERIAL
+from jaxmercury.kernels import registry
 from jaxmercury.programs import attention_backward as ab
-from jaxmercury.schedules.loops import SERIAL
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import replay
 
 BUFFER_STEPS = ("shard", "replicate")
-# Forward kernels and the kernels of their backward programs.
-BACKWARD_KERNELS = {"dq": {"cudnn_attention": "cudnn_attention_dq", "mosaic_attention": "mosaic_attention_dq",
-                           "pallas_attention": "pallas_attention_dq", "triton_attention": "pallas_attention_dq"},
-                    "dkv": {"cudnn_attention": "cudnn_attention_dkv", "mosaic_attention": "mosaic_attention_dkv",
-                            "pallas_attention": "pallas_attention_dkv", "triton_attention": "pallas_attention_dkv"}}
-BACKWARD_BLOCKS = "cudnn_attention"  # the forward kernel whose backward kernels run every backward where they can
+
+
+def backward_kernel(forward_kernel: str | None, part: str) -> str | None:
+  """The block kernel of the ``part`` (``"dq"`` or ``"dkv"``) program that ``forward_kernel`` declares for its
+  backward; None: the program's own body."""
+  if forward_kernel is None:
+    return None
+  backward = registry.local(forward_kernel).backward
+  block = getattr(backward, part) if backward is not None else None
+  return block.name if block is not None else None
 
 
 def backward_schedule(schedule: Schedule) -> Schedule:
@@ -40,16 +47,16 @@ def backward_schedule(schedule: Schedule) -> Schedule:
 
   The backward needs only the output and log-sum-exp the forward saved, not
   the kernel that computed them, so its blocks may run another kernel's
-  backward. cuDNN's flash backward (``BACKWARD_BLOCKS``, one call returning
-  dq, dk and dv) is the fastest we have: JAX's Mosaic dq and dk-dv kernels
-  recompute the probabilities twice and have no causal mask. The result is
-  ``schedule`` with its ``patch`` steps replaced by ``patch(BACKWARD_BLOCKS)``;
-  where the mesh's devices, the dtype or the shapes rule cuDNN out (CPU,
-  float32), ``schedule`` itself (its kernel's ``BACKWARD_KERNELS``, or XLA's
-  body). Programs without backward programs (other patterns, attention
-  emitting its log-sum-exp): ``schedule``.
+  backward. The kernel whose ``AttentionBackward`` is declared ``everywhere``
+  (cuDNN's flash backward, one call returning dq, dk and dv) is the fastest we
+  have: JAX's Mosaic dq and dk-dv kernels recompute the probabilities twice
+  and have no causal mask. The result is ``schedule`` patched with that
+  kernel instead of its own; where the mesh's devices, the dtype or the shapes
+  rule it out (CPU, float32), ``schedule`` itself (its kernel's declared
+  backward kernels, or XLA's body). Programs without backward programs (other
+  patterns, attention emitting its log-sum-exp): ``schedule``.
 
-  Preconditions: no fused lowering (``shard_map.fused.ordinary_schedule`` removes it).
+  Preconditions: no fused lowering (``Schedule.without("lower_with")`` removes it).
 
   Before / after (a ``ring`` patched with ``mosaic_attention``, on GPUs)::
 
@@ -58,16 +65,17 @@ def backward_schedule(schedule: Schedule) -> Schedule:
         mosaic_attention(o[i0], q[i0], k[j0], ..)     cudnn_attention(o[i0], q[i0], k[j0], ..)
   """
   prog = schedule.program
-  if prog.pattern != "attention" or prog.params.get("emit_lse") or schedule.kernel == BACKWARD_BLOCKS:
+  everywhere = registry.everywhere_backward()
+  if prog.pattern != "attention" or prog.params.get("emit_lse") or everywhere is None \
+      or schedule.kernel == everywhere:
     return schedule
   if schedule.lowering is not None:
-    raise ScheduleError(f"{schedule.program.name}: lowered with {schedule.lowering!r}; take its ordinary schedule "
-                        "(shard_map.fused.ordinary_schedule) first")
-  unpatched = schedule.copy()
-  unpatched.kernel = None
-  unpatched.trace = [step for step in unpatched.trace if step["primitive"] != "patch"]
+    raise ScheduleError(f"{schedule.program.name}: lowered with {schedule.lowering!r}; take its loop-nest schedule "
+                        "(Schedule.without('lower_with')) first")
+  if registry.local(everywhere).why_not(prog, schedule.mesh) is not None:
+    return schedule
   try:
-    return unpatched.patch(BACKWARD_BLOCKS)
+    return schedule.without("patch").patch(everywhere)
   except PreconditionError:
     return schedule
 
@@ -77,16 +85,16 @@ def _full(spec, rank):
   return entries[:rank]
 
 
-def _renamed(steps, names: dict, kernel: dict) -> list[dict]:
-  """Steps with buffers renamed and kernels mapped (a kernel with no backward is dropped)."""
+def _renamed(steps, names: dict, part: str | None) -> list[dict]:
+  """Steps with buffers renamed and patched kernels mapped to their ``part`` backward kernels (a kernel with no
+  backward kernel is dropped: the program's own body); ``part`` None keeps them."""
   out = []
   for step in steps:
     if step["primitive"] == "patch":
-      name = step["args"][0].partition("[")[0]  # a tuned forward variant maps to the default backward
-      if not kernel:
+      if part is None:
         out.append(step)
-      elif name in kernel:
-        out.append({**step, "args": [kernel[name]]})
+      elif (mapped := backward_kernel(step["args"][0], part)) is not None:
+        out.append({"primitive": "patch", "args": [mapped], "kwargs": {}})  # its default configuration
       continue
     if step["primitive"] not in BUFFER_STEPS:
       out.append(step)
@@ -113,14 +121,12 @@ def _storage_specs(schedule):
 
 def fit_blocks(schedule: Schedule, budget_bytes: int) -> Schedule:
   """Tiles a schedule's innermost blocks into serial blocks until one body call's workspace fits."""
-  from jaxmercury.pallas_kernels import registry
-  from jaxmercury.tuner.memory import block_sizes
   prog = schedule.program
-  kernel = registry.kernel(schedule.kernel or "xla")
+  kernel = registry.local(schedule.kernel or "xla")
   reductions = [a.name for a in prog.loops if prog.kinds[a.name] == "r"]
   spatial = [a.name for a in prog.loops if prog.kinds[a.name] == "s"]
   for axis in reductions + spatial:
-    need = -(-kernel.workspace_bytes(prog, block_sizes(schedule)) // budget_bytes)
+    need = -(-kernel.workspace_bytes(prog, block_sizes(schedule), schedule.kernel_config) // budget_bytes)
     if need <= 1:
       break
     inner = schedule.loop(schedule.factors[axis][-1])
@@ -142,7 +148,7 @@ def with_lse_schedule(schedule) -> Schedule:
   q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
   return replay(Schedule(ab.attention_with_lse(prog), schedule.mesh,
                          in_shardings=[PartitionSpec(*x) for x in (q, k, v)], out_sharding=PartitionSpec(*o)),
-                _renamed(schedule.trace, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, kernel={}))
+                _renamed(schedule.trace, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, part=None))
 
 
 def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = False
@@ -157,7 +163,7 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = F
     schedule: the forward attention schedule.
     workspace_bytes: one block call's workspace budget.
     joint: make the dk-dv schedule walk the dq schedule's loops, to run the
-      two in one nest (``shard_map.joint_backward``): the extra tiles are
+      two in one nest (``lowering.joint_backward``): the extra tiles are
       the dq schedule's, replayed on the dk-dv one, and its serial loops
       are reordered to the dq schedule's order.
   """
@@ -170,14 +176,12 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = F
   mesh, steps = schedule.mesh, schedule.trace
   companions = ["o", "do", "lse"]
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
-              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]},
-                       kernel=BACKWARD_KERNELS["dq"]))
+              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]}, part="dq"))
   unfitted = len(dq.trace)
   dq = fit_blocks(dq, workspace_bytes)
   dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
                         out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
-               _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions},
-                        kernel=BACKWARD_KERNELS["dkv"]))
+               _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions}, part="dkv"))
   if not joint:
     return forward, dq, fit_blocks(dkv, workspace_bytes)
   replay(dkv, dq.trace[unfitted:])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from jaxmercury.schedules.loops import PARALLEL, VECTOR
-from jaxmercury.shard_map import reshard
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis import placements
+from jaxmercury.ir.loops import PARALLEL, VECTOR
+from jaxmercury.kernels import config as configs
+from jaxmercury.kernels import registry
 
 
 def _layout(buf, layout) -> str:
@@ -13,38 +16,49 @@ def _layout(buf, layout) -> str:
   return "[" + ", ".join(parts) + "]"
 
 
-def _moves(buf, src, dst) -> list[str]:
-  out = []
-  for st in reshard.steps(src, dst):
-    if st.op == reshard.ALL_TO_ALL:
-      out.append(f"AllToAll({buf.name} over {st.level}: {buf.axes[st.to_dim]} -> {buf.axes[st.dim]} gathered)")
-    elif st.op == reshard.ALL_GATHER:
-      out.append(f"AllGather({buf.name} over {st.level} along {buf.axes[st.dim]})")
-    else:
-      out.append(f"Slice({buf.name} at rank of {st.level} along {buf.axes[st.dim]})")
-  return out
+def collective_text(buf, c: cl.Collective, reduction: str = "sum") -> str:
+  """One collective on ``buf`` (over its canonical axes) as the printout shows it."""
+  axes = buf.axes
+  if c.kind == cl.ALL_TO_ALL:
+    return f"AllToAll({buf.name} over {c.level}: {axes[c.to_dim]} -> {axes[c.dim]} gathered)"
+  if c.kind == cl.ALL_GATHER:
+    return f"AllGather({buf.name} over {c.level} along {axes[c.dim]})"
+  if c.kind == cl.SLICE:
+    return f"Slice({buf.name} at rank of {c.level} along {axes[c.dim]})"
+  if c.kind == cl.REDUCE_SCATTER:
+    return f"ReduceScatter({buf.name} over {c.level} along {axes[c.dim]}, {reduction})"
+  if c.kind == cl.ALL_REDUCE:
+    return f"AllReduce({buf.name} over {c.level}, {reduction})"
+  return f"{c.describe(axes)} of {buf.name}"
 
 
 def communication(schedule, plan) -> list[str]:
   """One line per communication the lowering emits, in program order."""
   prog = schedule.program
+  red = prog.reduction.name if prog.reduction else "sum"
+  out = prog.writes
   lines = []
   for b in prog.reads:
-    lines += _moves(b, plan.storage[b.name], plan.resident[b.name])
+    lines += [collective_text(b, c) for c in cl.steps(plan.storage[b.name], plan.resident[b.name])]
   for ring in plan.rings.values():
     if ring.buffers:
       what = ", ".join(ring.buffers)
       lines.append(f"Ring({what} over {ring.level} at loop {ring.loop}, ppermute overlapped)")
     if ring.travel:
-      lines.append(f"Ring(partial {prog.writes.name} over {ring.level} at loop {ring.loop}, to its owner)")
-  red = prog.reduction.name if prog.reduction else "sum"
-  for r in plan.reductions:
-    if r.scatter_axis:
-      lines.append(f"ReduceScatter({prog.writes.name} over {r.level} along {r.scatter_axis}, {red})")
-    else:
-      lines.append(f"AllReduce({prog.writes.name} over {r.level}, {red})")
-  lines += _moves(prog.writes, plan.result, plan.storage[prog.writes.name])
+      lines.append(f"Ring(partial {out.name} over {ring.level} at loop {ring.loop}, to its owner)")
+  lines += [collective_text(out, c, red) for c in cl.reductions(plan.resident[out.name], plan.result)]
+  lines += [collective_text(out, c) for c in cl.steps(plan.result, plan.storage[out.name])]
   return lines
+
+
+def fused_summary(schedule) -> str:
+  """The printout's line for a schedule lowered with a fused kernel."""
+  k = registry.fused(schedule.lowering)
+  p = placements.of(schedule)
+  level = p.level if not isinstance(p, str) else "?"
+  mode = " (Mosaic GPU interpret mode)" if placements.interprets(k, schedule) else ""
+  return (f"lowered with {k.label(schedule.lowering_config)}{mode}: the whole nest runs as one fused kernel per "
+          f"device, the ring over {level} inside it; gradients: {k.backward.description}\n  {k.description}")
 
 
 def render(schedule) -> str:
@@ -82,10 +96,9 @@ def render(schedule) -> str:
         head += f" + 1) % {lp.extent}" if ring.offset else f") % {lp.extent}"
     out.append(f"{'  ' * depth + head:<64}# {tag}")
     depth += 1
-  kernel = schedule.kernel or "xla"
+  kernel = configs.label(schedule.kernel, schedule.kernel_config) if schedule.kernel else "xla"
   block = " ".join(vector) or "scalar"
   out.append("  " * depth + f"block {block}: {prog.statement or prog.name}  [kernel {kernel}]")
   if schedule.lowering is not None:
-    from jaxmercury.shard_map import fused
-    out.append(fused.summary(schedule))
+    out.append(fused_summary(schedule))
   return "\n".join(out)

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxmercury import validate as checks
-from jaxmercury.dsl import check_name
+from jaxmercury.analysis import placements
+from jaxmercury.analysis import plan as plans
 from jaxmercury.errors import PreconditionError, ProgramError, ScheduleError, UnknownNameError
-from jaxmercury.program import Program
-from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR, Loop
+from jaxmercury.ir.dsl import check_name
+from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR, Loop
+from jaxmercury.ir.program import Program
+from jaxmercury.kernels import config as configs
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.registry import KernelChoice
+from jaxmercury.schedules import checks, printer
+from jaxmercury.schedules import trace as trace_format
+from jaxmercury.schedules.trace import replay
 
 SHARD, REPLICATE = "shard", "replicate"
+
+# ``Schedule.compile``'s one route to the lowering layer (above this one): ``jaxmercury.lowering`` registers
+# ``compile_schedule(schedule, *, differentiable)`` here when it is imported, which ``import jaxmercury`` does.
+_COMPILER: list[Callable] = []
+
+
+def register_compiler(compile_schedule: Callable):
+  """Sets the function ``Schedule.compile`` lowers with (``jaxmercury.lowering.compile_schedule``)."""
+  _COMPILER[:] = [compile_schedule]
 
 
 class Schedule:
@@ -25,8 +41,10 @@ class Schedule:
   ``shift``, ``shard``, ``replicate``) annotate it; ``lower_with`` picks a
   fused kernel to run the whole nest. Every call checks its
   preconditions, raises ``ScheduleError`` naming the problem, and is recorded
-  in ``trace`` (see ``to_json`` / ``from_json``). ``compile()`` lowers the
-  schedule to a ``jax.shard_map`` program.
+  in ``trace`` (see ``to_json`` / ``from_json``). A schedule changes only
+  through its primitives: its kernel, lowering and trace are read-only, and
+  its communication plan is derived once per change (``plan()``).
+  ``compile()`` lowers the schedule to a ``jax.shard_map`` program.
 
   Args:
     program: the ``Program`` to schedule.
@@ -56,11 +74,36 @@ class Schedule:
     self.padded: dict[str, int] = {a.name: a.extent for a in program.loops}
     self.zigzags: dict[str, int] = {}
     self.placements: dict[tuple[str, str], tuple] = {}
-    self.kernel: str | None = None
-    self.lowering: str | None = None  # a fused lowering (``lower_with``); None: the loop nest
-    self.lowering_params: dict = {}
+    self._kernel: KernelChoice | None = None
+    self._lowering: KernelChoice | None = None  # a fused kernel (``lower_with``); None: the loop nest
     self.in_shardings, self.out_sharding = checks.check_layouts(program, self.levels, in_shardings, out_sharding)
-    self.trace: list[dict] = []
+    self._trace: list[dict] = []
+    self._plan = None  # derived once per change (``plan``)
+
+  # ------------------------------------------------------------ read-only state
+  @property
+  def trace(self) -> list[dict]:
+    """The primitives applied, in order, as data (a copy: a schedule changes only through its primitives)."""
+    return copy.deepcopy(self._trace)
+
+  @property
+  def kernel(self) -> str | None:
+    """The local kernel ``patch`` put in place of the block (None: the program's own body)."""
+    return self._kernel.name if self._kernel else None
+
+  @property
+  def kernel_config(self):
+    """The patched kernel's configuration (None: no kernel, or one without parameters)."""
+    return self._kernel.config if self._kernel else None
+
+  @property
+  def lowering(self) -> str | None:
+    """The fused kernel ``lower_with`` runs the whole nest as (None: the loop nest)."""
+    return self._lowering.name if self._lowering else None
+
+  @property
+  def lowering_config(self):
+    return self._lowering.config if self._lowering else None
 
   # ----------------------------------------------------------------- lookup
   def loop(self, name: str) -> Loop:
@@ -84,8 +127,9 @@ class Schedule:
     return lp
 
   def _record(self, primitive: str, *args, **kwargs):
-    self.trace.append({"primitive": primitive, "args": list(args),
-                       "kwargs": {k: v for k, v in kwargs.items() if v is not None}})
+    self._trace.append({"primitive": primitive, "args": list(args),
+                        "kwargs": {k: v for k, v in kwargs.items() if v is not None}})
+    self._plan = None
 
   def _check_outer_distributed(self, lp: Loop, primitive: str):
     for name in self.factors[lp.axis]:
@@ -101,12 +145,14 @@ class Schedule:
 
     On failure the schedule is restored: a rejected call changes nothing.
     """
+    self._plan = None
     try:
-      self.validate()
+      plan = self.validate()
     except ScheduleError:
       self.__dict__.update(saved.__dict__)
       raise
     self._record(primitive, *args, **kwargs)
+    self._plan = plan
 
   def copy(self) -> "Schedule":
     """An independent copy, sharing the program and mesh."""
@@ -116,9 +162,27 @@ class Schedule:
     new.padded = dict(self.padded)
     new.zigzags = dict(self.zigzags)
     new.placements = dict(self.placements)
-    new.lowering_params = dict(self.lowering_params)
-    new.trace = copy.deepcopy(self.trace)
+    new._trace = copy.deepcopy(self._trace)
     return new
+
+  def _rebuilt(self, steps, *, in_shardings=None, out_sharding=None) -> "Schedule":
+    """A fresh schedule of the same program and mesh with ``steps`` applied through the primitives."""
+    fresh = Schedule(self.program, self.mesh, in_shardings=in_shardings, out_sharding=out_sharding)
+    return replay(fresh, steps)
+
+  def without(self, *primitives: str, buffer: str | None = None) -> "Schedule":
+    """The same schedule without its steps of the named primitives (``"patch"``: the block back on the program's
+    body; ``"lower_with"``: the loop nest instead of a fused kernel; ``"shard", "replicate"`` with ``buffer``:
+    that buffer's placements), rebuilt through the primitives."""
+    def dropped(step):
+      return step["primitive"] in primitives and (buffer is None or step["args"][:1] == [buffer])
+    steps = [step for step in self._trace if not dropped(step)]
+    return self._rebuilt(copy.deepcopy(steps), in_shardings=self.in_shardings, out_sharding=self.out_sharding)
+
+  def with_layouts(self, in_shardings=None, out_sharding=None) -> "Schedule":
+    """The same schedule for callers whose arrays have the given layouts (``PartitionSpec`` per input, and the
+    output's), rebuilt through the primitives."""
+    return self._rebuilt(copy.deepcopy(self._trace), in_shardings=in_shardings, out_sharding=out_sharding)
 
   # ---------------------------------------------------- computation primitives
   def pad(self, axis: str, multiple: int) -> "Schedule":
@@ -278,18 +342,19 @@ class Schedule:
     self._record("reorder", *loops)
     return self
 
-  def patch(self, kernel: str, **params) -> "Schedule":
-    """Replaces the innermost block computation by a registered kernel.
+  def patch(self, kernel: str | KernelChoice, **params) -> "Schedule":
+    """Replaces the innermost block computation by a registered local kernel.
 
     The block is the sub-nest left inside every tiled, parallel and shifted
     loop; the kernel must implement its loop-nest pattern exactly (see
-    ``jaxmercury.pallas_kernels.patterns``: same buffers and loops up to axis
+    ``jaxmercury.kernels.patterns``: same buffers and loops up to axis
     names, same reduction, same body).
 
-    Preconditions: a kernel named ``kernel`` is registered; the program
+    Preconditions: a local kernel named ``kernel`` is registered; the program
     matches one of its patterns; it accepts the program's dtypes; it runs on
-    the mesh's devices; ``params`` are among its tunable parameters' choices
-    (``kernel`` may also name a variant, ``"pallas_attention[block_q=64]"``).
+    the mesh's devices; ``params`` are fields of its configuration and among
+    their choices (``kernel`` may also be a ``KernelChoice``, a kernel and its
+    configuration).
 
     Before / after (``patch("cudnn_attention")``)::
 
@@ -298,36 +363,35 @@ class Schedule:
           for b, hk, g, i1, j1:                     cudnn_attention(o[i0], q[i0], k[j0], v[j0])
             o[..] <- merge(q . k, v)
     """
-    from jaxmercury.pallas_kernels import registry
-    name = registry.resolve(kernel, **params)
-    registry.lookup(name, self.program, self.mesh)
-    self.kernel = name
-    self._record("patch", name)
+    if isinstance(kernel, KernelChoice):
+      params = {**configs.changed(kernel.config), **params}
+      kernel = kernel.name
+    k = registry.local(kernel)
+    config = k.configure(params)
+    k.block(self.program, self.mesh, config)  # raises where it does not apply or the configuration does not build
+    self._kernel = KernelChoice(k.name, config)
+    self._record("patch", k.name, **configs.changed(config))
     return self
 
   def lower_with(self, lowering: str, **params) -> "Schedule":
     """Runs the whole nest as one fused kernel per device instead of the ``shard_map`` loop nest.
 
-    The fused lowerings (``jaxmercury.shard_map.fused``) are all-gather GEMM
-    kernels whose ring runs inside the kernel: ``fused_allgather_matmul``
-    (ours; ``params`` are its ``Tiles``: ``tile_m``, ``tile_n``, ``tile_k``,
-    ``max_concurrent_steps``) and ``jax_allgather_lhs_matmul`` (JAX's
-    ``collective_matmul_mgpu``; ``params`` are its ``TuningConfig`` fields,
-    the enums as ``"M"`` / ``"N"``). ``compile()`` runs the kernel under the
-    same ``shard_map`` layouts, padding and global signature; gradients come
-    from the ordinary lowering of this schedule (a GEMM's), or from the dual
-    programs fed by the kernel's output and log-sum-exp (a ring attention's).
+    The fused kernels (``kernels.registry.FusedKernel``; ``registry.fused_names()``) each compute one placement
+    kind (``kernels.placements``): all-gather GEMMs (``fused_allgather_matmul`` and its ``_comm`` and ``_ws``
+    variants, JAX's ``jax_allgather_lhs_matmul``), GEMM + reduce-scatter (``fused_matmul_reducescatter`` and
+    ``_ws``) and ring attention (``fused_ring_attention`` and ``_ws``); ``params`` are fields of the kernel's
+    configuration dataclass. ``compile()`` runs the kernel under the same ``shard_map`` layouts, padding and
+    global signature; gradients come from the kernel's declared backward: the dual fused GEMM fed by the rows
+    the forward's ring gathered (a GEMM's), or the dual programs fed by the kernel's output and log-sum-exp (a
+    ring attention's).
 
-    Preconditions (the error gives the lowering's ``why_not``): the program
-    is a GEMM (loop-nest pattern ``matmul``), its block is not patched and no
-    axis is zigzagged; the plan stores A's rows, B's columns and C's columns
-    split over one mesh level L, nothing else split (as ``allgather_matmul``
-    and ``async_tp`` do); L holds every device of the mesh and, over several
-    devices, is the mesh's only level and spans every device of the process;
-    A, B and C are all bf16 or all fp16; the devices are Hopper GPUs (our
-    kernel also runs in Mosaic GPU interpret mode on a CPU mesh of one
-    device); ``params`` are the lowering's and valid. Primitives applied
-    later are checked again when compiling.
+    Preconditions (the error gives ``analysis.placements.why_not``): the block is not patched; the plan stores
+    the buffers as the kernel's placement kind needs, split over one mesh level L and nothing else split (as
+    ``allgather_matmul`` / ``async_tp``, ``matmul_reducescatter`` or ``ring`` / ``ring_zigzag`` do); L holds
+    every device of the mesh and, over several devices, is the mesh's only level and spans every device of the
+    process; the buffers are all bf16 or all fp16; the devices are Hopper GPUs (kernels with interpret mode also
+    run on a CPU mesh of one device); ``params`` are the kernel's and fit. Primitives applied later are checked
+    again when compiling.
 
     Before / after (``lower_with("fused_allgather_matmul")`` on ``async_tp``)::
 
@@ -337,30 +401,29 @@ class Schedule:
                                                       # A_s stored into rank - 1 by the kernel
 
     Args:
-      lowering: a registered fused lowering's name.
-      **params: its parameters (default: its defaults).
+      lowering: a registered fused kernel's name.
+      **params: fields of its configuration (default: its defaults).
 
     Raises:
-      UnknownNameError: no such lowering or parameter (the message lists the known ones).
-      PreconditionError: the lowering does not apply; the message says why.
+      UnknownNameError: no such fused kernel or parameter (the message lists the known ones).
+      PreconditionError: the kernel does not apply; the message says why.
     """
-    from jaxmercury.shard_map import fused
-    chosen = fused.lowering(lowering)
-    params = {k: v for k, v in params.items() if v is not None}  # as the trace records them
-    chosen.check(self, params)
-    self.lowering, self.lowering_params = chosen.name, dict(params)
-    self._record("lower_with", chosen.name, **params)
+    k = registry.fused(lowering)
+    config = k.configure({key: v for key, v in params.items() if v is not None})
+    reason = placements.why_not(k, self, config)
+    if reason is not None:
+      raise PreconditionError(f"lower_with({k.name!r}): {reason}")
+    self._lowering = KernelChoice(k.name, config)
+    self._record("lower_with", k.name, **configs.changed(config))
     return self
 
-  def kernel_candidates(self, variants: bool = False) -> list[str]:
-    """The kernels ``patch`` accepts for this schedule's block on its mesh (the tuner's choices).
+  def kernel_candidates(self) -> list[str]:
+    """The local kernels ``patch`` accepts for this schedule's block on its mesh (the tuner's choices)."""
+    return registry.candidates(self.program, self.mesh)
 
-    Args:
-      variants: list every tunable variant (``name[param=value]``), not only
-        each kernel's default.
-    """
-    from jaxmercury.pallas_kernels import registry
-    return registry.candidates(self.program, self.mesh, variants=variants)
+  def kernel_variants(self) -> list[KernelChoice]:
+    """Every configuration of every local kernel ``patch`` accepts here, each kernel's default first."""
+    return registry.variants(self.program, self.mesh)
 
   # -------------------------------------------------- communication primitives
   def parallelize(self, loop: str, mesh_level: str) -> "Schedule":
@@ -417,7 +480,8 @@ class Schedule:
     loop (a parallel reduction), partial outputs travel the ring instead and
     end at their owners (a pipelined reduce-scatter).
 
-    Preconditions: ``parallel_loop`` is parallel; ``local_loop`` is not distributed, its extent equals the parallel level's
+    Preconditions: ``parallel_loop`` is parallel; ``local_loop`` is not distributed, its extent equals the
+    parallel level's
     size, and every loop outside it on its axis is distributed.
 
     Before / after (``shift("j", "i")``)::
@@ -512,13 +576,14 @@ class Schedule:
 
   # ------------------------------------------------------------ inspection
   def validate(self):
-    """Checks the whole schedule; raises ``ScheduleError`` naming the problem."""
-    from jaxmercury.shard_map.plan import make_plan
-    return make_plan(self)
+    """Checks the whole schedule; raises ``ScheduleError`` naming the problem; returns its plan."""
+    return self.plan()
 
-  def plan(self):
-    """The communication plan the lowering will follow."""
-    return self.validate()
+  def plan(self) -> plans.Plan:
+    """The communication plan the lowering follows, derived once per change of the schedule."""
+    if self._plan is None:
+      self._plan = plans.make_plan(self)
+    return self._plan
 
   def compile(self, *, differentiable: bool = True):
     """Lowers the schedule to a jitted callable on global arrays.
@@ -526,43 +591,39 @@ class Schedule:
     Args:
       differentiable: attach the backward pass generated from this schedule
         (``jax.grad`` works either way; this makes the gradient a scheduled
-        program of its own where the program has backward programs).
+        program of its own where the program has backward programs). Its
+        schedules are built here, so that differentiating builds nothing.
 
-    The program, the mesh, the layouts, the kernel and the schedule's
-    consistency with its own trace are checked first (``jaxmercury.validate``);
-    ``validate(program, mesh, inputs=...)`` also checks arrays and the devices
-    they are committed to.
+    The program, the mesh, the layouts and the kernel are checked first
+    (``jaxmercury.validate``); ``validate(program, mesh, inputs=...)`` also
+    checks arrays and the devices they are committed to.
 
     A schedule given ``lower_with`` runs its fused kernel under the same
     ``shard_map`` layouts; its backward is always attached, since the kernel
-    has no autodiff (``shard_map.fused.compile_fused``).
+    has no autodiff.
 
     Returns:
-      ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program.
+      ``f(*inputs) -> output``, a ``jax.jit`` of a ``jax.shard_map`` program
+      (``jaxmercury.lowering.compile_schedule``).
     """
-    from jaxmercury.shard_map.differentiate import differentiable as with_backward
-    from jaxmercury.shard_map.lower import lower
-    checks.validate(self.program, self.mesh, schedule=self, compiling=True)
-    if self.lowering is not None:
-      from jaxmercury.shard_map.fused import compile_fused
-      return compile_fused(self)
-    forward = lower(self)
-    return with_backward(self, forward) if differentiable else forward
+    checks.check_program(self.program)
+    checks.check_mesh(self.mesh, devices=True)
+    checks.check_on_mesh(self)
+    if not _COMPILER:
+      raise ScheduleError("no lowering is registered: import jaxmercury (which imports jaxmercury.lowering)")
+    return _COMPILER[0](self, differentiable=differentiable)
 
   def to_json(self) -> str:
-    from jaxmercury.schedules.trace import to_json
-    return to_json(self)
+    return trace_format.to_json(self)
 
   @classmethod
   def from_json(cls, program: Program, mesh, text: str, *, other_sizes: bool = False) -> "Schedule":
     """The schedule a ``to_json`` trace records, rebuilt on ``program`` and ``mesh`` through the primitives;
     ``other_sizes``: the trace may be of the same program at other sizes (``trace.from_json``)."""
-    from jaxmercury.schedules.trace import from_json
-    return from_json(program, mesh, text, other_sizes=other_sizes)
+    return trace_format.from_json(cls, program, mesh, text, other_sizes=other_sizes)
 
   def __str__(self):
-    from jaxmercury.schedules.printer import render
-    return render(self)
+    return printer.render(self)
 
   __repr__ = __str__
 

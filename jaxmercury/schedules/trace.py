@@ -1,4 +1,9 @@
-"""Schedule traces as JSON: data only, replayed through the public primitives."""
+"""Schedule traces as JSON: data only, replayed through the public primitives.
+
+Format 2 records a patched kernel or fused lowering as its name and, as keyword arguments, the fields of its
+configuration that differ from the defaults (format 1 wrote them into the name, ``"kernel[param=value]"``);
+a trace of another format is refused with ``TraceError``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmercury.errors import TraceError
 
-FORMAT = 1
+FORMAT = 2
 PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate",
               "lower_with")
 
@@ -57,8 +62,8 @@ def replay(schedule, steps):
     if not isinstance(args, list) or not isinstance(kwargs, dict):
       raise TraceError(f"trace step {k}: args must be a list and kwargs a dict")
     for v in list(args) + list(kwargs.values()):
-      if not isinstance(v, (str, int, list)) or isinstance(v, bool):
-        raise TraceError(f"trace step {k}: argument {v!r} is not a name, int or list of names")
+      if not isinstance(v, (str, int, float, bool, list)):
+        raise TraceError(f"trace step {k}: argument {v!r} is not a name, number, flag or list of names")
     try:
       getattr(schedule, name)(*args, **kwargs)
     except TypeError as e:
@@ -78,10 +83,11 @@ def same_but_sizes(params: dict, other: dict) -> bool:
       params[k] == other[k] or (is_size(params[k]) and is_size(other[k])) for k in params)
 
 
-def from_json(program, mesh, text: str, *, other_sizes: bool = False):
+def from_json(schedule_class, program, mesh, text: str, *, other_sizes: bool = False):
   """Rebuilds a schedule of ``program`` on ``mesh`` from ``to_json`` output.
 
   Args:
+    schedule_class: ``Schedule`` (``Schedule.from_json`` passes it).
     program: the program; the trace must be for it (its name and parameters).
     mesh: the mesh; the trace must be for its level names and sizes.
     text: the trace.
@@ -89,7 +95,6 @@ def from_json(program, mesh, text: str, *, other_sizes: bool = False):
       parameters: lengths, batch, heads), replayed on this one; a step
       whose preconditions this shape breaks raises.
   """
-  from jaxmercury.schedules.schedule import Schedule
   try:
     data = json.loads(text)
   except json.JSONDecodeError as e:
@@ -106,7 +111,7 @@ def from_json(program, mesh, text: str, *, other_sizes: bool = False):
   if data.get("mesh") != levels:
     raise TraceError(f"trace is for mesh {data.get('mesh')}, not {levels}")
   ins = data.get("in_shardings")
-  schedule = Schedule(program, mesh,
+  schedule = schedule_class(program, mesh,
                       in_shardings=None if ins is None else [_spec_from_data(s) for s in ins],
                       out_sharding=_spec_from_data(data.get("out_sharding")))
   return replay(schedule, data.get("steps"))

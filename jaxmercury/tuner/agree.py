@@ -14,6 +14,7 @@ import json
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def process_count() -> int:
@@ -33,7 +34,6 @@ def broadcast_json(value):
   """
   if process_count() == 1:
     return value
-  from jax.experimental import multihost_utils
   data = json.dumps(value, sort_keys=True).encode() if is_leader() else b""
   n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32))))
   buf = np.frombuffer(data, np.uint8) if is_leader() else np.zeros(n, np.uint8)
@@ -46,7 +46,6 @@ def gather(values) -> np.ndarray:
   values = np.asarray(values)
   if process_count() == 1:
     return values[None]
-  from jax.experimental import multihost_utils
   out = np.asarray(multihost_utils.process_allgather(values.astype(np.float32)), np.float64)
   return out.reshape((process_count(),) + values.shape)
 

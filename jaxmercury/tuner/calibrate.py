@@ -25,11 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.analysis import placements
 from jaxmercury.errors import PreconditionError
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.pallas_kernels.work import Block
-from jaxmercury.program import BlockContext
+from jaxmercury.ir.program import BlockContext
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.work import Block
+from jaxmercury.programs import attention
+from jaxmercury.programs.attention_backward import attention_dq
+from jaxmercury.schedules.library import library
 from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, dense_flops, masked_axes
+from jaxmercury.tuner.measure import place_inputs
 
 REPEATS = 8
 GPU_BLOCK_FLOPS = 1e13  # kernel rates level off well below this (about 15 ms at cuDNN's rate)
@@ -87,9 +92,9 @@ def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bo
 
 def executed_flops(program, kernel_name: str, sizes) -> float:
   """Flops ``kernel_name`` executes on one block of ``sizes`` at the origin (masked work it skips not counted)."""
-  kernel, params = registry.parse(kernel_name)
+  kernel = registry.local(kernel_name)
   extents = {a: ax.extent for a, ax in program.axes.items()}
-  work = kernel.block_work(program, Block(sizes, extents), **params)
+  work = kernel.block_work(program, Block(sizes, extents))
   return dense_flops(program) * math.prod(sizes[a] / extents[a] for a in program.kinds) * (work.fast + work.fallback)
 
 
@@ -121,7 +126,7 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   ``backward``: ``(program, block function)`` run instead on the same block
   sizes, its work ``BACKWARD_WORK`` times the kernel's (``backward_rates``).
   """
-  kernel = registry.kernel(kernel_name)
+  kernel = registry.local(kernel_name)
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
   device = mesh.devices.flat[0]
@@ -215,26 +220,23 @@ def kernel_rates(program, mesh, kernels=None) -> tuple[dict, float]:
 
 def backward_rates(program, mesh, kernels) -> dict[str, float]:
   """Per local kernel of ``kernels`` (an attention program's) whose backward runs as a joint block
-  (``joint_backward.JOINT_BLOCKS``: dq and dk-dv of a block pair in one call), that block's rate on one device,
+  (``AttentionBackward.joint``: dq and dk-dv of a block pair in one call), that block's rate on one device,
   in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none."""
   if program.pattern != "attention" or program.params.get("emit_lse"):
     return {}
-  from jaxmercury.programs.attention_backward import attention_dq
-  from jaxmercury.schedules.dual import BACKWARD_KERNELS
-  from jaxmercury.shard_map.joint_backward import JOINT_BLOCKS
   gpu = mesh.devices.flat[0].platform != "cpu"
   dq_program = attention_dq(program)
   rates = {}
   for name in kernels:
-    base = name.partition("[")[0]
-    dq_kernel = "xla" if base == "xla" else BACKWARD_KERNELS["dq"].get(base)
-    if dq_kernel not in JOINT_BLOCKS:
+    backward = registry.local(name).backward
+    if backward is None or backward.joint is None:
       continue
+    dq_kernel = backward.dq.name if backward.dq is not None else "xla"
     try:
       registry.lookup(dq_kernel, dq_program, mesh)
     except PreconditionError:
       continue
-    block = JOINT_BLOCKS[dq_kernel][1](dq_program)
+    block = backward.joint(dq_program)
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
     rates[name], _ = kernel_figures(program, name, mesh, (2 << 30) if gpu else (16 << 20),
                                     GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
@@ -254,10 +256,7 @@ def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
   that do not apply there (another device kind, blocks that do not fit), or fail to run (with a warning), are
   left out.
   """
-  from jaxmercury.programs import attention
-  from jaxmercury.schedules.library import library
-  from jaxmercury.shard_map import fused
-  own = [low for low in fused.LOWERINGS.values() if low.rate_kernel == low.name]
+  own = [k for k in registry.fused_kernels() if k.rate_kernel == k.name]
   if program.pattern != "attention" or not own:
     return {}
   params = program.params
@@ -271,13 +270,13 @@ def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
   inputs = jax.device_put(probe.random_inputs(jax.random.key(seq)), one.devices.flat[0])
   rates = {}
   for low in own:
-    schedule = next((s for s in schedules if low.why_not(s) is None), None)
+    schedule = next((s for s in schedules if placements.why_not(low, s) is None), None)
     if schedule is None:
       continue
     try:
       fn = jax.jit(schedule.copy().lower_with(low.name).compile(differentiable=False))
       rates[low.name] = probe.flops / _time(fn, *inputs)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails here is left to the tuner's own checks
+    except Exception as e:
       warnings.warn(f"calibrate: {low.name} did not run on one device ({type(e).__name__}: {str(e)[:200]}); "
                     "its rate is not measured", RuntimeWarning, stacklevel=2)
   return rates
@@ -308,9 +307,6 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   of the local GEMM). ``program`` must be a GEMM (others have none); lowerings that fail to run are left
   out, with a warning.
   """
-  from jaxmercury.schedules.library import library
-  from jaxmercury.shard_map import fused
-  from jaxmercury.tuner.measure import place_inputs
   if program.pattern != "matmul":
     return {}
   lib = library(program, mesh)
@@ -319,7 +315,7 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
     if strategy not in lib:
       continue
     schedule = lib[strategy]
-    todo = [name for name in fused.offered(schedule) if name not in rates]
+    todo = [name for name in placements.offered(schedule) if name not in rates]
     if not todo:
       continue
     inputs = place_inputs(schedule, program.random_inputs(jax.random.key(len(rates))))
@@ -327,7 +323,7 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
       try:
         fn = schedule.copy().lower_with(name).compile(differentiable=False)
         rates[name] = program.flops / mesh.devices.size / _pipelined(fn, *inputs)
-      except Exception as e:  # noqa: BLE001 - a kernel that fails here is left to the tuner's own checks
+      except Exception as e:
         warnings.warn(f"calibrate: {name} did not run on the mesh ({type(e).__name__}: {str(e)[:200]}); its rate "
                       "is not measured", RuntimeWarning, stacklevel=2)
   return rates

@@ -33,13 +33,17 @@ import math
 import jax
 import numpy as np
 
-from jaxmercury.pallas_kernels import registry
-from jaxmercury.pallas_kernels.work import Block
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis import placements
+from jaxmercury.analysis.memory import block_sizes, local_elements
+from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR
+from jaxmercury.kernels import config as configs
+from jaxmercury.kernels import fused_common, registry
+from jaxmercury.kernels.placements import ALLGATHER
+from jaxmercury.kernels.registry import DualGemm
+from jaxmercury.kernels.work import Block
+from jaxmercury.lowering import storage_order
 from jaxmercury.schedules.dual import backward_schedule
-from jaxmercury.schedules.loops import PARALLEL, SERIAL, VECTOR
-from jaxmercury.shard_map import reshard, storage_order
-from jaxmercury.shard_map.plan import make_plan
-from jaxmercury.tuner.memory import block_sizes, local_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +93,11 @@ class Machine:
   def bandwidth(self, level: str) -> float:
     return self.link_bytes_per_s.get(level, self.link_bytes_per_s["*"])
 
-  def rate(self, kernel: str) -> float:
-    """A kernel's measured rate; a variant (``name[p=v]``) not measured takes its kernel's."""
-    base = self.kernel_flops_per_s.get(kernel.partition("[")[0], self.flops_per_s)
-    return self.kernel_flops_per_s.get(kernel, base)
+  def rate(self, kernel: str, config=None) -> float:
+    """A kernel's measured rate: of its configuration (keyed by ``configs.label``) where measured, else of its
+    defaults, else ``flops_per_s``."""
+    base = self.kernel_flops_per_s.get(kernel, self.flops_per_s)
+    return self.kernel_flops_per_s.get(configs.label(kernel, config), base) if config is not None else base
 
   def backward(self) -> "Machine":
     """The machine as a backward pass sees it: each kernel at its backward block's rate where measured."""
@@ -117,14 +122,6 @@ class Machine:
 BACKWARD_WORK = {"matmul": 2.0, "attention": 2.5}
 
 
-def _collective_bytes(op: str, local_bytes: int, n: int) -> float:
-  if op == reshard.ALL_GATHER:
-    return local_bytes * (n - 1)
-  if op == reshard.ALL_TO_ALL:
-    return local_bytes * (n - 1) / n
-  return 0.0  # a local slice
-
-
 def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
   if schedule.lowering is not None:
@@ -146,21 +143,19 @@ def backward_seconds(schedule, machine: Machine) -> float:
   is split over that level (a reduce-scatter), to nothing where it is whole
   there (an all-reduce: every device already holds the whole cotangent). A
   fused ring attention's backward is that of its ``backward_schedule``
-  (``fused.BACKWARDS``: the kernel keeps its residuals); a fused GEMM's is
+  (``DualPrograms``: the kernel keeps its residuals); a fused GEMM's is
   its dual fused GEMM and one local GEMM (``fused_gemm_backward_seconds``).
   """
   if schedule.lowering is None:
     work = BACKWARD_WORK.get(schedule.program.pattern, 2.0)
     return _nest_seconds(backward_schedule(schedule), machine.backward(), work=work, reductions=TRANSPOSED)
-  from jaxmercury.shard_map import fused
-  own = fused.BACKWARDS[fused.lowering(schedule.lowering).kind]
-  if own.schedule is None:
+  if isinstance(registry.fused(schedule.lowering).backward, DualGemm):
     return fused_gemm_backward_seconds(schedule, machine)
-  return backward_seconds(own.schedule(schedule), machine)
+  return backward_seconds(backward_schedule(schedule.without("lower_with")), machine)
 
 
 def fused_gemm_backward_seconds(schedule, machine: Machine) -> float:
-  """A fused GEMM's backward (``shard_map.fused_gemm_backward``): the dual fused GEMM, then the local GEMM.
+  """A fused GEMM's backward (``lowering.fused_gemm_backward``): the dual fused GEMM, then the local GEMM.
 
   The dual kernel does the forward's flops and passes ``L - 1`` blocks: an
   all-gather GEMM's dual reduce-scatters float32 partials of dA's row block
@@ -169,25 +164,23 @@ def fused_gemm_backward_seconds(schedule, machine: Machine) -> float:
   (``fused_flops_per_s``), else its local kernel's. Where the dual kernel
   cannot run, XLA's GEMM and then its collective. The other gradient is one
   local GEMM of the forward's flops on the gathered operand; a kernel that
-  keeps no gathered rows (``fused_gemm_backward.REGATHERS``) gathers A first.
+  keeps no gathered rows (``DualGemm.keeps_rows`` False) gathers A first.
   """
-  from jaxmercury.shard_map import fused, fused_gemm, fused_gemm_backward
-  low = fused.lowering(schedule.lowering)
-  p = low.place(schedule)
-  size, m, k, n = fused_gemm.gemm_shape(schedule)
-  itemsize = np.dtype(schedule.program.reads[0].dtype).itemsize
-  local = compute_seconds(fused.ordinary_schedule(schedule), machine)
+  k = registry.fused(schedule.lowering)
+  p = placements.of(schedule)
+  size, m, depth, n = p.padded_shape(k.tile(schedule.lowering_config))
+  local = compute_seconds(schedule.without("lower_with"), machine)
   link = machine.bandwidth(p.level)
-  sent = (size - 1) * (m * k * 4 if p.kind == fused_gemm.ALLGATHER else m * n * itemsize)
-  dual = fused_gemm_backward.dual_lowering(schedule)
+  sent = (size - 1) * (m * depth * 4 if p.kind == ALLGATHER else m * n * p.itemsize)
+  dual = placements.dual_kernel(schedule)
   if dual is None:
     collective = local + machine.gather_factor * sent / link + machine.latency_s
   else:
-    collective = _overlapped_gemm_seconds(dual, dual.params(), 2 * size * m * k * n, sent, p.level, schedule,
-                                          machine)
+    collective = fused_common.overlapped_gemm_seconds(dual, dual.configure(), 2 * size * m * depth * n, sent,
+                                                      p.level, machine, _sm_count(schedule.mesh))
   regather = 0.0
-  if low.name in fused_gemm_backward.REGATHERS:
-    regather = machine.gather_factor * (size - 1) * m * k * itemsize / link + machine.latency_s
+  if not k.backward.keeps_rows:
+    regather = machine.gather_factor * (size - 1) * m * depth * p.itemsize / link + machine.latency_s
   return collective + regather + local
 
 
@@ -198,7 +191,7 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
   """The loop nest's seconds with each block's compute ``work`` times the forward's (0: none, no call costs);
   ``reductions``: its cross-level reductions as all-reduces (``"forward"``), their transposes
   (``TRANSPOSED``) or left out (None)."""
-  prog, plan = schedule.program, make_plan(schedule)
+  prog, plan = schedule.program, schedule.plan()
   levels = schedule.levels
   calls = math.prod(lp.extent for lp in schedule.loops if lp.role == SERIAL)
   compute = 0.0
@@ -208,12 +201,7 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
       compute += calls * 3 * _state_block_bytes(schedule) / machine.memory_bytes_per_s
   exposed = 0.0
   for b in prog.reads:
-    layout = [list(e) for e in plan.storage[b.name]]
-    for st in reshard.steps(plan.storage[b.name], plan.resident[b.name]):
-      nbytes = local_elements(schedule, b, layout) * b.dtype.itemsize
-      exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
-      exposed += machine.latency_s if st.op != reshard.SLICE else 0.0
-      _apply(layout, st)
+    exposed += _moves_seconds(schedule, b, plan.storage[b.name], plan.resident[b.name], machine, latency=True)
   out = prog.writes
   state_bytes = partial_state_bytes(schedule, plan)
   for red in plan.reductions if reductions else ():
@@ -225,11 +213,7 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
       continue
     exposed += machine.gather_factor * 2 * state_bytes * (n - 1) / n / machine.bandwidth(red.level)
     exposed += machine.latency_s
-  layout = [list(e) for e in plan.result]
-  for st in reshard.steps(plan.result, plan.storage[out.name]):
-    nbytes = local_elements(schedule, out, layout) * out.dtype.itemsize
-    exposed += machine.gather_factor * _collective_bytes(st.op, nbytes, levels[st.level]) / machine.bandwidth(st.level)
-    _apply(layout, st)
+  exposed += _moves_seconds(schedule, out, plan.result, plan.storage[out.name], machine, latency=False)
   exposed += _zigzag_seconds(schedule, machine, plan)
   ring = 0.0
   for r in plan.rings.values():
@@ -239,6 +223,19 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
       nbytes += state_bytes
     ring += (r.size - 1) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
+
+
+def _moves_seconds(schedule, buf, src, dst, machine: Machine, *, latency: bool) -> float:
+  """Moving ``buf`` from layout ``src`` to ``dst`` by ``collectives.steps``: each step's bytes over its level's
+  link (times ``gather_factor``), and one latency per communicating step where ``latency``."""
+  shape = [schedule.padded.get(a, e) for a, e in zip(buf.axes, buf.canonical_shape)]
+  seq = cl.steps(src, dst)
+  total = 0.0
+  for c, before in zip(seq, cl.trajectory(src, seq)):
+    nbytes = cl.bytes_moved(c, before, shape, buf.dtype.itemsize, schedule.levels)
+    total += machine.gather_factor * nbytes / machine.bandwidth(c.level)
+    total += machine.latency_s if latency and c.kind in cl.COMMUNICATING else 0.0
+  return total
 
 
 def partial_state_bytes(schedule, plan) -> int:
@@ -255,45 +252,11 @@ def partial_state_bytes(schedule, plan) -> int:
 
 
 def fused_seconds(schedule, machine: Machine) -> float:
-  """A fused collective GEMM: ``max(local GEMMs, ring transfers) + latency`` (ring attention: its own).
-
-  One device runs ``L`` GEMMs of one ring step's shape (padded to the
-  kernel's tiles; ``fused_gemm.gemm_shape``) at the lowering's own rate on
-  the mesh where calibration measured it (``fused_flops_per_s``: ring,
-  handshakes and launch skew included), else at the measured rate of the
-  local kernel sharing its GEMM (``mosaic_matmul`` for ours,
-  ``jax_mosaic_matmul`` for JAX's and the warp-specialized one;
-  ``flops_per_s`` where not measured),
-  and passes ``L - 1`` blocks to its neighbour over the level's link: A shards
-  in A's dtype (all-gather) or float32 partial sums of one row block
-  (reduce-scatter). The kernels send each tile as they compute it, so the two
-  overlap fully. A kernel that leaves ``comm_ctas`` of the device's SMs to
-  communication (``fused_allgather_matmul_comm``) computes on the others.
-  """
-  from jaxmercury.shard_map import fused, fused_gemm
-  low = fused.lowering(schedule.lowering)
-  p = low.place(schedule)
-  if not isinstance(p, fused_gemm.Placement):
-    return _ring_attention_seconds(schedule, p, low, machine)
-  size, m, k, n = fused_gemm.gemm_shape(schedule)
-  if p.kind == fused_gemm.ALLGATHER:
-    sent = m * k * np.dtype(schedule.program.reads[0].dtype).itemsize
-  else:
-    sent = m * n * 4
-  return _overlapped_gemm_seconds(low, low.params(**schedule.lowering_params), 2 * size * m * k * n,
-                                  (size - 1) * sent, p.level, schedule, machine)
-
-
-def _overlapped_gemm_seconds(low, params, flops: float, sent: float, level: str, schedule, machine: Machine) -> float:
-  """A fused GEMM kernel ``low`` doing ``flops`` while its ring passes ``sent`` bytes over ``level``: the longer
-  of the two, plus one latency."""
-  measured = machine.fused_flops_per_s.get(low.name)
-  gemm = flops / (measured or machine.rate(low.rate_kernel))
-  comm_ctas = params.get("comm_ctas", 0) if sent else 0
-  if comm_ctas and not measured:
-    sms = _sm_count(schedule.mesh)
-    gemm *= sms / max(sms - comm_ctas, 1)
-  return max(gemm, sent / machine.bandwidth(level)) + machine.latency_s
+  """A schedule lowered with a fused kernel: the kernel's own cost hook (``FusedKernel.seconds``: a fused GEMM's
+  ``max(local GEMMs, ring transfers) + latency``, a ring attention's attention over every key against its ring),
+  at the kernel's rate measured on the mesh where calibration measured it."""
+  k = registry.fused(schedule.lowering)
+  return k.seconds(k, placements.of(schedule), schedule.lowering_config, machine, _sm_count(schedule.mesh))
 
 
 def _sm_count(mesh, default: int = 132) -> int:
@@ -301,27 +264,6 @@ def _sm_count(mesh, default: int = 132) -> int:
   if isinstance(mesh, jax.sharding.AbstractMesh):
     return getattr(mesh.abstract_device, "num_cores", None) or default
   return getattr(mesh.devices.flat[0], "core_count", None) or default
-
-
-def _ring_attention_seconds(schedule, p, low, machine: Machine) -> float:
-  """Fused ring attention: ``max(attention over every key, passing n - 1 K/V blocks) + latency``.
-
-  The attention runs at the kernel's measured rate (``fused_flops_per_s``; else
-  ``low.rate_kernel``'s, ``flops_per_s`` where not measured); the kernel forwards each
-  K/V tile as it consumes it, so the two overlap. A causal kernel skips the
-  key tiles after its query tile: in natural order the busiest device (the
-  last) computes ``n - 1/2`` of its ``n`` blocks, in zigzag order every
-  device half of them.
-  """
-  b, s, hk, g, d = p.local_shape(schedule)
-  share = 1.0
-  if p.causal:
-    share = 0.5 if p.order == "zigzag" else 1 - 1 / (2 * p.size)
-  rate = machine.fused_flops_per_s.get(low.name) or machine.rate(low.rate_kernel)
-  compute = share * 4 * b * hk * g * s * (s * p.size) * d / rate
-  item = np.dtype(schedule.program.reads[0].dtype).itemsize
-  ring = (p.size - 1) * 2 * b * s * hk * d * item / machine.bandwidth(p.level)
-  return max(compute, ring) + machine.latency_s
 
 
 def dense_flops(program) -> float:
@@ -347,16 +289,16 @@ def compute_seconds(schedule, machine: Machine, plan=None) -> float:
   and the collectives after the nest wait for all.
   """
   prog = schedule.program
-  plan = plan or make_plan(schedule)
-  name = schedule.kernel or "xla"
-  kernel, params = registry.parse(name)
+  plan = plan or schedule.plan()
+  name, config = schedule.kernel or "xla", schedule.kernel_config
+  kernel = registry.local(name)
   sizes = block_sizes(schedule)
   extents = {a: ax.extent for a, ax in prog.axes.items()}
   dense = dense_flops(prog) * math.prod(sizes[a] / extents[a] for a in prog.kinds)
-  fast_s, slow_s = dense / machine.rate(name), dense / machine.rate("xla")
+  fast_s, slow_s = dense / machine.rate(name, config), dense / machine.rate("xla")
 
   def seconds(starts) -> float:
-    w = kernel.block_work(prog, Block(sizes, extents, starts, schedule.zigzags), **params)
+    w = kernel.block_work(prog, Block(sizes, extents, starts, schedule.zigzags), config)
     return w.fast * fast_s + w.fallback * slow_s
 
   serial = [lp for lp in schedule.loops if lp.role == SERIAL]
@@ -427,13 +369,3 @@ def _zigzag_seconds(schedule, machine: Machine, plan) -> float:
 def _state_block_bytes(schedule) -> int:
   prog, sizes = schedule.program, block_sizes(schedule)
   return sum(4 * math.prod(sizes[a] for a in leaf) for leaf in prog.state_axes())
-
-
-def _apply(layout, st):
-  if st.op == reshard.ALL_GATHER:
-    layout[st.dim].pop()
-  elif st.op == reshard.ALL_TO_ALL:
-    layout[st.dim].pop()
-    layout[st.to_dim].append(st.level)
-  else:
-    layout[st.dim].append(st.level)

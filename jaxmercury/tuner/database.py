@@ -2,9 +2,12 @@
 
 A record's key holds the program's structural hash and parameters, the mesh
 shape and level names, the device kind, the caller's layouts, the objective
-(a training step's records apart from the forward's), and the jax and
-jaxmercury versions: a record from another version is not used (and
-``stale_records`` says it is there). Three tables:
+(a training step's records apart from the forward's), the record format, and
+the jax and jaxmercury versions: a record from another version or format is
+not used (and ``stale_records`` says it is there). Candidates are stored in
+their structured form (``tuner.candidates.Candidate.to_dict``: strategy,
+kernel and configuration, fused kernel and configuration, trace, outcome);
+format 1 records, whose kernels were written into names, are stale. Three tables:
 
 - ``winners``: per key, the winner's trace, time and memory, and every
   candidate's outcome;
@@ -36,7 +39,13 @@ from typing import NamedTuple
 
 import jax
 
+from jaxmercury._version import __version__
 from jaxmercury.errors import ScheduleError, TraceError
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.schedules.trace import is_size, same_but_sizes
+from jaxmercury.tuner import measure
+from jaxmercury.tuner.candidates import Candidate
+from jaxmercury.tuner.cost import Machine
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS winners (
@@ -51,7 +60,8 @@ SCHEMA = (
 COLUMNS = {"winners": {"key", "program", "trace", "name", "time_ms", "memory_bytes", "candidates", "created"},
            "machines": {"key", "figures", "created"},
            "measurements": {"key", "trace", "name", "result", "attempts", "created"}}
-VERSION_FIELDS = ("jax", "jaxmercury")
+RECORD_FORMAT = 2  # 2: structured candidates and format-2 traces
+VERSION_FIELDS = ("jax", "jaxmercury", "format")
 NEAR_FACTOR = 4.0  # Database.nearest: how far apart sizes may be
 
 
@@ -62,8 +72,7 @@ def default_path() -> str:
 
 
 def _versions() -> dict:
-  from jaxmercury import __version__
-  return {"jax": jax.__version__, "jaxmercury": __version__}
+  return {"jax": jax.__version__, "jaxmercury": __version__, "format": RECORD_FORMAT}
 
 
 def _device_kind(mesh) -> str:
@@ -92,14 +101,15 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
 class Near(NamedTuple):
   """``Database.nearest``'s answer: the winner tuned for other sizes, replayed on the program asked about."""
 
-  schedule: object  # Schedule
+  schedule: Schedule
   params: dict  # the parameters it was tuned for
-  name: str  # its candidate name there
+  name: str  # its candidate name there (for display)
+  strategy: str  # its strategy
 
 
 @dataclasses.dataclass
 class Record:
-  winner: object  # tune.Candidate
+  winner: Candidate
   candidates: list
 
 
@@ -118,27 +128,14 @@ def record_from_data(program, mesh, data: dict) -> Record:
   Raises:
     TraceError: the data is malformed or a trace does not replay.
   """
-  from jaxmercury.schedules.schedule import Schedule
-  from jaxmercury.tuner import measure
-  from jaxmercury.tuner.tune import Candidate
   try:
     trace, name = data["trace"], data["name"]
-    winner = Candidate(name, Schedule.from_json(program, mesh, trace), float("nan"), int(data["memory_bytes"]),
-                       measure.Measurement(measure.OK, float(data["time_ms"])))
-    cands = []
-    for r in data["candidates"]:
-      if r["schedule"] == trace and r["name"] == name:
-        winner.predicted_ms, winner.result.rel_err = r["predicted_ms"], r["rel_err"]
-        winner.result.compiled_bytes, winner.result.reason = r.get("compiled_bytes"), r.get("reason", "")
-        cands.append(winner)
-        continue
-      result = measure.Measurement.from_dict({"status": r["status"], "median_ms": r["time_ms"], "rel_err": r["rel_err"],
-                                              "reason": r["reason"], "compiled_bytes": r.get("compiled_bytes")})
-      if not isinstance(r["name"], str) or not all(isinstance(r[f], (int, float)) for f in ("predicted_ms",
-                                                                                          "memory_bytes")):
-        raise ValueError(f"candidate fields of the wrong type: {r!r:.200}")
-      cands.append(Candidate(r["name"], Schedule.from_json(program, mesh, r["schedule"]),
-                             r["predicted_ms"], r["memory_bytes"], result))
+    Schedule.from_json(program, mesh, trace)  # the winner's own trace replays, whatever the candidates hold
+    cands = [Candidate.from_dict(program, mesh, r) for r in data["candidates"]]
+    winner = next((c for c in cands if c.schedule.to_json() == trace and c.name == name), None)
+    if winner is None:
+      raise ValueError(f"the winner {name!r} is not among its candidates")
+    winner.result = dataclasses.replace(winner.result, status=measure.OK, median_ms=float(data["time_ms"]))
   except TraceError:
     raise
   except (ScheduleError, KeyError, TypeError, ValueError, AttributeError) as e:
@@ -147,7 +144,7 @@ def record_from_data(program, mesh, data: dict) -> Record:
 
 
 def _now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat()
+  return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 class Database:
@@ -283,26 +280,26 @@ class Database:
       A ``Near`` (the replayed winner, the parameters and name it was tuned
       with), or None.
     """
-    from jaxmercury.schedules.schedule import Schedule
-    from jaxmercury.schedules.trace import is_size, same_but_sizes
     want = json.loads(record_key(program, mesh, layouts, objective))
     fixed = {k: v for k, v in want.items() if k not in ("program", "params")}
     params = dict(program.params)
     near = []
-    for key, trace, name in self._read("SELECT key, trace, name FROM winners WHERE program = ?", (program.name,)):
+    rows = self._read("SELECT key, trace, name, candidates FROM winners WHERE program = ?", (program.name,))
+    for key, trace, name, cands in rows:
       try:
         have, tuned = json.loads(key), json.loads(trace)["params"]
-      except (ValueError, TypeError, KeyError):
+        strategy = next(c["strategy"] for c in json.loads(cands) if c["schedule"] == trace and c["name"] == name)
+      except (ValueError, TypeError, KeyError, StopIteration):
         continue
       if not isinstance(have, dict) or {k: v for k, v in have.items() if k not in ("program", "params")} != fixed \
           or not isinstance(tuned, dict) or not same_but_sizes(tuned, params) or tuned == params:
         continue
       ratios = [max(tuned[k], params[k]) / max(min(tuned[k], params[k]), 1) for k in params if is_size(params[k])]
       if all(r <= within for r in ratios):
-        near.append((sum(math.log(r) for r in ratios), trace, tuned, name))
-    for _, trace, tuned, name in sorted(near, key=lambda n: n[0]):
+        near.append((sum(math.log(r) for r in ratios), trace, tuned, name, strategy))
+    for _, trace, tuned, name, strategy in sorted(near, key=lambda n: n[0]):
       try:
-        return Near(Schedule.from_json(program, mesh, trace, other_sizes=True), tuned, str(name))
+        return Near(Schedule.from_json(program, mesh, trace, other_sizes=True), tuned, str(name), str(strategy))
       except ScheduleError:
         continue
     return None
@@ -319,7 +316,7 @@ class Database:
         continue
       if isinstance(have, dict) and {k: v for k, v in have.items() if k not in VERSION_FIELDS} == base \
           and any(have.get(f) != want[f] for f in VERSION_FIELDS):
-        out.append({f: have.get(f) for f in VERSION_FIELDS})
+        out.append({f: have[f] for f in VERSION_FIELDS if f in have})
     return out
 
   # ------------------------------------------------------------ measurements
@@ -341,13 +338,12 @@ class Database:
 
   def measurements(self, program, mesh, layouts=None, *, objective: str = FORWARD) -> dict[str, Stored]:
     """Stored measurements of this key by candidate trace; malformed rows are skipped with a warning."""
-    from jaxmercury.tuner.measure import Measurement
     out = {}
     rows = self._read("SELECT trace, name, result, attempts FROM measurements WHERE key = ?",
                       (record_key(program, mesh, layouts, objective),))
     for trace, name, result, attempts in rows:
       try:
-        out[trace] = Stored(name, None if result is None else Measurement.from_dict(json.loads(result)),
+        out[trace] = Stored(name, None if result is None else measure.Measurement.from_dict(json.loads(result)),
                             int(attempts))
       except (TypeError, ValueError) as e:
         warnings.warn(f"tuning database {os.fspath(self.path)}: skipping a malformed measurement of "
@@ -365,7 +361,6 @@ class Database:
   # ------------------------------------------------------------ machines
   def machine(self, program, mesh):
     """Stored cost-model figures for this machine and program, or None."""
-    from jaxmercury.tuner.cost import Machine
     rows = self._read("SELECT figures FROM machines WHERE key = ?", (record_key(program, mesh),))
     if not rows:
       return None

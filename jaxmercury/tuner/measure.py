@@ -14,11 +14,14 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmercury.tuner.timeout import run_limited
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
 
@@ -122,7 +125,7 @@ def compiled_memory(compiled) -> int | None:
   """Peak bytes per device XLA reports for a compiled program, if it reports any."""
   try:
     m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - not every backend reports memory
+  except Exception:
     return None
   if m is None:
     return None
@@ -132,7 +135,6 @@ def compiled_memory(compiled) -> int | None:
 
 def _placed(schedule, plan, buffer: str, x):
   """``x`` laid out as ``plan`` stores ``buffer``; under several processes each keeps its devices' shards."""
-  from jax.sharding import NamedSharding, PartitionSpec
   spec = plan.user_spec(buffer)
   sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
   if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
@@ -194,7 +196,7 @@ def _compile_and_check(schedule, inputs, reference, cotangent=None) -> _Checked:
     t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*inputs))
     run_s = time.perf_counter() - t0
-  except Exception as e:  # noqa: BLE001 - a candidate's failure is data, not a crash
+  except Exception as e:
     return _Checked(_ERROR, _first_line(e))
   errors = [local_error(a, r) for a, r in zip(jax.tree.leaves(y), jax.tree.leaves(reference))]
   return _Checked(compiled=compiled, inputs=tuple(inputs), compiled_bytes=compiled_memory(compiled),
@@ -242,7 +244,7 @@ def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         jax.block_until_ready(live[name]())
         times[name].append((time.perf_counter() - t0) * 1e3)
-      except Exception as exc:  # noqa: BLE001 - the caller decides
+      except Exception as exc:
         if on_error is None:
           raise
         on_error(name, exc)
@@ -313,7 +315,6 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
   Returns:
     The ``Measurement``.
   """
-  from jaxmercury.tuner.watchdog import run_limited
   gather = gather or _this_process
   prog = schedule.program
   names = ["output"] + ([f"d{b.name}" for b in prog.reads] if cotangent is not None else [])
@@ -351,7 +352,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
   try:
     times, timed_out = run_limited(lambda: _timed_runs(checked.compiled, checked.inputs, warmup, iters), limit)
     reason = f"time-out: {warmup + iters} timed runs took over {limit:.3g} s" if timed_out else ""
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     times, reason = None, _first_line(e)
   local = np.full(iters, np.nan) if times is None else np.asarray(times, np.float64)
   all_times = gather(local)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxmercury.tuner import measure
+from jaxmercury.tuner.candidates import LIBRARY
 
 MIB = 2**20
 
@@ -49,18 +50,6 @@ def pareto_front(points: Sequence[Sequence[float]]) -> list:
 
 def _finite(v) -> bool:
   return v is not None and math.isfinite(v)
-
-
-def _library_names(result) -> set[str]:
-  """Names of the library strategies for the tuned program and mesh."""
-  from jaxmercury.schedules.library import library
-  s = result.candidates[0].schedule
-  return set(library(s.program, s.mesh))
-
-
-def _base_name(name: str) -> str:
-  """A candidate's strategy name without its kernel suffix (``"ring [k]"`` -> ``"ring"``)."""
-  return name.split(" [")[0]
 
 
 def _points(candidates, status: str, timed: bool) -> list[tuple[float, float, object]]:
@@ -108,10 +97,10 @@ def _front_line(ax, ok, right_edge: float):
   ax.step(xs, ys, where="post", color="tab:green", linewidth=1.5, label="Pareto front")
 
 
-def _labels(ax, points, library_names: set[str]):
+def _labels(ax, points):
   """Names next to the library strategies' points."""
   for x, y, c in points:
-    if _base_name(c.name) in library_names:
+    if c.origin == LIBRARY:
       ax.annotate(c.name, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
 
 
@@ -135,7 +124,7 @@ def _winner_line(best) -> str:
 
 def _log_scale_if_wide(ax, ys):
   """A logarithmic latency axis, with plain 1-2-5 tick labels, when latencies span over 20x."""
-  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # optional: only for plots
   ys = [y for y in ys if y > 0]
   if ys and max(ys) / min(ys) > 20:
     ax.set_yscale("log")
@@ -161,8 +150,8 @@ def latency_memory_plot(result, path, title: str | None = None):
     ValueError: the result has no candidates.
   """
   try:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional: only for plots
+    from matplotlib.figure import Figure  # optional: only for plots
   except ImportError:
     raise RuntimeError("latency_memory_plot needs matplotlib: pip install matplotlib") from None
   if not result.candidates:
@@ -174,7 +163,7 @@ def latency_memory_plot(result, path, title: str | None = None):
   everything = ok + others
   xs = [p[0] for p in everything] or [0.0]
   _front_line(ax, ok, right_edge=max(xs))
-  _labels(ax, everything, _library_names(result))
+  _labels(ax, everything)
   _winner(ax, result.best)
   _log_scale_if_wide(ax, [p[1] for p in everything])
   ax.margins(0.06, 0.12)  # room for the labels at the edges

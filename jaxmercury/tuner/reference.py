@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
+from jaxmercury.analysis.memory import block_sizes
 from jaxmercury.errors import ScheduleError
 from jaxmercury.schedules.schedule import Schedule
-from jaxmercury.tuner.memory import block_sizes
 
 
 def _workspace(schedule) -> int:

@@ -12,8 +12,7 @@ primitives' own checks.
 from __future__ import annotations
 
 import itertools
-
-from typing import Iterator
+from collections.abc import Iterator
 
 from jaxmercury.errors import ScheduleError
 from jaxmercury.schedules.schedule import Schedule
@@ -60,7 +59,7 @@ def _gather_or_scatter(s: Schedule, par: dict):
   """Stores every buffer a parallel loop does not split as split (AllGather / ReduceScatter)."""
   prog = s.program
   changed = False
-  for lv, name in par.items():
+  for name in par.values():
     lp = s.loop(name)
     shifted = {x.axis for x in s.loops if x.shifted_by == name}
     for b in prog.reads + (prog.writes,):

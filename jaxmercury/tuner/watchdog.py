@@ -1,6 +1,6 @@
 """Hard time limits for candidates: a watchdog thread, or a worker process that is killed.
 
-``run_limited`` runs a function in a daemon thread and stops waiting for it at
+``timeout.run_limited`` runs a function in a daemon thread and stops waiting for it at
 the limit. Python cannot interrupt XLA, so an abandoned candidate keeps its
 thread, and if it hangs on the devices it holds their queues: later
 candidates wait behind it (on CPU as on GPU) and time out in turn, and the
@@ -25,55 +25,26 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
 
 import jax
 
+from jaxmercury import programs
+from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure as measure_module
 
 PREFIX = "jaxmercury-worker:"
 
 
-def run_limited(fn: Callable, limit_s: float | None):
-  """``(fn(), False)``, or ``(None, True)`` if ``fn`` has not returned after ``limit_s`` seconds.
-
-  Without a limit ``fn`` runs in this thread. Exceptions raised by ``fn``
-  propagate; so does ``KeyboardInterrupt`` while waiting.
-  """
-  if limit_s is None:
-    return fn(), False
-  box = {}
-
-  def target():
-    try:
-      box["value"] = fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-      box["error"] = e
-
-  thread = threading.Thread(target=target, name="jaxmercury-candidate", daemon=True)
-  thread.start()
-  deadline = time.monotonic() + max(limit_s, 0.0)
-  while thread.is_alive():
-    left = deadline - time.monotonic()
-    if left <= 0:
-      return None, True
-    thread.join(min(left, 0.5))
-  if "error" in box:
-    raise box["error"]
-  return box.get("value"), False
-
-
 # ------------------------------------------------------------------ worker processes
 def program_factory(program) -> dict | None:
   """``{"factory": name, "params": ...}`` if a shipped factory rebuilds ``program`` exactly, else None."""
-  from jaxmercury import programs
   name = program.pattern
   factory = getattr(programs, name, None) if name in getattr(programs, "__all__", ()) else None
   if factory is None:
     return None
   try:
     rebuilt = factory(**program.params)
-  except Exception:  # noqa: BLE001 - parameters that are not the factory's
+  except Exception:
     return None
   if rebuilt.fingerprint() != program.fingerprint():
     return None
@@ -82,7 +53,6 @@ def program_factory(program) -> dict | None:
 
 def kernel_modules(schedule) -> list[str]:
   """Modules a worker imports so that the schedule's kernel is registered there too."""
-  from jaxmercury.pallas_kernels import registry
   if not schedule.kernel:
     return []
   make = registry.kernel(schedule.kernel).make

@@ -15,6 +15,14 @@ import importlib
 import json
 import sys
 
+import jax
+from jax.sharding import AxisType
+
+from jaxmercury import programs
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.tuner import measure
+from jaxmercury.tuner.reference import trial
+
 PREFIX = "jaxmercury-worker:"
 
 
@@ -28,14 +36,6 @@ def _failure(reason: str) -> str:
 
 def run(request: dict) -> str:
   """Measures the requested candidate; returns the measurement as JSON."""
-  import jax
-  from jax.sharding import AxisType
-
-  from jaxmercury import programs
-  from jaxmercury.schedules.schedule import Schedule
-  from jaxmercury.tuner import measure
-  from jaxmercury.tuner.reference import trial
-
   for module in request.get("imports", []):
     importlib.import_module(module)
   spec = request["program"]
@@ -63,7 +63,7 @@ def main() -> int:
   try:
     request = json.loads(sys.stdin.read())
     text = run(request)
-  except Exception as e:  # noqa: BLE001 - reported to the parent as the candidate's failure
+  except Exception as e:
     first = (str(e).strip().splitlines() or [""])[0][:300]
     text = _failure(f"{type(e).__name__}: {first}")
   _say("result", text)

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
 
 import jaxmercury as jm
+from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -38,8 +38,8 @@ def test_head_parallel_gradients_with_one_fused_cudnn_backward(causal):
   """Heads split over the devices: the backward is one cuDNN call per device (``local_backward``)."""
   from jax.sharding import PartitionSpec as P
 
-  from jaxmercury.shard_map.local_backward import local_reason
-  from jaxmercury.tuner.tune import with_layouts
+  from jaxmercury.lowering.local_backward import local_reason
+  from jaxmercury.tuner.autotuner import with_layouts
   n = len(jax.devices())
   prog = jm.programs.attention(1, 8 * n, 2 * n, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
   heads = P(None, None, "x", None)
@@ -54,8 +54,8 @@ def test_joint_backward_runs_one_cudnn_call_per_block_pair(causal):
   float32 reference: one cuDNN backward call per block pair returns both programs' blocks."""
   from conftest import fresh_key, rel_err
 
+  from jaxmercury.lowering.joint_backward import joint_backward, joint_reason
   from jaxmercury.schedules.dual import attention_duals
-  from jaxmercury.shard_map.joint_backward import joint_backward, joint_reason
   prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
   ring = jm.library(prog, gpu_mesh())["ring"]
   ring.tile("i_in", 2).tile("j_in", 2).patch("cudnn_attention")  # 4 block pairs of one size per ring step

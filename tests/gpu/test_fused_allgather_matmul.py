@@ -3,13 +3,13 @@ all_gather + dot (skipped on CPU)."""
 
 import jax
 import pytest
-from gpu.checks import check_allgather_matmul, gpu_mesh
 from jax.sharding import AxisType
 
-from jaxmercury.pallas_kernels.fused_allgather_matmul import fused_allgather_matmul
-from jaxmercury.pallas_kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
-from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import WsTiles
-from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+from gpu.checks import check_allgather_matmul, gpu_mesh
+from jaxmercury.kernels.fused_allgather_matmul import fused_allgather_matmul
+from jaxmercury.kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
+from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles
+from jaxmercury.kernels.mosaic_matmul import Tiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -44,14 +44,14 @@ def test_one_gpu(shape, tiles):
 @pytest.mark.parametrize("shape", [(1024, 4096, 1024), (1000, 1000, 600)], ids=["tiled", "ragged"])
 def test_the_gathered_rows_are_all_gather(shape, kernel):
   """``gathered=True``: the rows the ring brought, in every device's order, are exactly ``all_gather(a)``; the
-  product is unchanged (the backward's residual, ``shard_map.fused_gemm_backward``)."""
+  product is unchanged (the backward's residual, ``lowering.fused_gemm_backward``)."""
   import jax.numpy as jnp
   from conftest import fresh_key, rel_err
   from jax import lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+  from jaxmercury.kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
   mesh, (m_shard, k, n) = gpu_mesh(), shape
   fn = {"ours": fused_allgather_matmul, "comm": fused_allgather_matmul_comm, "ws": fused_allgather_matmul_ws}[kernel]
   devices = mesh.devices.size

@@ -3,11 +3,11 @@ chunk sizes against all_gather + dot (skipped on CPU)."""
 
 import jax
 import pytest
-from gpu.checks import check_allgather_matmul, gpu_mesh
 from jax.sharding import AxisType
 
-from jaxmercury.pallas_kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
-from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+from gpu.checks import check_allgather_matmul, gpu_mesh
+from jaxmercury.kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+from jaxmercury.kernels.mosaic_matmul import Tiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -17,7 +17,7 @@ COMM = [(1, None), (4, None), (16, 256)]
 
 
 def _check(mesh, m_shard, k, n, tiles, comm_ctas=4, chunk_rows=None):
-  kernel = lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=tiles, comm_ctas=comm_ctas,  # noqa: E731
+  kernel = lambda a, b: fused_allgather_matmul_comm(a, b, "x", tiles=tiles, comm_ctas=comm_ctas,
                                                     chunk_rows=chunk_rows)
   check_allgather_matmul(mesh, m_shard, k, n, kernel, (tiles, comm_ctas, chunk_rows))
 

@@ -19,21 +19,22 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
-from gpu.checks import GRAD_TOL, TOL, gpu_mesh
 from jax.sharding import AxisType
 
 import jaxmercury as jm
-from jaxmercury.shard_map import fused, fused_gemm
+from gpu.checks import GRAD_TOL, TOL, gpu_mesh
+from jaxmercury.analysis import placements
+from jaxmercury.kernels import placements as kplacements
+from jaxmercury.kernels import registry
+from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import cost, measure
-from jaxmercury.tuner import tune as tune_module
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
 STRATEGIES = ("async_tp", "allgather_matmul", "matmul_reducescatter", "async_tp_reducescatter")
-LOWERINGS = tuple(fused.LOWERINGS)
-KIND = {"async_tp": fused_gemm.ALLGATHER, "allgather_matmul": fused_gemm.ALLGATHER,
-        "matmul_reducescatter": fused_gemm.REDUCESCATTER, "async_tp_reducescatter": fused_gemm.REDUCESCATTER}
-PAIRS = [(s, low) for s in STRATEGIES for low in LOWERINGS if fused.LOWERINGS[low].kind == KIND[s]]
+KIND = {"async_tp": kplacements.ALLGATHER, "allgather_matmul": kplacements.ALLGATHER,
+        "matmul_reducescatter": kplacements.REDUCESCATTER, "async_tp_reducescatter": kplacements.REDUCESCATTER}
+PAIRS = [(s, k.name) for s in STRATEGIES for k in registry.fused_kernels() if k.placement == KIND[s]]
 
 
 def _shape(kind: str):
@@ -67,7 +68,7 @@ def test_every_gpu(strategy, lowering, kind):
   m, n, k = _shape(kind)
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
-  reason = fused.why_not(lowering, plain)
+  reason = placements.why_not(lowering, plain)
   if lowering == "jax_allgather_lhs_matmul" and len(jax.devices()) == 1:  # it fails on one GPU at run time
     assert "needs several GPUs" in reason, reason
     return
@@ -85,7 +86,7 @@ def test_one_gpu_of_several():
     _check(plain.copy().lower_with(lowering), plain)
   for lowering in ("fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"):
     _check(lib["matmul_reducescatter"].copy().lower_with(lowering), lib["matmul_reducescatter"])
-  reason = fused.why_not("jax_allgather_lhs_matmul", plain)
+  reason = placements.why_not("jax_allgather_lhs_matmul", plain)
   assert ("needs several GPUs" if len(jax.devices()) == 1 else "must span every device") in reason, reason
 
 
@@ -93,13 +94,13 @@ def test_the_tuner_offers_and_times_them():
   m, n, k = _shape("tiled")
   prog = jm.programs.matmul(m, n, k, dtype=jnp.bfloat16)
   mesh = gpu_mesh()
-  names = {name for name, _ in tune_module.default_candidates(prog, mesh, space=2)}
+  names = {c.name for c in tune_module.default_candidates(prog, mesh, space=2)}
   lib = jm.library(prog, mesh)
-  pairs = [(s, low) for s, low in PAIRS if fused.why_not(low, lib[s]) is None]  # JAX's needs several GPUs
+  pairs = [(s, low) for s, low in PAIRS if placements.why_not(low, lib[s]) is None]  # JAX's needs several GPUs
 
   def verified(s, low):
-    unverified = fused.LOWERINGS[low].unverified
-    return unverified is None or unverified(fused.LOWERINGS[low].place(lib[s])) is None
+    unverified = registry.fused(low).unverified
+    return unverified is None or unverified(placements.place(low, lib[s])) is None
   assert {f"{s} {{{low}}}" for s, low in pairs if verified(s, low)} <= names, names  # the rest: timed, not offered
   offered = {f"{s} {{{low}}}" for s, low in pairs}
   machine = cost.Machine("test H200", 700e12, {"*": 150e9}, 20e-6)
@@ -121,11 +122,11 @@ def test_the_tuner_offers_and_times_them():
 def test_ring_attention_every_gpu(strategy, causal, kv_heads, lowering):
   """The fused ring-attention lowerings: output and gradients against the float32 reference, gradients against the
   ordinary schedule's; the backward runs the dual programs on cuDNN blocks from the kernel's residuals."""
-  from jaxmercury.shard_map.fused_attention import backward_schedule
+  from jaxmercury.lowering.fused_attention import backward_schedule
   n = len(jax.devices())
   prog = jm.programs.attention(1, 8, kv_heads, n * 1024, n * 1024, 128, causal=causal, dtype=jnp.bfloat16)
   plain = jm.library(prog, gpu_mesh())[strategy]
-  assert fused.why_not(lowering, plain) is None
+  assert placements.why_not(lowering, plain) is None
   s = plain.copy().lower_with(lowering)
   assert backward_schedule(s).kernel == "cudnn_attention"
   q, k, v = prog.random_inputs(fresh_key())

@@ -5,14 +5,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
-from test_fused_matmul_reducescatter_ws_cpu import WS_TILES
-from gpu.checks import gpu_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_fused_matmul_reducescatter_ws_cpu import WS_TILES
 
-from jaxmercury.pallas_kernels.fused_matmul_reducescatter import fused_matmul_reducescatter, reference
-from jaxmercury.pallas_kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
-from jaxmercury.pallas_kernels.mosaic_matmul import Tiles
+from gpu.checks import gpu_mesh
+from jaxmercury.kernels.fused_matmul_reducescatter import fused_matmul_reducescatter, reference
+from jaxmercury.kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
+from jaxmercury.kernels.mosaic_matmul import Tiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

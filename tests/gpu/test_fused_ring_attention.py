@@ -12,12 +12,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import fresh_key, rel_err
-from gpu.checks import gpu_mesh
-from ring_attention_checks import (HEADS, MASKS, SPECS, check, check_loopback, check_matches_cudnn, first_devices,
-                                   inputs)
+from ring_attention_checks import HEADS, MASKS, SPECS, check, check_loopback, check_matches_cudnn, first_devices, inputs
 
-from jaxmercury.pallas_kernels.fused_ring_attention import (CONFIGS, Blocks, _kernel, fused_ring_attention, reference,
-                                                            ring_attention)
+from gpu.checks import gpu_mesh
+from jaxmercury.kernels.fused_ring_attention import (
+  CONFIGS,
+  Blocks,
+  _kernel,
+  fused_ring_attention,
+  reference,
+  ring_attention,
+)
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import rel_err
-from gpu.checks import gpu_mesh
-from ring_attention_checks import (HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs,
-                                   run)
+from ring_attention_checks import HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs, run
 
-from jaxmercury.pallas_kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.pallas_kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _kernel, fused_ring_attention_ws
+from gpu.checks import gpu_mesh
+from jaxmercury.kernels.fused_ring_attention import fused_ring_attention
+from jaxmercury.kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _kernel, fused_ring_attention_ws
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from conftest import fresh_key
 from conftest import rel_err as _rel
-from gpu.checks import TOL, check_gradients, check_schedule, library_with
-from gpu.checks import gpu_mesh as _mesh
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels import mosaic_attention as ma
-from jaxmercury.pallas_kernels import mosaic_matmul as mm
-from jaxmercury.pallas_kernels import registry
+from gpu.checks import TOL, check_gradients, check_schedule, library_with
+from gpu.checks import gpu_mesh as _mesh
+from jaxmercury.kernels import mosaic_attention as ma
+from jaxmercury.kernels import mosaic_matmul as mm
+from jaxmercury.kernels import registry
 from jaxmercury.programs import attention_backward as ab
 
 

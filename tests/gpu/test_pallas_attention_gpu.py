@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import fresh_key, rel_err
-from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
 
 import jaxmercury as jm
-from jaxmercury.pallas_kernels import flash_attention as fa
-from jaxmercury.pallas_kernels import triton_attention as ta
+from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
+from jaxmercury.kernels import flash_attention as fa
+from jaxmercury.kernels import triton_attention as ta
 from jaxmercury.programs import attention_backward as ab
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")

@@ -1,0 +1,1 @@
+"""Static analysis of schedules: communication plans, layouts, collectives and memory, with no tracing."""

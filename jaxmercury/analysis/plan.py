@@ -1,0 +1,252 @@
+"""From a schedule's annotations to a communication plan.
+
+Nothing here is written per strategy: each buffer's layouts follow from which
+loops are parallel or shifted and which buffers were ``shard``-ed or
+``replicate``-d, and the collectives follow from the differences between
+layouts (see ``reshard``).
+
+Layouts are ``analysis.layouts.Layout``s over each buffer's canonical
+dimensions (one per axis): per dimension the mesh levels splitting it, major
+first; the output's resident layout is partial over the levels its
+cross-level reductions combine. The collectives between layouts are
+``analysis.collectives`` steps (``Plan.collectives``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jax.sharding import PartitionSpec
+
+from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis.layouts import Layout
+from jaxmercury.errors import PreconditionError, ScheduleError
+from jaxmercury.ir.loops import PARALLEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """A shifted loop: what travels around the ring of its parallel loop's level."""
+
+  loop: str
+  axis: str
+  level: str
+  size: int
+  buffers: tuple[str, ...]  # read buffers passed around the ring
+  travel: bool  # partial outputs travel (pipelined reduce-scatter)
+
+  @property
+  def offset(self) -> int:
+    """Rank r visits (t + r + offset) % size; 1 lets the last visit be the owner's."""
+    return 1 if self.travel else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossReduction:
+  """Partial outputs of a parallel reduction loop, combined over its level."""
+
+  loop: str
+  level: str
+  scatter_axis: str | None  # None: all-reduce
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What the lowering does, derived from the schedule (immutable: one derivation serves compile and gradients).
+
+  Attributes:
+    storage: buffer -> ``Layout`` at the ``shard_map`` boundary.
+    resident: buffer -> ``Layout`` the loop nest works on (the output's: after the nest, partial over the
+      levels its cross-level reductions combine).
+    result: the output's layout after the cross-level reductions.
+    rings: shifted loop name -> ``Ring``.
+    reductions: ``CrossReduction`` per parallel reduction loop, outermost first.
+    local_factors: buffer -> {axis: the loop names not distributed in its resident layout}.
+    buffers: name -> ``Buffer``.
+  """
+
+  storage: dict
+  resident: dict
+  result: Layout
+  rings: dict
+  reductions: tuple
+  local_factors: dict
+  buffers: dict = dataclasses.field(default_factory=dict)
+
+  def spec(self, buffer: str) -> PartitionSpec:
+    """The storage layout over the buffer's canonical dims (one per axis)."""
+    return to_spec(self.storage[buffer])
+
+  def user_spec(self, buffer: str) -> PartitionSpec | None:
+    """The storage layout over the buffer's own dims, or None if it has none.
+
+    A dimension that flattens several axes is split only when its minor axes
+    are not: then the major axis's levels split the whole dimension.
+    """
+    return user_spec(self.buffers[buffer], self.storage[buffer])
+
+  def collectives(self) -> list[tuple[str, cl.Collective]]:
+    """``(buffer, collective)`` for every collective outside the rings, in program order: each input moved from
+    its storage to its resident layout, the output's cross-level reductions, the output moved to its storage."""
+    out = []
+    for name in self.buffers:
+      if name != self.output:
+        out += [(name, c) for c in cl.steps(self.storage[name], self.resident[name])]
+    out += [(self.output, c) for c in cl.reductions(self.resident[self.output], self.result)]
+    out += [(self.output, c) for c in cl.steps(self.result, self.storage[self.output])]
+    return out
+
+  @property
+  def output(self) -> str:
+    return list(self.buffers)[-1]
+
+
+def user_spec(buf, layout: Layout) -> PartitionSpec | None:
+  """``layout`` (over ``buf``'s canonical dims) as a spec over its own dims, or None if it has none."""
+  layout = iter(layout)
+  entries = []
+  for group in buf.dims:
+    parts = [next(layout) for _ in group]
+    if any(parts[1:]):
+      return None
+    entries.append(parts[0])
+  return to_spec(Layout(tuple(entries)))
+
+
+def to_spec(layout: Layout) -> PartitionSpec:
+  return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in layout])
+
+
+def from_spec(spec: PartitionSpec, buf) -> Layout:
+  """A PartitionSpec over a buffer's own dims as a layout over its canonical dims."""
+  out = []
+  for dim, group in enumerate(buf.dims):
+    entry = spec[dim] if dim < len(spec) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    out.extend([names] + [()] * (len(group) - 1))
+  return Layout(tuple(out))
+
+
+def make_plan(schedule) -> Plan:
+  """Derives layouts, rings and reductions; raises ScheduleError if inconsistent."""
+  prog, levels = schedule.program, schedule.levels
+  loops = {lp.name: lp for lp in schedule.loops}
+  placements = schedule.placements
+  out = prog.writes
+
+  rings = {}
+  for lp in schedule.loops:
+    if not lp.shifted_by:
+      continue
+    par = loops[lp.shifted_by]
+    ring_bufs = tuple(
+        b.name for b in prog.reads
+        if lp.axis in b.axes and par.axis not in b.axes
+        and placements.get((b.name, par.level), ("shard",))[0] != "replicate")
+    travel = lp.axis in out.axes and par.axis not in out.axes
+    rings[lp.name] = Ring(lp.name, lp.axis, par.level, levels[par.level], ring_bufs, travel)
+
+  def nest_layout(buf, ring_member):
+    entries = []
+    for a in buf.axes:
+      lv = []
+      for f in schedule.factors.get(a, []):
+        floop = loops[f]
+        if floop.role == PARALLEL or (floop.shifted_by and ring_member(floop.name)):
+          lv.append(_level_of(floop, loops))
+      entries.append(tuple(lv))
+    return entries
+
+  storage, resident, local_factors = {}, {}, {}
+  for b in prog.reads:
+    res = nest_layout(b, lambda name, b=b: b.name in rings[name].buffers)
+    sto = [list(e) for e in res]
+    for (name, level), place in placements.items():
+      if name != b.name or (place[0] == "shard" and level in sto[b.axes.index(place[1])]):
+        continue
+      for e in sto:
+        if level in e:
+          e.remove(level)
+      if place[0] == "shard":
+        sto[b.axes.index(place[1])].append(level)
+    resident[b.name] = Layout(tuple(res))
+    storage[b.name] = Layout(tuple(sto))
+
+  res = nest_layout(out, lambda name: rings[name].travel)
+  consumed = {r.level for r in rings.values() if r.travel}
+  reductions, result = [], [list(e) for e in res]
+  for lp in schedule.loops:
+    if lp.role != PARALLEL or lp.kind != "r" or lp.level in consumed:
+      continue
+    place = placements.get((out.name, lp.level))
+    axis = place[1] if place and place[0] == "shard" else None
+    if axis is not None:
+      for leaf_axes in prog.state_axes():
+        if axis not in leaf_axes:
+          raise PreconditionError(
+              f"shard({out.name!r}, {lp.name!r}, axis={axis!r}): the {prog.reduction.name} reduction's "
+              f"state has no axis {axis!r} to reduce-scatter along")
+      result[out.axes.index(axis)].append(lp.level)
+    reductions.append(CrossReduction(lp.name, lp.level, axis))
+  resident[out.name] = Layout(tuple(res), tuple(r.level for r in reductions))
+  result = Layout(tuple(result))
+  sto = [list(e) for e in result]
+  for (name, level), place in placements.items():
+    if name == out.name and place[0] == "replicate":
+      for e in sto:
+        if level in e:
+          e.remove(level)
+  storage[out.name] = Layout(tuple(sto))
+
+  if schedule.in_shardings is not None:
+    for b, spec in zip(prog.reads, schedule.in_shardings):
+      if spec is not None:
+        storage[b.name] = from_spec(spec, b)
+  if schedule.out_sharding is not None:
+    storage[out.name] = from_spec(schedule.out_sharding, out)
+
+  for b in prog.reads + (out,):
+    for a, n in local_factor_names(schedule, b, resident[b.name], loops).items():
+      local_factors.setdefault(b.name, {})[a] = n
+      split = [f for f in schedule.factors[a] if f not in n]
+      if schedule.factors[a][:len(split)] != split:
+        raise ScheduleError(
+            f"buffer {b.name!r}: along axis {a!r}, loop {split[-1]!r} splits it over the mesh while the "
+            f"outer loop {schedule.factors[a][len(split) - 1]!r} does not; a buffer can only be split "
+            f"over the outermost loops of an axis")
+    for what, layout in (("storage", storage[b.name]), ("resident", resident[b.name])):
+      _check_layout(schedule, b, layout, what)
+  _check_layout(schedule, out, result, "result")
+  return Plan(storage, resident, result, rings, tuple(reductions), local_factors, prog.buffers)
+
+
+def _level_of(lp, loops):
+  return lp.level if lp.role == PARALLEL else loops[lp.shifted_by].level
+
+
+def local_factor_names(schedule, buf, layout, loops):
+  """For each loop axis of ``buf``: its factors not distributed in ``layout``."""
+  out = {}
+  for a, levels in zip(buf.axes, layout):
+    if a not in schedule.factors:
+      continue
+    out[a] = [f for f in schedule.factors[a] if not (loops[f].distributed and _level_of(loops[f], loops) in levels)]
+  return out
+
+
+def _check_layout(schedule, buf, layout, what):
+  seen = {}
+  for a, levels in zip(buf.axes, layout):
+    for lv in levels:
+      if lv in seen:
+        raise ScheduleError(
+            f"buffer {buf.name!r} would be split over mesh level {lv!r} along both {seen[lv]!r} and {a!r} "
+            f"({what} layout); a level can split a buffer along one axis")
+      seen[lv] = a
+    extent = schedule.padded.get(a, schedule.program.axes[a].extent)
+    size = math.prod(schedule.levels[lv] for lv in levels)
+    if extent % size:
+      raise ScheduleError(
+          f"buffer {buf.name!r}: axis {a!r} (extent {extent}) does not split evenly over mesh levels "
+          f"{levels} ({size} devices) in its {what} layout")

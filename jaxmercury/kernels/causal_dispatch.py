@@ -1,0 +1,61 @@
+"""How a local attention kernel takes a causal block at traced offsets (ring steps): by its position.
+
+Run time (``dispatch``): a block whose keys all precede its queries is
+visible (the kernel, unmasked); one whose keys all follow them is hidden
+(skipped: an empty state, or zero gradients); one that overlaps partly is,
+when query and key blocks have one size (they start at multiples of it), the
+diagonal, which the kernel's causal path takes; otherwise the program's own
+body computes it. Before tracing (``dispatch_work``): the same choice as
+shares of the block's work, for the cost model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmercury.kernels.work import Block, Work, body_share
+
+VISIBLE, HIDDEN, PARTIAL = 0, 1, 2
+
+
+def position_case(ctx):
+  """``VISIBLE`` if every key of the block precedes every query, ``HIDDEN`` if every key follows, else ``PARTIAL``."""
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  qs, ks = ctx.start("i"), ctx.start("j")
+  return jnp.where(ks + tk - 1 <= qs, VISIBLE, jnp.where(ks > qs + tq - 1, HIDDEN, PARTIAL))
+
+
+def empty_state(q, k, v):
+  """The forward state of a hidden block: a zero output and a log-sum-exp of ``-inf``."""
+  b, i, hk, g, d = q.shape
+  return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
+
+
+def dispatch(ctx, operands, *, visible, hidden, partial):
+  """``visible(*operands)``, ``hidden(*operands)`` or ``partial(*operands)`` by the block's ``position_case``."""
+  return jax.lax.switch(position_case(ctx), [visible, hidden, partial], *operands)
+
+
+def dispatch_work(block: Block, causal: bool, whole: bool, diagonal: bool = True) -> Work:
+  """The work of a kernel that takes ``block`` (``whole``) and dispatches it as above.
+
+  Args:
+    block: the body call.
+    causal: the program's mask.
+    whole: the kernel takes the block at all (else the body computes it).
+    diagonal: the kernel's causal path takes a partly masked block of equal
+      query and key sizes (skipping what it hides); else the body does.
+  """
+  if not whole:
+    return Work(fast=0.0, fallback=body_share(block, causal))
+  if not causal:
+    return Work()
+  case = block.causal_case()
+  if case == "visible":
+    return Work()
+  if case == "hidden":
+    return Work(fast=0.0)
+  if diagonal and block.sizes["i"] == block.sizes["j"]:
+    return Work(fast=block.causal_share())
+  return Work(fast=0.0, fallback=1.0)

@@ -1,0 +1,665 @@
+"""Ring attention in one warp-specialized Mosaic GPU kernel: two consumer warpgroups and a memory warpgroup per CTA.
+
+The contract is ``fused_ring_attention``'s (read its docstring: shapes, GQA,
+``causal``, ``order`` and ``positions``, the unfused ``reference``): inside
+``shard_map`` over ``n`` devices device ``r`` computes softmax attention of
+its queries over the keys of every device and returns ``(out, lse)``. That
+kernel runs one warpgroup per CTA, which issues the loads' consumers, both
+wgmmas and the softmax in turn. Here each CTA runs three warpgroups, as
+JAX's FlashAttention-3 kernel (``attention_mgpu._attention_forward``) does:
+two consumer warpgroups, each with its own ``block_q``-row Q tile, take
+turns on the tensor cores (a schedule barrier: one runs its softmax while
+the other's wgmma runs), and one memory warpgroup issues every K/V load
+into ``max_concurrent_steps`` SMEM slots and, in a forwarder item, stores
+each tile on to the left neighbour.
+
+Loop nest before (``fused_ring_attention``, one warpgroup)::
+
+  for item (bi, hi, qi) of this CTA:                # block_q query rows
+    for s in 0 .. n-1:                              # ring step: keys of device (r + s) % n
+      if s > 0: wait until device r + 1 filled received[s - 1]
+      for kv tile j (emit_pipeline):
+        if forwarder and s < n - 1: store the K and V tiles into received[s] of device r - 1
+        acc, m, l = online_softmax(acc, m, l, q_tile @ k_tile.T, v_tile)
+      if forwarder and s < n - 1: signal step s to device r - 1
+    out, lse = acc / l, m + log(l)
+
+After (this kernel; per CTA, the three warpgroups run concurrently)::
+
+  memory warpgroup (40 registers):                  # g: K/V tiles this CTA loaded so far
+    for item (bi, hi, pair) of this CTA:            # persistent; forwarder items first
+      for s in 0 .. n-1:
+        tiles = every tile of the step if forwarding (forwarder and s < n - 1), else the needed ones
+        if s > 0 and tiles: wait until device r + 1 filled received[s - 1]   # semaphore s - 1
+        for run of the step's source:               # causal: one per chunk of contiguous positions
+          for tile j of the run's tiles, loads pipelined max_concurrent_steps deep:
+            slot = g % max_concurrent_steps; g += 1
+            wait until both consumers released slot (k/v "consumed") and this slot's stores have read it
+            TMA k, v tile j -> slot (k/v "loaded" barriers)
+            once tile j (lagging max_concurrent_steps - 1 behind) has landed:
+              if forwarding: TMA store k, v tile from the slot into received[s] of device r - 1
+        if forwarding: wait until the stores landed; signal semaphore s of device r - 1
+    wait for the consumers to release the last slots
+
+  consumer warpgroup w in {0, 1} (232 registers):
+    for item (bi, hi, pair) of this CTA:
+      q_tile = q_r[bi, (2 pair + w) block_q rows, hi]; acc, m, l = 0, -inf, 0
+      for every tile the memory warpgroup loads for this item, in the same order:
+        wait "k loaded"; S = q_tile @ k.T (wgmma); schedule barrier; release k
+        match class(q_tile, k_tile) by global positions (causal; else visible):
+          hidden: nothing; visible: online softmax of S; partial: the same, scores masked with MASKED
+        optimization barrier (the softmax is not sunk below the next line)
+        schedule barrier; wait "v loaded"; acc += P @ v (wgmma, P from registers); release v
+      out[bi, rows, hi], lse[bi, hi, rows] = acc / l, m + log(l)
+
+  consumer warpgroup w, ``pipelined=True`` (FlashAttention-3's intra-warpgroup pipelining; not causal):
+    for item (bi, hi, pair) of this CTA:            # tiles t = 0 .. T-1: every tile of every ring step
+      S = q_tile @ k_0.T; schedule barrier; release k 0; m, l, P = online softmax of S
+      for t in 1 .. T-1:
+        wait "k loaded" t, "v loaded" t - 1
+        issue S = q_tile @ k_t.T, then acc += P @ v_{t-1}; schedule barrier
+        wait for S's wgmma only; release k t; m, l, alpha, P = online softmax of S   # P V still runs
+        acc = alpha * acc (waits for P V); release v t - 1
+      acc += P @ v_{T-1}; schedule barrier; release v T - 1; out, lse as above
+
+  With two slots this cannot deadlock although a consumer holds a V slot one
+  tile longer: the memory warpgroup loads tile t + 1's K (waiting only for
+  tile t - 1's K release, given before either consumer's next meeting)
+  before it waits for tile t - 1's V release, and a consumer needs tile
+  t + 1's V only at tile t + 2.
+
+A work item is (batch, query head, pair of query tiles): ``2 block_q``
+query rows, so ``s`` must be a multiple of ``2 block_q``. The consumers run
+one online softmax over all tiles of all ring steps, so there is no
+per-step log-sum-exp merge. They know nothing of the ring: a "loaded"
+barrier completes only after the memory warpgroup waited for the step's
+semaphore, and they need not wait for it themselves.
+
+Ring and forwarding: as in ``fused_ring_attention``, ``received_k`` and
+``received_v`` (``[n - 1, b, s, kv, d]``) are extra outputs that the right
+neighbour fills; for each ``(b, kv head)`` exactly one item forwards (pair 0
+of the group's first query head; ``F = b * kv`` forwarders, items
+``0 .. F - 1``, ``_item``). Its memory warpgroup, once a tile's load
+completed, stores the K and V tile from SMEM into the left neighbour's
+``received[s]`` (``plgpu.remote_ref``) and does not refill that slot before
+the stores have read it (``wait_smem_to_gmem(..., wait_read_only=True)``);
+at the end of step ``s < n - 1`` it waits until its stores have landed and
+increments semaphore ``s`` of the left device (``peer_gemm.step_semaphores``:
+one per step, so that a forwarder running ahead cannot let a waiter for an
+earlier step through). Before loading step ``s``'s tiles every item waits
+until its device's semaphore ``s - 1`` reaches ``F``.
+
+Barrier protocol. Mosaic GPU tracks each barrier's phase per thread, so
+every warpgroup that waits on a barrier waits on every one of its phases,
+in order: the consumers wait on every "loaded" phase (a hidden tile too:
+the math is skipped, the waits and arrivals are not), the memory warpgroup
+waits on every "loaded" phase (lagging ``max_concurrent_steps - 1`` tiles
+behind its loads, and draining at the end of each run) and on every
+"consumed" phase (before it refills a slot, and for the last slots at the
+end of the kernel). Both consumers take the same tiles in the same order
+and meet the schedule barrier twice per tile; consumer 1 meets it once
+more at the start of the kernel and consumer 0 once more at the end, which
+makes them alternate. Tile counts are computed identically in all three
+warpgroups (``_run_tiles``).
+
+Causal masking: the tiles of a run whose first key follows the item's last
+query are not loaded (except by a forwarder, which passes every tile on);
+each consumer classifies each loaded (query tile, key tile) pair by global
+positions: hidden (every key follows every query: no wgmma, no softmax),
+visible (no mask) or partial (scores where key > query set to ``MASKED``, a
+large finite negative: with ``-inf`` a row whose first tile is all masked
+would compute ``exp(-inf - -inf)``, NaN; every row sees its own key, so its
+first visible key rescales such garbage by ``exp2(MASKED - m) = 0``).
+
+Deadlock freedom: the grid is persistent with at most one CTA per SM (the
+three warpgroups' 232 + 232 + 40 registers per thread fill an SM's register
+file) and, for ``n > 1``, at most the SM count of CTAs where the device
+reports it, so every CTA is resident from the start. The ``F`` forwarder
+items are work items ``0 .. F - 1`` and the grid has at least ``F`` CTAs, so
+each forwarder is the first item of one of CTAs ``0 .. F - 1``. Inside a CTA
+the memory warpgroup waits only for the consumers (slots) and, at step
+``s > 0``, for semaphore ``s - 1``; the consumers wait only for the memory
+warpgroup's loads and for each other (the schedule barrier, which both
+meet equally often). A forwarder at step ``s`` waits only for the
+forwarders of the right device at step ``s - 1``; step 0 waits for no peer,
+so by induction over ``s`` every forwarder signals every step; every other
+item waits only for forwarders, so every item finishes.
+
+Preconditions (``PreconditionError`` otherwise): those of
+``fused_ring_attention`` (dtypes, shapes, ``d`` a multiple of 64 at most
+256, blocks, ``order``, an axis spanning every device of the process, no
+interpret mode with several devices) and: ``s`` a multiple of
+``2 block_q``; causal zigzag chunks a multiple of ``2 block_q``; for
+``n > 1`` at least ``b * kv`` CTAs and at most the SM count. Hopper only.
+
+Interpret mode (CPU, one device): the same three warpgroups, barriers and
+loop nest (JAX's interpreter runs each warpgroup as a thread and checks
+that every waiter observed every barrier phase), except ``P V``: the
+interpreter's wgmma reads its left operand from SMEM only, so there ``P V``
+is a plain dot added to the accumulator, and the pipelined consumers keep
+their accumulator in SMEM (the interpreter cannot store into a wgmma
+accumulator).
+
+Not done yet: the backward pass (use ``fused_ring_attention.ring_attention``'s
+unfused one); the pipelined consumers for causal attention; a causal forwarder
+loads every K and V tile, hidden ones too, to pass them on; in natural
+order causal work is unbalanced (zigzag balances it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels import fused_ring_attention as fra
+from jaxmercury.kernels.config import param
+from jaxmercury.kernels.fused_common import INTERPRET_CTAS as INTERPRET_CTAS_FUSED
+from jaxmercury.kernels.fused_common import (
+  interpretable_devices,
+  positive_ints,
+  ring_attention_memory,
+  ring_attention_seconds,
+)
+from jaxmercury.kernels.fused_ring_attention import (
+  HIDDEN,
+  LOG2E,
+  PARTIAL,
+  VISIBLE,
+  SequenceOrder,
+  _finish,
+  _initial_state,
+  _item,
+  reference,
+  softmax_step,
+)
+from jaxmercury.kernels.mosaic_matmul import _swizzled
+from jaxmercury.kernels.peer_gemm import left_peer, sm_count, step_semaphores
+from jaxmercury.kernels.placements import RING_ATTENTION
+from jaxmercury.kernels.registry import DualPrograms, FusedKernel
+
+__all__ = ["CONFIGS", "WsBlocks", "fused_ring_attention_ws", "reference"]
+
+NAME = "fused_ring_attention_ws"
+CONSUMERS = 2  # consumer warpgroups per CTA; warpgroup CONSUMERS issues the loads
+CONSUMER_REGISTERS = 232
+MEMORY_REGISTERS = 40
+# Registers per thread each warpgroup starts with: an SM's 65536 over 384 threads, rounded down to 8. setmaxnreg's
+# "increase" waits until the registers it asks for are free, so the warpgroups may ask for at most what they hold
+# together: 232/40 and 240/24 run (as fast, on one H200), 240/32 hangs.
+LAUNCH_REGISTERS = 168
+INTERPRET_CTAS = fra.INTERPRET_CTAS
+# Shared memory beyond the buffers (barriers, alignment): Mosaic GPU's count exceeds the buffers' bytes by 2.6 to
+# 2.7 KiB in every configuration lowered for an H100 (measured), so smem_bytes is an upper bound of its count.
+SMEM_OVERHEAD = 3 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class WsBlocks(fra.Blocks):
+  """Tile sizes and pipeline depth: ``block_q`` rows per consumer warpgroup (``2 block_q`` per work item).
+
+  The same limits as ``fused_ring_attention.Blocks`` (its ``problem``), on this kernel's shared memory.
+  """
+
+  def smem_bytes(self, d: int, itemsize: int) -> int:
+    """Two Q tiles (reused for the outputs), K and V slots, two log-sum-exp rows, barriers and alignment."""
+    bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
+    return (CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
+
+
+# The block configurations the GPU test tries (d = 128: 3 slots of 128 keys do not fit in shared memory).
+CONFIGS = (WsBlocks(64, 128, 2), WsBlocks(64, 64, 3), WsBlocks(64, 64, 4))
+
+
+@contextlib.contextmanager
+def _named():
+  """Re-raises ``fused_ring_attention``'s precondition errors under this kernel's name."""
+  try:
+    yield
+  except PreconditionError as e:
+    message = str(e)
+    if message.startswith(f"{fra.NAME}:"):
+      message = NAME + message[len(fra.NAME):]
+    raise PreconditionError(message) from None
+
+
+def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
+                            chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
+                            max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool = False,
+                            interpret: bool = False):
+  """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
+
+  Args:
+    q: this device's queries ``[b, s, h, d]``, bf16 or fp16.
+    k: this device's keys ``[b, s, kv, d]``, ``q``'s dtype; ``kv`` divides ``h``.
+    v: this device's values, like ``k``.
+    axis_name: the ``shard_map`` axis the sequence is sharded over; it must
+      span every device of the process when it has more than one.
+    causal: each query attends only to keys at global positions up to its
+      own (``fused_ring_attention.positions``).
+    order: ``"natural"`` or ``"zigzag"``, as for ``fused_ring_attention``.
+    chunks: zigzag chunks of the whole sequence (default ``2 n``).
+    block_q: query rows per consumer warpgroup (multiple of 64); a work
+      item is ``2 block_q`` rows.
+    block_kv: key rows per K/V tile (multiple of 64, at most 256).
+    max_concurrent_steps: K/V SMEM slots (at least 2).
+    num_ctas: CTAs of the persistent grid (default: the device's SM count, or
+      ``INTERPRET_CTAS`` on a device without one); for several devices at
+      least ``b * kv`` and at most the SM count.
+    pipelined: each consumer issues tile ``t``'s ``Q K^T`` and tile
+      ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
+      ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
+      module docstring); not causal.
+    interpret: run in Mosaic GPU interpret mode (CPU); one device only.
+
+  Returns:
+    ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32, natural log``)``.
+
+  Raises:
+    PreconditionError: the inputs, blocks, order or mesh do not fit (module docstring).
+  """
+  blocks = WsBlocks(block_q, block_kv, max_concurrent_steps)
+  with _named():
+    n_dev = fra._check(q, k, v, axis_name, blocks, interpret)
+    seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
+  s = q.shape[1]
+  if s % (CONSUMERS * block_q):
+    raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
+                            f"{CONSUMERS * block_q}: a work item is two query tiles")
+  if pipelined and causal:
+    raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
+                            "pipelined=False")
+  if causal and seq_order.segment % (CONSUMERS * block_q):
+    raise PreconditionError(f"{NAME}: zigzag chunks of {seq_order.segment} positions are not a multiple of "
+                            f"2 * block_q = {CONSUMERS * block_q}: a work item's two query tiles must lie in one chunk")
+  sms = sm_count()
+  num_ctas = num_ctas or sms or INTERPRET_CTAS
+  if not isinstance(num_ctas, int) or num_ctas < 1:
+    raise PreconditionError(f"{NAME}: num_ctas={num_ctas!r} must be a positive int")
+  fra.check_forwarders_resident(NAME, n_dev, num_ctas, k)
+  if n_dev > 1 and sms and num_ctas > sms:
+    raise PreconditionError(
+        f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
+        "registers per thread) fills an SM, and the ring needs every CTA resident")
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined)
+
+
+def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
+  """The K/V tiles of the run at local position ``start`` of ``source``'s keys that an item loads.
+
+  All of them when not causal or when forwarding; else those whose first key
+  is at most ``q_last``, the item's last query position (keys in a run are
+  contiguous in global positions). The memory and the consumer warpgroups
+  call this with the same arguments, so they agree on every tile count.
+  """
+  tiles = run // bkv
+  if not causal:
+    return tiles
+  first = order.first(source, start)
+  needed = jnp.clip((q_last + 1 - first + bkv - 1) // bkv, 0, tiles)
+  return jnp.where(forwarding, tiles, needed).astype(jnp.int32)
+
+
+def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
+            order: SequenceOrder, loopback: bool = False, pipelined: bool = False):
+  """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
+
+  With ``loopback`` the forwarders store into this device's own ``received``
+  (no ``remote_ref``, no semaphores: with one CTA the forwarder items run
+  first and each waits until its stores landed), so step ``s`` brings this
+  device's keys again at the global positions of device ``s``: the
+  forwarding path runs in interpret mode.
+  """
+  assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
+  assert not (pipelined and causal), "the pipelined consumers run non-causal attention only"
+  assert CONSUMERS * CONSUMER_REGISTERS + MEMORY_REGISTERS <= (CONSUMERS + 1) * LAUNCH_REGISTERS, "would hang"
+  b, s_loc, h, d = q.shape
+  kv = k.shape[2]
+  g = h // kv
+  bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
+  rows = CONSUMERS * bq  # query rows per work item
+  pairs = s_loc // rows
+  forwarders, per_group = b * kv, g * pairs
+  work = b * h * pairs
+  grid = min(work, num_ctas)
+  ring = n_dev > 1
+  peers = ring and not loopback  # the ring crosses devices: remote stores and semaphores
+  scale_log2 = LOG2E / math.sqrt(d)
+  dtype = q.dtype
+  run = order.segment if causal else s_loc
+  starts = range(0, s_loc, run)
+  lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
+
+  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
+    if ring:
+      recv_k, recv_v, *rest = rest
+    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, *o_smem = rest
+    cta = lax.axis_index("cta")
+    wg = lax.axis_index("wg")
+    dev = lax.axis_index(axis_name) if peers else 0
+    items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
+    if peers:
+      arrived = step_semaphores(n_dev)
+      left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
+    elif ring:
+      to_left = recv_k, recv_v
+
+    def item_of(i):
+      bi, hi, pair, forwards = _item(cta + i * grid, forwarders, per_group, pairs, g, kv)
+      q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
+      return bi, hi, pair, forwards, q_last
+
+    def forwarding_at(forwards, s):
+      return forwards & (s < n_dev - 1) if ring else False
+
+    def step_sources(s):
+      """(keys, values, source device) of ring step ``s`` (a Python 0, or traced)."""
+      if isinstance(s, int) and s == 0:
+        return k_ref, v_ref, dev
+      return recv_k.at[s - 1], recv_v.at[s - 1], lax.rem(dev + s, n_dev)
+
+    def over_steps(step, carry):
+      """``step(s, carry)`` for ring steps 0 .. n - 1 (0 with the local keys, the rest from ``received``)."""
+      carry = step(0, carry)
+      return lax.fori_loop(1, n_dev, step, carry) if ring else carry
+
+    # ------------------------------------------------------------------ memory warpgroup
+    @pl.when(wg == CONSUMERS)
+    def _memory():
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+      def stream(keys, values, count, loaded, forwarding, dest):
+        """Loads ``count`` tiles of ``keys, values [r, d]`` into the slots after tile ``loaded``; forwards them."""
+
+        @pl.loop(0, count + lag)
+        def _tile(j):
+          @pl.when(j < count)
+          def _issue():
+            tile = loaded + j
+            slot = lax.rem(tile, slots)
+            src = pl.ds(j * bkv, bkv)
+            for smem, ref, consumed, barrier, pending in ((k_smem, keys, k_consumed, k_loaded, 1),
+                                                          (v_smem, values, v_consumed, v_loaded, 0)):
+              @pl.when(tile >= slots)
+              def _():
+                plgpu.barrier_wait(consumed.at[slot])  # both consumers are done with the slot's previous tile
+              if ring:  # that tile's stores (all but the newest `pending`) have read the slot
+                plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+              plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], barrier.at[slot])
+
+          @pl.when(j >= lag)
+          def _landed():
+            i = j - lag
+            slot = lax.rem(loaded + i, slots)
+            dst = pl.ds(i * bkv, bkv)
+            for smem, barrier, to in ((k_smem, k_loaded, 0), (v_smem, v_loaded, 1)):
+              plgpu.barrier_wait(barrier.at[slot])
+              if ring:
+                @pl.when(forwarding)
+                def _():
+                  plgpu.copy_smem_to_gmem(smem.at[slot], dest[to].at[dst])
+
+        return loaded + count
+
+      def item(i, loaded):
+        bi, hi, _, forwards, q_last = item_of(i)
+        kvh = hi // g
+
+        def step(s, loaded):
+          keys, values, source = step_sources(s)
+          forwarding = forwarding_at(forwards, s)
+          counts = [_run_tiles(order, run, bkv, source, start, q_last, forwarding, causal) for start in starts]
+          if peers and not (isinstance(s, int) and s == 0):
+            def wait():  # every forwarder of device r + 1 has filled received[s - 1]
+              pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)
+            if causal:  # only where this item reads received[s - 1]
+              pl.when(functools.reduce(jnp.add, counts) > 0)(wait)
+            else:
+              wait()
+          for start, count in zip(starts, counts):
+            keys_run = pl.ds(start, run)
+            dest = (to_left[0].at[s, bi, keys_run, kvh], to_left[1].at[s, bi, keys_run, kvh]) if ring else None
+            loaded = stream(keys.at[bi, keys_run, kvh], values.at[bi, keys_run, kvh], count, loaded, forwarding,
+                            dest)
+          if ring:
+            @pl.when(forwarding)
+            def _signal():
+              plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this step's stores have landed in the peer
+              if peers:
+                pl.semaphore_signal(arrived.at[s], device_id=left)
+          return loaded
+
+        return over_steps(step, loaded)
+
+      loaded = lax.fori_loop(0, items, item, jnp.int32(0))
+
+      @pl.loop(jnp.maximum(loaded - slots, 0), loaded)
+      def _drain(tile):  # observe the consumers' last releases (every waiter sees every phase)
+        slot = lax.rem(tile, slots)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+    # ------------------------------------------------------------------ consumer warpgroups
+    @pl.when(wg < CONSUMERS)
+    def _consumers():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      q_smem, lse_row = qo_smem.at[wg], lse_smem.at[wg]
+
+      def meet():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+      def hidden(carry, slot):
+        meet()
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return carry
+
+      def online_softmax(qk, m, l, mask_from=None):
+        """``softmax_step`` of the raw scores, ``P`` in the inputs' dtype."""
+        m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
+        return m_new, l, alpha, p.astype(dtype)
+
+      def update(carry, slot, mask_from=None):
+        acc, m, l = carry
+
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          meet()  # the other consumer's softmax runs while this wgmma does
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+
+        qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        m_new, l, alpha, p16 = online_softmax(qk, m, l, mask_from)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # The softmax is done before this consumer announces it, not sunk behind the barriers (0-2% on an H100)
+        acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
+        plgpu.barrier_arrive(schedule)  # softmax done
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)  # the tensor cores are ours
+
+        if interpret:  # the interpreter's wgmma takes A from SMEM only: P V as a plain dot
+          acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+        else:
+          def weighted(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            plgpu.wgmma_wait(0)
+          acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l
+
+      def load_q(i):
+        """Item ``i``'s Q tile into this consumer's SMEM; the item's coordinates and its query rows."""
+        bi, hi, pair, forwards, q_last = item_of(i)
+        q_rows = pl.ds(pair * rows + wg * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
+        plgpu.barrier_wait(q_loaded.at[wg])
+        return bi, hi, pair, forwards, q_last, q_rows
+
+      def item(i, loaded):
+        bi, hi, pair, forwards, q_last, q_rows = load_q(i)
+        q_first = order.first(dev, pair * rows + wg * bq) if causal else None
+
+        def step(s, state):
+          loaded, carry = state
+          _, _, source = step_sources(s)
+          forwarding = forwarding_at(forwards, s)
+          for start in starts:
+            count = _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
+            offset = q_first - order.first(source, start) if causal else None
+
+            def tile(j, carry, loaded=loaded, offset=offset):
+              slot = lax.rem(loaded + j, slots)
+              plgpu.barrier_wait(k_loaded.at[slot])
+              if not causal:
+                return update(carry, slot)
+              gap = offset - j * bkv  # the tile's first query's position minus its first key's
+              kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
+              branches = [None] * 3
+              branches[HIDDEN] = lambda c: hidden(c, slot)
+              branches[VISIBLE] = lambda c: update(c, slot)
+              branches[PARTIAL] = lambda c: update(c, slot, mask_from=-gap)
+              return lax.switch(kind, branches, carry)
+
+            carry = lax.fori_loop(0, count, tile, carry)
+            loaded = loaded + count
+          return loaded, carry
+
+        loaded, carry = over_steps(step, (loaded, _initial_state(bq, d)))
+        _finish(carry, q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+        return loaded
+
+      def pipelined_item(i, loaded):
+        """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
+        step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
+        bi, hi, _, _, _, q_rows = load_q(i)
+        tiles = n_dev * (s_loc // bkv)
+        slot_of = lambda t: lax.rem(loaded + t, slots)
+
+        def weigh(acc_ref, p16, slot):  # acc += P V, issued (the interpreter's: a plain dot on SMEM)
+          if interpret:
+            acc_ref[...] = acc_ref[...] + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+          else:
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+        def scores(slot, behind=None):
+          """``Q K^T`` of the slot's tile, then ``behind()``'s wgmma; returns the scores once theirs retired."""
+          def issue(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            if behind is not None:
+              behind()
+            meet()  # the other consumer's softmax runs while these wgmmas do
+            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if behind is None else 1)
+          qk = pl.run_scoped(issue, plgpu.ACC((bq, bkv), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          return qk
+
+        def attend(acc_ref):
+          _, m, l = _initial_state(bq, d)
+          plgpu.barrier_wait(k_loaded.at[slot_of(0)])
+          m, l, _, p16 = online_softmax(scores(slot_of(0)), m, l)
+
+          def tile(t, carry):
+            m, l, p16 = carry
+            plgpu.barrier_wait(k_loaded.at[slot_of(t)])
+            plgpu.barrier_wait(v_loaded.at[slot_of(t - 1)])
+            qk = scores(slot_of(t), behind=lambda: weigh(acc_ref, p16, slot_of(t - 1)))
+            m, l, alpha, p16 = online_softmax(qk, m, l)
+            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (bq, d), [0])  # reading waits for P V
+            plgpu.barrier_arrive(v_consumed.at[slot_of(t - 1)])
+            return m, l, p16
+
+          m, l, p16 = lax.fori_loop(1, tiles, tile, (m, l, p16))
+          plgpu.barrier_wait(v_loaded.at[slot_of(tiles - 1)])
+          weigh(acc_ref, p16, slot_of(tiles - 1))
+          meet()
+          acc = acc_ref[...]
+          plgpu.barrier_arrive(v_consumed.at[slot_of(tiles - 1)])
+          _finish((acc, m, l), q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+
+        zeros = _initial_state(bq, d)[0]
+        if interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
+          o_smem[0].at[wg][...] = zeros
+          attend(o_smem[0].at[wg])
+        else:
+          pl.run_state(attend)(plgpu.ACC.init(zeros))
+        return loaded + tiles
+
+      pl.when(wg == 1)(meet)  # consumer 1 starts one meeting ahead: the two alternate
+      lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
+      pl.when(wg == 0)(meet)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
+  if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
+    out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
+  kv_transforms = _swizzled(d, dtype)
+  scratch = [plgpu.SMEM((CONSUMERS, bq, d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((CONSUMERS, bq), jnp.float32),
+             plgpu.Barrier(num_barriers=CONSUMERS),  # Q tile loaded, one per consumer
+             plgpu.Barrier(num_barriers=slots),  # K tile loaded
+             plgpu.Barrier(num_barriers=slots),  # V tile loaded
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # V slot released
+             plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' schedule barrier
+  if pipelined and interpret:
+    scratch.append(plgpu.SMEM((CONSUMERS, bq, d), jnp.float32))  # the accumulators (on GPUs: registers)
+  results = plgpu.kernel(
+      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      num_threads=CONSUMERS + 1, thread_name="wg",
+      compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
+  return results[0], results[1]
+
+
+# ------------------------------------------------------------------ as a fused kernel of ring schedules
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WsRingConfig:
+  """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots."""
+
+  OPEN = True
+  block_q: int = param(64)
+  block_kv: int = param(128)
+  max_concurrent_steps: int = param(2)
+
+
+def _problem(p, config: WsRingConfig) -> str | None:
+  """The blocks at the program's head dimension; a work item's two query tiles and the key tiles in each device's
+  positions (each zigzag chunk's)."""
+  if reason := positive_ints(config):
+    return reason
+  blocks = WsBlocks(config.block_q, config.block_kv, config.max_concurrent_steps)
+  if reason := blocks.problem(p.local_shape()[4], p.itemsize):
+    return reason
+  return fra.rows_problem(p, {"2 x block_q": 2 * config.block_q, "block_kv": config.block_kv})
+
+
+def _make(p, config: WsRingConfig, interpret: bool):
+  return fra.per_device(fused_ring_attention_ws, p, lambda: INTERPRET_CTAS_FUSED if interpret else None,
+                        interpret=interpret, **dataclasses.asdict(config))
+
+
+FUSED_RING_ATTENTION_WS = FusedKernel(
+    name=NAME,
+    description="our warp-specialized Mosaic GPU kernel (kernels.fused_ring_attention_ws): two consumer warpgroups "
+                "take turns on the tensor cores while a memory warpgroup loads K and V tiles and forwards them to "
+                "the left neighbour; one CTA per SM",
+    placement=RING_ATTENTION, config=WsRingConfig, devices=interpretable_devices, problem=_problem,
+    tile=lambda config: (2 * config.block_q, config.block_kv, 64), make=_make, interpret=True,
+    backward=DualPrograms(), rate_kernel=NAME, seconds=ring_attention_seconds, memory=ring_attention_memory)

@@ -1,0 +1,157 @@
+"""Lowering a schedule to a jitted ``jax.shard_map`` program."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxmercury.ir import orders
+from jaxmercury.kernels import registry
+from jaxmercury.lowering.collectives import reshard
+from jaxmercury.lowering.nest import Nest
+from jaxmercury.lowering.storage_order import reorder
+
+
+def lower(schedule, *, jit: bool = True, per_device=None):
+  """Builds ``f(*inputs) -> output`` for a schedule.
+
+  Inputs and the output are global arrays with the program's own shapes. The
+  function pads and reshapes them to canonical layout (one dimension per
+  axis), puts zigzag axes in storage order, runs the per-device nest under
+  ``shard_map``, and restores the order and crops the result.
+
+  Args:
+    schedule: the ``Schedule`` to lower.
+    jit: wrap the result in ``jax.jit``.
+    per_device: a function of the inputs' stored blocks returning the
+      output's stored block, run in place of the loop nest (a fused
+      lowering); default the nest, with its collectives and reductions.
+  """
+  prog, mesh = schedule.program, schedule.mesh
+  plan = schedule.plan()
+  if per_device is None:
+    per_device = _nest_per_device(schedule, plan)
+  mapped = jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=tuple(plan.spec(b.name) for b in prog.reads),
+      out_specs=plan.spec(prog.writes.name), check_vma=False)
+  edges = _Edges(schedule, plan)
+
+  def run(*inputs):
+    return edges.output(mapped(*edges.inputs(inputs)))
+
+  run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
+  return jax.jit(run) if jit else run
+
+
+def lower_joint(schedules, kernel, *, jit: bool = True):
+  """Builds ``f(*inputs) -> (output, ...)``: schedules of programs that read the same inputs, run in one nest.
+
+  ``nest.joint_problem`` must hold for them (the same loops and read
+  layouts); ``kernel(ctx, *read_blocks)`` returns one block of each
+  program's output, so each block of inputs is visited once for all of them.
+  Each output then takes its own cross-device reductions and layout.
+
+  Args:
+    schedules: the schedules; the first's loops are walked.
+    kernel: the joint block function.
+    jit: wrap the result in ``jax.jit``.
+  """
+  first = schedules[0]
+  plans = [s.plan() for s in schedules]
+  nest = Nest(first, plans[0], kernel, joint=list(zip(schedules[1:], plans[1:])))
+
+  def per_device(*local):
+    states = nest.run(_resident(first, plans[0], local))
+    return tuple(_finish(s, p, state) for s, p, state in zip(schedules, plans, states))
+
+  mapped = jax.shard_map(
+      per_device, mesh=first.mesh, in_specs=tuple(plans[0].spec(b.name) for b in first.program.reads),
+      out_specs=tuple(p.spec(s.program.writes.name) for s, p in zip(schedules, plans)), check_vma=False)
+  edges = [_Edges(s, p) for s, p in zip(schedules, plans)]
+
+  def run(*inputs):
+    outs = mapped(*edges[0].inputs(inputs))
+    return tuple(e.output(y) for e, y in zip(edges, outs))
+
+  run.__name__ = "_and_".join(s.program.name.replace(" ", "_") for s in schedules) + "_joint_schedule"
+  return jax.jit(run) if jit else run
+
+
+class _Edges:
+  """A schedule's ``shard_map`` boundary on global arrays: inputs padded, reshaped to canonical layout and put in
+  storage order; the output put back in order, cropped and reshaped."""
+
+  def __init__(self, schedule, plan):
+    self.s, self.plan = schedule, plan
+    self.explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
+
+  def _constrain(self, x, spec):
+    sharding = NamedSharding(self.s.mesh, spec)
+    return jax.sharding.reshard(x, sharding) if self.explicit else jax.lax.with_sharding_constraint(x, sharding)
+
+  def _whole(self, x):  # explicit sharding types cannot gather along a split dimension
+    return self._constrain(x, PartitionSpec()) if self.explicit else x
+
+  def _reordered(self, x, axes, spec, to_storage: bool):
+    """Zigzag axes moved to storage order (or back): chunk by chunk between devices where they are split."""
+    zigzags = self.s.zigzags
+    for dim, a in enumerate(axes):
+      if a in zigzags:
+        moved = reorder(self._constrain(x, spec), self.s.mesh, spec, dim, zigzags[a], to_storage)
+        if moved is None:  # not split in whole chunks: permute the whole array
+          perm = orders.permutation(x.shape[dim], zigzags[a])
+          moved = jnp.take(self._whole(x), perm if to_storage else np.argsort(perm), axis=dim)
+        x = moved
+    return x
+
+  def inputs(self, inputs) -> list:
+    prog = self.s.program
+    prog.check_inputs(inputs)
+    canon = []
+    for b, x in zip(prog.reads, inputs):
+      x = jnp.reshape(x, b.canonical_shape)
+      pads = [(0, self.s.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
+      if any(p for _, p in pads):
+        x = jnp.pad(x, pads)
+      x = self._reordered(x, b.axes, self.plan.spec(b.name), to_storage=True)
+      canon.append(self._constrain(x, self.plan.spec(b.name)))
+    return canon
+
+  def output(self, y):
+    out = self.s.program.writes
+    y = self._reordered(y, out.axes, self.plan.spec(out.name), to_storage=False)
+    crop = tuple(slice(0, e) for e in out.canonical_shape)
+    return jnp.reshape(y[crop], out.shape)
+
+
+def _resident(schedule, plan, local) -> dict:
+  """The read buffers' stored blocks moved to the layouts the nest works on."""
+  return {b.name: reshard(x, plan.storage[b.name], plan.resident[b.name], schedule.levels)
+          for b, x in zip(schedule.program.reads, local)}
+
+
+def _finish(schedule, plan, state):
+  """A nest's output state combined across devices, finalized and moved to the output's stored layout."""
+  prog = schedule.program
+  for red in plan.reductions:
+    if red.scatter_axis is None:
+      state = prog.reduction.all_reduce(state, red.level)
+    else:
+      dims = [axes.index(red.scatter_axis) for axes in prog.state_axes()]
+      state = prog.reduction.reduce_scatter(state, red.level, dims)
+  y = prog.finalize(state)
+  return reshard(y, plan.result, plan.storage[prog.writes.name], schedule.levels)
+
+
+def _nest_per_device(schedule, plan):
+  """The loop nest on one device: stored input blocks -> the output's stored block."""
+  kernel = registry.lookup(schedule.kernel or "xla", schedule.program, schedule.mesh, schedule.kernel_config)
+  nest = Nest(schedule, plan, kernel)
+
+  def per_device(*local):
+    return _finish(schedule, plan, nest.run(_resident(schedule, plan, local)))
+
+  return per_device

@@ -1,0 +1,574 @@
+"""``autotune``: pick the fastest correct schedule of a program on a mesh.
+
+Candidates are the library's strategies plus a sample of the design space,
+each with every local kernel that applies, and each with every fused lowering
+that applies (``Schedule.lower_with``: the whole nest as one fused kernel, on
+Hopper GPUs for the all-gather GEMMs). The cost model (calibrated once per
+machine and program, then read from the database) ranks them; candidates over
+the memory budget (default on GPUs: 90% of device memory) are pruned before
+compiling. Each library strategy is timed once, with the kernel the cost model
+predicts fastest for it (its anchor); every other candidate, the strategies'
+other kernels included, competes for the ``top_k`` best predicted places, and
+the rest are pruned ("cost model ranks it below the top k"). The timed ones
+are compiled, checked against the reference and timed (a fused lowering of a
+library strategy is timed once too, so it meets the ``shard_map`` lowering of
+the same schedule); those within 5% of the
+best are timed again side by side, in interleaved rounds, and ranked by those
+times (on one process). The winner and every candidate's outcome go to the
+tuning database.
+
+Reliability: the program, mesh, layouts and every candidate are validated
+before anything is traced (an invalid candidate fails with the reason); each
+candidate runs under a hard time limit (``watchdog``) and any failure (compile
+error, out of memory, time-out, NaN, wrong values) fails only that candidate;
+each measurement is stored as soon as it is taken, so an interrupted tune
+resumes; under ``jax.distributed`` process 0 decides and broadcasts
+(``agree``), and times are combined so that the slowest process counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sqlite3
+import statistics
+
+import jax
+
+from jaxmercury.analysis import placements
+from jaxmercury.analysis.memory import memory_per_device
+from jaxmercury.errors import ScheduleError
+from jaxmercury.kernels import registry
+from jaxmercury.schedules.library import library
+from jaxmercury.schedules.schedule import Schedule
+from jaxmercury.schedules.trace import is_size
+from jaxmercury.schedules.validate import validate
+from jaxmercury.tuner import agree, cost, measure, watchdog
+from jaxmercury.tuner.calibrate import calibrate
+from jaxmercury.tuner.candidates import GIVEN, LIBRARY, NEAREST, SPACE, Candidate, kernel_choices
+from jaxmercury.tuner.database import FORWARD, RECORD_FORMAT, TRAINING, record_from_data
+from jaxmercury.tuner.reference import trial
+from jaxmercury.tuner.space import enumerate_schedules
+
+
+@dataclasses.dataclass
+class TuneResult:
+  """The winner and every candidate considered, with why each lost or failed."""
+
+  best: Candidate | None
+  candidates: list
+  from_database: bool = False
+  machine: cost.Machine | None = None
+  resumed: int = 0  # measurements read back from the database instead of taken
+  objective: str = FORWARD  # what the times are of: the forward, or a training step (``database.TRAINING``)
+
+  def table(self) -> str:
+    rows = ["| candidate | predicted ms | measured ms | memory MiB | status | note |",
+            "|---|---|---|---|---|---|"]
+    for c in sorted(self.candidates, key=_rank):
+      t = "" if c.time_ms is None else f"{c.time_ms:.3f}"
+      note = c.result.reason if c.result else ""
+      rows.append(f"| {c.name} | {c.predicted_ms:.3f} | {t} | {c.memory_bytes / 2**20:.2f} | {c.status} | {note} |")
+    return "\n".join(rows)
+
+
+def _rank(c):
+  order = {measure.OK: 0, measure.FAILED: 1, measure.PRUNED: 2}
+  return order[c.status], c.time_ms if c.time_ms is not None else c.predicted_ms
+
+
+def describe(schedule) -> str:
+  """A short name for a schedule: its distributing primitives and serial tiles."""
+  short = {"parallelize": "par", "shift": "shift", "shard": "shard", "replicate": "repl", "pad": "pad",
+           "patch": "patch"}
+  parts = []
+  for step in schedule.trace:
+    name, args = step["primitive"], step["args"]
+    if name == "tile":
+      outer = schedule.loop_or_none(step["kwargs"].get("names", [args[0] + "0"])[0])
+      if outer is not None and outer.role == "serial" and not outer.shifted_by:
+        parts.append(f"tile({args[0]},{args[1]})")
+    elif name in short:
+      parts.append(f"{short[name]}({','.join(map(str, args))})")
+  return " ".join(parts) or "local"
+
+
+def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels=None,
+                       in_shardings=None, out_sharding=None) -> list[Candidate]:
+  """The library strategies, then a sample of the design space, each with every applicable kernel.
+
+  Each schedule is also offered with every fused kernel that applies to it
+  (``analysis.placements.offered``) for the caller's layouts (``in_shardings``,
+  ``out_sharding``), unless it would run in interpret mode (outside
+  ``registry.interpret_mode()``). A design-space schedule's fused kernel that runs the same kernel on the
+  same blocks as an earlier candidate's is left out (the library's strategies keep theirs: their backward
+  passes differ). Candidates are returned unscored (``predicted_ms`` NaN).
+
+  Args:
+    kernels: the local kernels to try (``KernelChoice``s or names); default each that applies, at its
+      defaults (``candidates.kernel_choices``).
+  """
+  base = [(name, LIBRARY, s) for name, s in library(program, mesh).items()]
+  strategies = len(base)
+  seen = {s.to_json() for _, _, s in base}
+  rest = [s for s in enumerate_schedules(program, mesh, tile_factors=(2, 4)) if s.to_json() not in seen]
+  base += [(describe(s), SPACE, s) for s in random.Random(seed).sample(rest, min(space, len(rest)))]
+  kernels = kernel_choices(program, mesh) if kernels is None else [
+      k if isinstance(k, registry.KernelChoice) else registry.KernelChoice(k) for k in kernels]
+  out, kernels_seen = [], set()
+  for n, (name, origin, s) in enumerate(base):
+    for k in kernels:
+      patched = s.copy() if k.name == "xla" else s.copy().patch(k)
+      out.append(Candidate(name, patched, math.nan, 0, origin=origin))
+    for lowering in _fused_lowerings(s, in_shardings, out_sharding):
+      lowered = s.copy().lower_with(lowering)
+      key = placements.signature(lowered)
+      if n < strategies or key not in kernels_seen:
+        kernels_seen.add(key)
+        out.append(Candidate(name, lowered, math.nan, 0, origin=origin))
+  return out
+
+
+def _fused_lowerings(schedule, in_shardings, out_sharding) -> list[str]:
+  """The fused kernels the tuner offers for ``schedule`` (compiled for the caller's layouts)."""
+  names = [n for n in placements.offered(schedule)
+           if registry.interpreting() or not placements.interprets(registry.fused(n), schedule)]
+  if names and (in_shardings is not None or out_sharding is not None):
+    try:
+      laid = schedule.with_layouts(in_shardings, out_sharding)
+    except ScheduleError:
+      return []
+    names = [n for n in names if placements.why_not(registry.fused(n), laid) is None]
+  return names
+
+
+def _device_budget(mesh) -> int | None:
+  device = agree.local_device(mesh)
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+MAX_ATTEMPTS = 2  # a candidate the tuner died in this often is failed, not retried
+FINAL_MARGIN = 0.05  # candidates this close to the best measured time are timed again, side by side
+FINAL_SIZE = 4  # at most this many of them
+
+
+def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
+             in_shardings=None, out_sharding=None,
+             memory_budget: int | None = None, machine: cost.Machine | None = None, iters: int = 10,
+             time_limit_s: float | None = None, key=None, database=None, retune: bool = False,
+             isolation: str = "thread", resume: bool = True, training: bool = False, log=print) -> TuneResult:
+  """Finds the fastest correct schedule of ``program`` on ``mesh``.
+
+  The program, mesh and layouts are validated first (``jaxmercury.schedules.validate``);
+  a candidate that does not validate is failed with the reason. Each
+  candidate's measurement goes to ``database`` as soon as it is taken, so an
+  interrupted tune (Ctrl-C, kill) resumes from them: a later call with the
+  same key re-times only what is missing. Under several processes
+  (``jax.distributed``) process 0 makes every decision (the stored winner,
+  the candidates, the inputs' seed, the winner) and broadcasts it; the others
+  follow, and a process whose database disagrees is overruled. Timings are
+  combined so that the slowest process counts.
+
+  Args:
+    program: the program to tune.
+    mesh: the device mesh.
+    candidates: (name, Schedule) pairs to choose among; default the library
+      plus ``space`` design-space schedules, with every applicable kernel.
+    space: how many design-space schedules to add to the library's.
+    top_k: how many candidates besides the anchors, best predicted first, to
+      compile and time. Anchors, always timed when they fit the memory
+      budget: each library strategy with its best-predicted kernel (one per
+      strategy), each fused lowering of a library strategy, and (default
+      candidates) the winner ``database`` holds for the nearest other sizes
+      (``Database.nearest``). A strategy's other kernels compete with the design-space
+      schedules for these ``top_k`` places; the rest are pruned with the
+      reason.
+    in_shardings: the layouts (``PartitionSpec`` per input) the caller's
+      arrays have; every candidate is lowered for them, so that moving the
+      inputs into its own layout counts in its time.
+    out_sharding: the layout the caller needs the output in.
+    memory_budget: bytes per device; candidates estimated above it are pruned.
+      Default: 90% of a GPU's memory, no limit on CPU.
+    machine: cost-model figures; default read from ``database`` or measured by
+      ``calibrate`` (and stored).
+    iters: timed runs per candidate (the median counts), and rounds of the
+      final side-by-side timing of the candidates within ``FINAL_MARGIN`` of
+      the best.
+    time_limit_s: seconds a candidate's compile and first run may take; past
+      it the candidate is failed ("time-out") and the search goes on.
+    key: PRNG key for the random inputs; fresh inputs by default.
+    database: a ``Database``: a stored winner is returned without tuning
+      (unless ``retune``), measurements are stored as they are taken, and a
+      new winner is stored.
+    retune: tune even when the database holds a winner, and re-time every
+      candidate (stored measurements of this key are discarded).
+    isolation: ``"thread"`` measures in this process, abandoning a candidate
+      at the time limit; ``"process"`` measures each candidate in a worker
+      process that is killed at the limit (a hang cannot outlive it; programs
+      from ``jaxmercury.programs`` on one process only, others fall back to
+      ``"thread"``).
+    resume: reuse this key's stored measurements instead of re-timing them.
+    training: find the fastest training step instead: candidates are ranked
+      by their predicted forward and backward (``cost.backward_seconds``),
+      checked on their output and every input's gradient for a random
+      output cotangent, and timed as one forward-and-backward call
+      (``measure.training_step``); the database keeps these records apart
+      from the forward's (``database.TRAINING``).
+    log: progress printer.
+
+  Returns:
+    A ``TuneResult``; ``best`` is None when no candidate passed.
+
+  Raises:
+    ScheduleError: the program, mesh or layouts are invalid.
+  """
+  validate(program, mesh, in_shardings=in_shardings, out_sharding=out_sharding, compiling=True)
+  if isolation not in ("thread", "process"):
+    raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+  layouts = None if in_shardings is None and out_sharding is None else (in_shardings, out_sharding)
+  many = agree.process_count() > 1
+  if isolation == "process" and many:
+    log("isolation='process' measures on one process only; measuring in-process under jax.distributed")
+    isolation = "thread"
+
+  objective = TRAINING if training else FORWARD
+  found = _from_database(program, mesh, layouts, objective, database, retune, log)
+  if found is not None:
+    return found
+  machine = _machine(program, mesh, machine, database, log)
+  store = _Store(database, program, mesh, layouts, log, objective)
+  if agree.is_leader():
+    cands, timed, resumed = _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
+                                  memory_budget, machine, store, retune, resume, training, log)
+    seed = _seed(key)
+  if many:
+    plan = agree.broadcast_json(_plan_data(cands, timed, seed) if agree.is_leader() else None)
+    if not agree.is_leader():
+      cands, timed, seed = _plan_from_data(program, mesh, plan)
+      resumed = sum(1 for n in timed if cands[n].result is not None)
+
+  inputs = None
+  for n, index in enumerate(timed):
+    c = cands[index]
+    if c.result is None:
+      store.started(c)
+      if isolation == "process":
+        c.result = watchdog.measure_in_worker(c.schedule, seed, iters=iters, time_limit_s=time_limit_s,
+                                              training=training)
+        if c.result is None:
+          log(f"  {c.name}: no worker can rebuild {program.name}; measuring in-process")
+      if c.result is None:
+        if inputs is None:
+          inputs, cotangent, reference = trial(program, seed, agree.local_device(mesh), training=training)
+        c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s,
+                                   gather=agree.gather if many else None, cotangent=cotangent)
+      store.measured(c)
+      note = ""
+    else:
+      note = "  (resumed)"
+    shown = f"{c.time_ms:9.3f} ms" if c.time_ms is not None else c.result.reason
+    log(f"  [{n + 1}/{len(timed)}] {c.name:<40} predicted {c.predicted_ms:9.3f} ms  {c.status:<6} {shown}{note}")
+    if not note and isolation == "thread" and c.result.reason.startswith("time-out"):
+      log("  warning: an abandoned candidate may still occupy the devices and delay the next ones; "
+          "isolation='process' kills it instead")
+
+  ok = [c for c in cands if c.status == measure.OK]
+  if not many and len(ok) > 1:
+    if inputs is None:
+      inputs = program.random_inputs(jax.random.key(seed))
+    step_key = jax.random.fold_in(jax.random.key(seed), 1) if training else None
+    for c in _final_round(ok, inputs, iters, log, step_key):
+      store.measured(c)
+  best = min(ok, key=lambda c: c.time_ms) if ok else None
+  if many:
+    final = agree.broadcast_json(
+        {"results": [None if c.result is None else c.result.to_dict() for c in cands],
+         "best": None if best is None else cands.index(best)} if agree.is_leader() else None)
+    for c, r in zip(cands, final["results"]):
+      c.result = None if r is None else measure.Measurement.from_dict(r)
+    best = None if final["best"] is None else cands[final["best"]]
+  if best is not None:
+    store.winner(best, cands)
+  return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective)
+
+
+def _final_round(ok, inputs, iters: int, log, cotangent_key=None) -> list:
+  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side (``cotangent_key``: their training
+  steps); returns those re-timed.
+
+  Their times become the side-by-side ones.
+
+  One-at-a-time timings of candidates a few percent apart are ordered by the
+  machine's drift as much as by their speed; interleaved rounds are not.
+  """
+  ok = sorted(ok, key=lambda c: c.time_ms)
+  finalists = [c for c in ok if c.time_ms <= ok[0].time_ms * (1 + FINAL_MARGIN)][:FINAL_SIZE]
+  if len(finalists) < 2:
+    return []
+  try:
+    times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters,
+                                cotangent_key=cotangent_key)
+  except Exception as e:
+    log(f"  final round skipped: {type(e).__name__}: {e}")
+    return []
+  for c in finalists:
+    c.result = dataclasses.replace(c.result, median_ms=statistics.median(times[c.name]), times_ms=times[c.name],
+                                   reason=f"final round: {len(finalists)} within {FINAL_MARGIN:.0%}, interleaved")
+  log("  final round (interleaved): " + ", ".join(f"{c.name} {c.time_ms:.3f} ms" for c in finalists))
+  return finalists
+
+
+def _from_database(program, mesh, layouts, objective, database, retune: bool, log) -> TuneResult | None:
+  """Process 0's stored winner (broadcast to every process), or None to tune."""
+  many = agree.process_count() > 1
+  if not many and (database is None or retune):
+    return None
+  mine = (database.record_data(program, mesh, layouts, objective=objective)
+          if database is not None and not retune else None)
+  record = None
+  if agree.is_leader() and mine is not None:
+    try:
+      record = record_from_data(program, mesh, mine)
+    except ScheduleError as e:
+      log(f"{database.path}: the stored record is not trusted ({e}); tuning afresh")
+      mine = None
+  if agree.is_leader() and mine is None and database is not None and not retune:
+    for old in database.stale_records(program, mesh, layouts, objective=objective):
+      fmt = "" if old.get("format") == RECORD_FORMAT else f" (record format {old.get('format', 1)})"
+      log(f"{database.path} holds a record from jax {old['jax']} / jaxmercury {old['jaxmercury']}{fmt}; "
+          "not used by this version")
+  agreed = agree.broadcast_json(mine if agree.is_leader() else None) if many else mine
+  if agreed is None:
+    if mine is not None:
+      log(f"process {jax.process_index()}: {database.path} holds {mine['name']!r}, but process 0 "
+          "decides and has none: tuning")
+    return None
+  if not agree.is_leader():
+    if mine is None or mine["trace"] != agreed["trace"]:
+      held = "no winner" if mine is None else repr(mine["name"])
+      log(f"process {jax.process_index()}: database {getattr(database, 'path', None)} holds {held}; "
+          f"overruled by process 0's {agreed['name']!r}")
+  if record is None:  # another process: process 0's record, replayed here
+    record = record_from_data(program, mesh, agreed)
+  if not agree.is_leader() and database is not None and (mine is None or mine["trace"] != agreed["trace"]):
+    _Store(database, program, mesh, layouts, log, objective).winner(record.winner, record.candidates)
+  where = f"in {database.path}" if agree.is_leader() else f"by process {jax.process_index()} from process 0"
+  log(f"found {where}: {record.winner.name} ({record.winner.time_ms:.3f} ms)")
+  return TuneResult(record.winner, record.candidates, from_database=True, objective=objective)
+
+
+def _machine(program, mesh, machine, database, log) -> cost.Machine:
+  """Cost-model figures: given, stored, or calibrated; process 0's under several processes."""
+  if machine is None and database is not None:
+    machine = database.machine(program, mesh)
+  if agree.process_count() > 1:
+    figures = agree.broadcast_json(machine.to_dict() if agree.is_leader() and machine else None)
+    machine = None if figures is None else cost.Machine.from_dict(figures)
+  if machine is None:
+    log("calibrating the cost model on this machine ...")
+    machine = calibrate(program, mesh)
+    if agree.process_count() > 1:
+      machine = cost.Machine.from_dict(agree.broadcast_json(machine.to_dict() if agree.is_leader() else None))
+    if database is not None:
+      _Store(database, program, mesh, None, log, FORWARD).machine(machine)
+  return machine
+
+
+def _scored(c: Candidate, program, mesh, machine, in_shardings, out_sharding, training=False) -> Candidate:
+  """``c`` for the caller's layouts, scored (``training``: its forward and backward predicted), or failed with the
+  reason it does not validate."""
+  schedule = c.schedule
+  try:
+    if in_shardings is not None or out_sharding is not None:
+      schedule = schedule.with_layouts(in_shardings, out_sharding)
+    # a caller's schedule is checked against its trace too; the tuner's own are built by primitives alone
+    validate(program, mesh, schedule=schedule, compiling=True, trace=c.origin == GIVEN)
+    seconds = cost.predict(schedule, machine) + (cost.backward_seconds(schedule, machine) if training else 0.0)
+    return dataclasses.replace(c, schedule=schedule, predicted_ms=seconds * 1e3,
+                               memory_bytes=memory_per_device(schedule))
+  except ScheduleError as e:
+    return dataclasses.replace(c, schedule=schedule, predicted_ms=math.inf, memory_bytes=0,
+                               result=measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
+
+
+def _anchors(fits, library_names) -> dict:
+  """(strategy, fused kernel) -> the best-predicted candidate, for each library strategy among ``fits``.
+
+  A fused kernel of a library strategy is an anchor of its own, so it is timed beside the strategy's
+  ``shard_map`` lowering. A caller's candidate named as a library strategy counts as that strategy.
+
+  Args:
+    fits: candidates within the memory budget, best predicted first.
+    library_names: the library's strategy names for the program and mesh.
+  """
+  out = {}
+  for c in fits:
+    key = (c.strategy, c.lowering)
+    if (c.origin == LIBRARY or (c.origin == GIVEN and c.strategy in library_names)) and key not in out:
+      out[key] = c
+  return out
+
+
+def _given(candidates) -> list[Candidate]:
+  """A caller's candidates: ``Candidate``s, or ``(name, Schedule)`` pairs."""
+  return [c if isinstance(c, Candidate) else Candidate(c[0], c[1], math.nan, 0, origin=GIVEN) for c in candidates]
+
+
+def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, store,
+          retune, resume, training, log):
+  """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
+  memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
+  proposed = _given(candidates) if candidates is not None else default_candidates(
+      program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding)
+  score = lambda c: _scored(c, program, mesh, machine, in_shardings, out_sharding, training)
+  cands = [score(c) for c in proposed]
+  fits = []
+  for c in cands:
+    if c.result is not None:
+      continue
+    if memory_budget is not None and c.memory_bytes > memory_budget:
+      c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget")
+    else:
+      fits.append(c)
+  fits.sort(key=lambda c: c.predicted_ms)
+  anchors = _anchors(fits, set(library(program, mesh)))
+  anchor_ids = {id(c) for c in anchors.values()}
+  ranked = [c for c in fits if id(c) not in anchor_ids]
+  for c in ranked[top_k:]:
+    anchor = anchors.get((c.strategy, c.lowering))
+    also = f"; {c.strategy} is timed as {anchor.name}" if anchor is not None else ""
+    c.result = measure.Measurement(measure.PRUNED, reason=f"cost model ranks it below the top {top_k}{also}")
+  fits = sorted([*anchors.values(), *ranked[:top_k]], key=lambda c: c.predicted_ms)
+  near = store.nearest() if candidates is None else None
+  if near is not None:
+    _time_nearest(near, cands, fits, ranked[top_k:], memory_budget, score, log)
+  if retune:
+    store.clear()
+  stored = store.measurements() if resume and not retune else {}
+  resumed = 0
+  for c in fits:
+    row = stored.get(c.schedule.to_json())
+    if row is None:
+      continue
+    if row.result is not None:
+      c.result, resumed = row.result, resumed + 1
+    elif row.attempts >= MAX_ATTEMPTS:
+      c.result = measure.Measurement(measure.FAILED, reason=f"the tuner died {row.attempts} times while "
+                                                            "measuring it (crash, kill or out of memory)")
+      resumed += 1
+  if resumed:
+    log(f"resuming: {resumed} of {len(fits)} measurements read from {store.path}")
+  return cands, [cands.index(c) for c in fits], resumed
+
+
+def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, score, log):
+  """Adds to ``fits`` (the candidates to time) the winner tuned for the nearest other sizes (``near``, a
+  ``Database.nearest``), so that a tune never does worse than the schedule a miss would have run; a new
+  candidate when no candidate has its trace. Of the candidates already pruned, only those the cost model
+  ranked out (``ranked_out``) are taken back; those over ``memory_budget`` stay pruned."""
+  trace = near.schedule.to_json()
+  c = next((c for c in cands if c.schedule.to_json() == trace), None)
+  if c is None:
+    mine = near.schedule.program.params
+    sizes = {k: v for k, v in near.params.items() if is_size(v) and v != mine.get(k)}
+    c = score(Candidate(near.strategy, near.schedule, math.nan, 0, origin=NEAREST, tuned_at=sizes))
+    cands.append(c)
+  if any(f is c for f in fits) or (c.result is not None and not any(r is c for r in ranked_out)):
+    return
+  if memory_budget is not None and c.memory_bytes > memory_budget:
+    return
+  c.result = None
+  fits.append(c)
+  fits.sort(key=lambda c: c.predicted_ms)
+  log(f"also timing {c.name}: the winner tuned for the nearest other sizes ({near.name})")
+
+
+def _seed(key) -> int:
+  if key is None:
+    return random.SystemRandom().randrange(1 << 31)
+  return int(jax.random.randint(key, (), 0, (1 << 31) - 1))
+
+
+def _plan_data(cands, timed, seed) -> dict:
+  return {"seed": seed, "timed": timed, "candidates": [
+      {**c.to_dict(), "result": None if c.result is None else c.result.to_dict()} for c in cands]}
+
+
+def _plan_from_data(program, mesh, data):
+  """Process 0's plan on another process: candidates rebuilt from their structured records."""
+  cands = []
+  for d in data["candidates"]:
+    result = None if d["result"] is None else measure.Measurement.from_dict(d["result"])
+    try:
+      c = Candidate.from_dict(program, mesh, d)
+    except (ScheduleError, ValueError):  # a candidate process 0 found invalid: never timed, kept for the record
+      c = Candidate(d["strategy"], Schedule(program, mesh), d["predicted_ms"], d["memory_bytes"],
+                    origin=d["origin"], recorded_trace=d["schedule"])
+    c.result = result
+    cands.append(c)
+  return cands, list(data["timed"]), int(data["seed"])
+
+
+class _Store:
+  """Database writes that never stop a tune: a failed write is logged and the search goes on. Records and
+  measurements go under the tune's layouts and objective."""
+
+  def __init__(self, database, program, mesh, layouts, log, objective):
+    self.db, self.program, self.mesh, self.layouts, self.log = database, program, mesh, layouts, log
+    self.objective = objective
+    self.path = getattr(database, "path", None)
+
+  def _do(self, what, method: str, *args, keyed: bool = True):
+    if self.db is None:
+      return None
+    try:
+      extra = {"objective": self.objective} if keyed else {}
+      return getattr(self.db, method)(self.program, self.mesh, *args, **extra)
+    except sqlite3.Error as e:
+      self.log(f"warning: could not {what} in {self.path}: {e}")
+      return None
+
+  def started(self, c):
+    self._do("mark a measurement started", "start_measurement", c, self.layouts)
+
+  def measured(self, c):
+    self._do("store a measurement", "store_measurement", c, self.layouts)
+
+  def winner(self, best, cands):
+    self._do("store the winner", "store", best, cands, self.layouts)
+
+  def machine(self, machine):
+    self._do("store machine figures", "store_machine", machine, keyed=False)
+
+  def clear(self):
+    self._do("clear measurements", "clear_measurements", self.layouts)
+
+  def measurements(self) -> dict:
+    return self._do("read measurements", "measurements", self.layouts) or {}
+
+  def nearest(self):
+    return self._do("read the nearest sizes' winner", "nearest", self.layouts)
+
+
+def predict_candidates(program, mesh, machine: cost.Machine, *, space: int = 24, in_shardings=None,
+                       out_sharding=None) -> list[Candidate]:
+  """Predicted time and memory of each candidate on ``mesh``, which may be an AbstractMesh.
+
+  Nothing is compiled: this plans for meshes larger than the machine, with
+  ``machine`` giving (for example, through ``Machine.with_links``) the links
+  those meshes would have. Kernels are those ``machine`` has rates for; the
+  caller's layouts, when given, are fixed as in ``autotune``.
+  """
+  kernels = sorted(machine.kernel_flops_per_s) or ["xla"]
+  cands = default_candidates(program, mesh, space=space, kernels=kernels, in_shardings=in_shardings,
+                             out_sharding=out_sharding)
+  out = []
+  for c in cands:
+    s = c.schedule
+    if in_shardings is not None or out_sharding is not None:
+      s = s.with_layouts(in_shardings, out_sharding)
+    out.append(dataclasses.replace(c, schedule=s, predicted_ms=cost.predict(s, machine) * 1e3,
+                                   memory_bytes=memory_per_device(s)))
+  return sorted(out, key=lambda c: c.predicted_ms)
