@@ -11,10 +11,17 @@ Mosaic GPU flash attention on GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxmercury import programs
 from jaxmercury.kernels import registry
+from jaxmercury.lowering import types
 from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.tuner.autotuner import autotune
@@ -45,34 +52,69 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
   return schedule.patch(kernel) if kernel else schedule
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """An operator ready to run, and the layouts at its edges (over the buffers' own dims).
+
+  Attributes:
+    fn: ``fn(*inputs) -> output``, the compiled schedule.
+    input_specs: the layout the schedule stores each input in (None: not expressible over its own dims).
+    output_spec: the layout its output leaves in (``lowering.types.output_spec``).
+  """
+
+  fn: Callable
+  input_specs: tuple
+  output_spec: PartitionSpec
+
+
 @functools.lru_cache(maxsize=64)
-def _compiled(trace: str, program, mesh):
-  return Schedule.from_json(program, mesh, trace).compile()
+def _prepared(trace: str, program, mesh) -> Prepared:
+  schedule = Schedule.from_json(program, mesh, trace)
+  plan = schedule.plan()
+  return Prepared(schedule.compile(), tuple(plan.user_spec(b.name) for b in program.reads),
+                  types.output_spec(schedule))
+
+
+def prepare(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Prepared:
+  """``program`` compiled by the schedule ``schedule_for`` picks, with the layouts at its edges: what a caller
+  continuing from it under Auto mesh axes needs to know, since arrays' types do not say."""
+  schedule = schedule_for(program, mesh, database=database, tune=tune, **tune_options)
+  return _prepared(schedule.to_json(), program, mesh)
+
+
+def run(program, mesh, inputs, *, database=None, tune: bool = False, **tune_options):
+  """``(output, layout)``: ``program`` on ``inputs`` (``prepare``) and the layout its output leaves in."""
+  prepared = prepare(program, mesh, database=database, tune=tune, **tune_options)
+  return prepared.fn(*inputs), prepared.output_spec
 
 
 def _run(program, mesh, inputs, database, tune, tune_options):
-  schedule = schedule_for(program, mesh, database=database, tune=tune, **tune_options)
-  return _compiled(schedule.to_json(), program, mesh)(*inputs)
+  return run(program, mesh, inputs, database=database, tune=tune, **tune_options)[0]
 
 
 @functools.lru_cache(maxsize=256)
-def _attention_program(shape_q, shape_k, dtype, causal):
+def attention_program(shape_q, shape_k, dtype, causal):
   b, s, h, d = shape_q
   return programs.attention(b, h, shape_k[2], s, shape_k[1], d, causal=causal, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _matmul_program(shape_a, shape_b, dtype):
+def matmul_program(shape_a, shape_b, dtype):
   return programs.matmul(shape_a[0], shape_b[1], shape_a[1], dtype=dtype)
 
 
 def attention(q, k, v, *, mesh, causal: bool = False, database=None, tune: bool = False, **tune_options):
-  """Attention of q [b, s, h, d] with k, v [b, t, kv_heads, d] on ``mesh``."""
-  prog = _attention_program(tuple(q.shape), tuple(k.shape), str(q.dtype), causal)
-  return _run(prog, mesh, (q, k, v), database, tune, tune_options)
+  """Attention of q [b, s, h, d] with k, v [b, t, kv_heads, d] on ``mesh``; on meshes of Explicit axes its result
+  has the sharding type ``jax.nn.dot_product_attention`` would give."""
+  prog = attention_program(tuple(q.shape), tuple(k.shape), str(q.dtype), causal)
+  out = _run(prog, mesh, (q, k, v), database, tune, tune_options)
+  return types.like(out, mesh, jax.eval_shape(lambda *x: jax.nn.dot_product_attention(*x, is_causal=causal), q, k, v),
+                    free_dims=(0, 1))
 
 
 def matmul(a, b, *, mesh, database=None, tune: bool = False, **tune_options):
-  """``a @ b`` for a [m, k], b [k, n] on ``mesh``."""
-  prog = _matmul_program(tuple(a.shape), tuple(b.shape), str(a.dtype))
-  return _run(prog, mesh, (a, b), database, tune, tune_options)
+  """``a @ b`` for a [m, k], b [k, n] on ``mesh``; on meshes of Explicit axes its result has the sharding type
+  ``a @ b`` would give."""
+  prog = matmul_program(tuple(a.shape), tuple(b.shape), str(a.dtype))
+  out = _run(prog, mesh, (a, b), database, tune, tune_options)
+  return types.like(out, mesh, jax.eval_shape(jnp.matmul, a, b), free_dims=(0,))

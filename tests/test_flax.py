@@ -126,12 +126,17 @@ def test_routes_fall_back_where_they_do_not_apply(monkeypatch):
 def test_routes_take_the_default_precision_and_result_type(monkeypatch):
   mesh = make_mesh("8")
   calls = []
-  monkeypatch.setattr(ops, "matmul", lambda a, b, **kw: calls.append(a.dtype) or a @ b)
+  prepare = ops.prepare
+  monkeypatch.setattr(ops, "prepare", lambda prog, *a, **kw: calls.append(prog.name) or prepare(prog, *a, **kw))
   dot = DotGeneral(Routing(mesh))
   a, b = jax.random.normal(fresh_key(), (8, 16), jnp.bfloat16), jax.random.normal(fresh_key(), (16, 8), jnp.bfloat16)
-  for kwargs in ({}, {"precision": "default"}, {"precision": ("fastest", jax.lax.Precision.DEFAULT)},
+  want = (a.astype(jnp.float32) @ b.astype(jnp.float32))
+  for kwargs in ({}, {"precision": "default"}, {"precision": ("fastest", "default")},
                  {"preferred_element_type": jnp.bfloat16}):
-    assert dot(a, b, (((1,), (0,)), ((), ())), **kwargs).dtype == jnp.bfloat16
+    got = dot(a, b, (((1,), (0,)), ((), ())), **kwargs)
+    assert got.dtype == jnp.bfloat16 and rel_err(got.astype(jnp.float32), want) < 1e-2
+  assert len(calls) == 4
+  dot(a, b, (((1,), (0,)), ((), ())), precision="highest")  # asks for more than the routed GEMM computes at
   assert len(calls) == 4
 
 

@@ -122,8 +122,8 @@ def test_the_fused_lowering_runs_interpreted_on_one_device_and_checks_comm_ctas(
   cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
   _, vjp = jax.vjp(f, a, b)
   _, vjp_plain = jax.vjp(jm.library(prog, mesh)["async_tp"].compile(), a, b)
-  for got, want in zip(vjp(cot), vjp_plain(cot)):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)
+  for got, want in zip(vjp(cot), vjp_plain(cot)):  # the same products, summed in another order: within 1 bf16 ulp
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=1e-3)
   with pytest.raises(PreconditionError, match="comm_ctas=0 must be a positive int"):
     jm.library(prog, mesh)["async_tp"].lower_with("fused_allgather_matmul_comm", comm_ctas=0)
   with pytest.raises(PreconditionError, match="chunk_tiles=0 must be a positive int"):

@@ -12,6 +12,7 @@ attributes of the module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmercury import ops
+from jaxmercury.lowering import types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +111,13 @@ class AttentionFn:
   def __call__(self, query, key, value, *args, **kwargs):
     if args or not self.covers(query, key, value, kwargs):
       return self.fallback(query, key, value, *args, **kwargs)
+    expected = jax.eval_shape(functools.partial(self.fallback, query, key, value, **kwargs))
     dtype = kwargs.get("dtype")
     query, key, value = _promote((query, key, value), dtype)
     r = self.routing
-    return ops.attention(query, key, value, mesh=r.mesh, causal=bool(kwargs.get("is_causal", False)),
-                         database=r.database, tune=r.tune, **r.options())
+    out = ops.attention(query, key, value, mesh=r.mesh, causal=bool(kwargs.get("is_causal", False)),
+                        database=r.database, tune=r.tune, **r.options())
+    return types.like(out, r.mesh, expected, free_dims=(0, 1))  # batch and sequence follow the inputs
 
 
 def _default_precision(precision) -> bool:
@@ -136,10 +140,11 @@ class DotGeneral:
   ``rhs`` its leading ones, in the same order (what ``nnx.Linear`` and
   ``nnx.LinearGeneral`` do), so that the call is one GEMM ``[m, k] @ [k, n]``;
   equal floating dtypes; ``m``, ``k`` and ``n`` divide by the number of
-  devices; no ``out_sharding``; the default ``precision``; no
-  ``preferred_element_type`` other than the inputs' dtype (the operator's
-  result has the inputs' dtype: a wider one would only be a rounded copy).
-  Anything else goes to ``fallback``. In
+  devices; the default ``precision``; no ``preferred_element_type`` other
+  than the inputs' dtype (the operator's result has the inputs' dtype: a
+  wider one would only be a rounded copy). Anything else goes to
+  ``fallback``. The result has the sharding type the replaced call would
+  give (on meshes of Explicit axes), a caller's ``out_sharding`` included. In
   Linen, pass it as ``nn.Dense(dot_general=DotGeneral(Routing(mesh)))``.
 
   Attributes:
@@ -171,17 +176,21 @@ class DotGeneral:
     return m, k, n
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    plain = (kwargs.get("out_sharding") is None and not set(kwargs) - {"out_sharding"}
-             and _default_precision(precision)
+    plain = (not set(kwargs) - {"out_sharding"} and _default_precision(precision)
              and (preferred_element_type is None or np.dtype(preferred_element_type) == lhs.dtype))
     shape = self.gemm_shape(lhs, rhs, dimension_numbers) if plain else None
+    original = functools.partial(self.fallback, lhs, rhs, dimension_numbers, precision=precision,
+                                 preferred_element_type=preferred_element_type, **kwargs)
     if shape is None:
-      return self.fallback(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type, **kwargs)
-    m, k, n = shape
+      return original()
     r = self.routing
     (lc, rc), _ = dimension_numbers
-    out_shape = lhs.shape[:lhs.ndim - len(lc)] + rhs.shape[len(rc):]
-    y = ops.matmul(jnp.reshape(lhs, (m, k)), jnp.reshape(rhs, (k, n)), mesh=r.mesh, database=r.database,
-                   tune=r.tune, **r.options())
-    return jnp.reshape(y, out_shape)
+    batch, contracted = lhs.ndim - len(lc), len(rc)
+    out_shape = lhs.shape[:batch] + rhs.shape[contracted:]
+    m, k, n = shape
+    prog = ops.matmul_program((m, k), (k, n), str(lhs.dtype))
+    op = ops.prepare(prog, r.mesh, database=r.database, tune=r.tune, **r.options())
+    a = types.flatten(lhs, r.mesh, [batch, len(lc)], op.input_specs[0])
+    b = types.flatten(rhs, r.mesh, [contracted, rhs.ndim - contracted], op.input_specs[1])
+    y = types.unflatten(op.fn(a, b), r.mesh, out_shape, [batch, rhs.ndim - contracted], op.output_spec)
+    return types.like(y, r.mesh, jax.eval_shape(original), free_dims=range(batch))

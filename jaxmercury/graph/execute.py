@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis.layouts import Layout, view
 from jaxmercury.graph.dag import GLUE, INPUT, OP, OUTPUT
+from jaxmercury.lowering import types
 from jaxmercury.lowering.collectives import reshard_program
 
 
@@ -108,7 +108,7 @@ def compile_plan(plan) -> CompiledPlan:
   compiled = {name: s.compile() for name, (s, _) in produced.items() if s is not None}
 
   def constrain(x, layout):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, layout.spec))
+    return types.constrain(x, mesh, layout.spec)
 
   def run(inputs: dict, params: dict) -> dict:
     values, results, moved = {}, {}, {}
@@ -131,7 +131,7 @@ def compile_plan(plan) -> CompiledPlan:
           if kind == "input":
             args.append(arrive(node, ref))
           else:
-            args.append(jax.lax.with_sharding_constraint(params[ref], NamedSharding(mesh, param_specs[ref])))
+            args.append(types.constrain(params[ref], mesh, param_specs[ref]))
         values[node.name] = compiled[node.name](*args)
       elif node.kind == GLUE:
         xs = [arrive(node, i) for i in range(len(node.inputs))]

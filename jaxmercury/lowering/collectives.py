@@ -6,11 +6,11 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis.collectives import Collective, CollectiveError
 from jaxmercury.analysis.layouts import Layout
+from jaxmercury.lowering import types
 
 
 def run(x, seq: Sequence[Collective], sizes: Mapping[str, int]):
@@ -53,7 +53,7 @@ def reshard_program(mesh, src: Layout, seq: Sequence[Collective]):
   sizes = dict(mesh.shape)
 
   def f(x):
-    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, src.spec))
+    x = types.constrain(x, mesh, src.spec)
     return jax.shard_map(lambda b: run(b, seq, sizes), mesh=mesh, in_specs=src.spec, out_specs=dst.spec,
                          check_vma=False)(x)
 

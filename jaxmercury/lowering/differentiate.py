@@ -16,7 +16,7 @@ a ring and the reverse ring, all-to-all and all-to-all).
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxmercury.lowering.joint_backward import joint_backward
 from jaxmercury.lowering.local_backward import local_backward
@@ -64,7 +64,12 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
 
   def like(grad, primal):  # a cotangent has its primal's dtype and, with explicit axes, its sharding
     grad = grad.astype(primal.dtype)
-    return jax.sharding.reshard(grad, jax.typeof(primal).sharding) if explicit else grad
+    if not explicit:
+      return grad
+    sharding = jax.typeof(primal).sharding
+    if sharding.mesh.empty:  # a primal of no mesh (made outside jax.set_mesh): its cotangent replicated on ours
+      sharding = NamedSharding(schedule.mesh, PartitionSpec())
+    return jax.sharding.reshard(grad, sharding)
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)

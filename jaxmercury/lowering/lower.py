@@ -5,10 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxmercury.ir import orders
 from jaxmercury.kernels import registry
+from jaxmercury.lowering import types
 from jaxmercury.lowering.collectives import reshard
 from jaxmercury.lowering.nest import Nest
 from jaxmercury.lowering.storage_order import reorder
@@ -82,15 +83,21 @@ def lower_joint(schedules, kernel, *, jit: bool = True):
 
 class _Edges:
   """A schedule's ``shard_map`` boundary on global arrays: inputs padded, reshaped to canonical layout and put in
-  storage order; the output put back in order, cropped and reshaped."""
+  storage order; the output put back in order, cropped and reshaped.
+
+  With Explicit mesh axes every step keeps a sharding type the type system accepts (``types``): a dimension is
+  made whole before it is padded, cropped, or reshaped other than on its major axis; the output leaves with the
+  schedule's stored layout over its own dimensions, with a dimension its levels no longer divide (a cropped
+  one) whole.
+  """
 
   def __init__(self, schedule, plan):
     self.s, self.plan = schedule, plan
-    self.explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
+    self.mesh = schedule.mesh
+    self.explicit = types.explicit(schedule.mesh)
 
   def _constrain(self, x, spec):
-    sharding = NamedSharding(self.s.mesh, spec)
-    return jax.sharding.reshard(x, sharding) if self.explicit else jax.lax.with_sharding_constraint(x, sharding)
+    return types.constrain(x, self.mesh, spec)
 
   def _whole(self, x):  # explicit sharding types cannot gather along a split dimension
     return self._constrain(x, PartitionSpec()) if self.explicit else x
@@ -107,12 +114,35 @@ class _Edges:
         x = moved
     return x
 
+  def _changed(self, buf) -> set[str]:
+    """Axes of ``buf`` the boundary pads, crops or reorders."""
+    prog = self.s.program
+    return {a for a in buf.axes if self.s.padded.get(a, prog.axes[a].extent) != prog.axes[a].extent
+            or a in self.s.zigzags}
+
+  def _entry_spec(self, buf) -> PartitionSpec:
+    """The layout ``buf`` enters in over its own dims: its stored layout where a dimension is one axis the
+    boundary leaves alone, whole elsewhere (so that reshaping and padding it move no data between devices)."""
+    stored, changed = types.entries(self.plan.spec(buf.name), len(buf.axes)), self._changed(buf)
+    out, k = [], 0
+    for group in buf.dims:
+      names = [a.name for a in group]
+      keep = len(group) == 1 and names[0] not in changed
+      out.append(stored[k] if keep else None)
+      k += len(group)
+    return PartitionSpec(*out)
+
   def inputs(self, inputs) -> list:
     prog = self.s.program
     prog.check_inputs(inputs)
     canon = []
     for b, x in zip(prog.reads, inputs):
-      x = jnp.reshape(x, b.canonical_shape)
+      groups = [len(d) for d in b.dims]
+      entry = self._entry_spec(b)
+      x = self._constrain(x, entry)  # Auto axes too: XLA then never regroups a split across the reshape
+      x = types.reshape(x, self.mesh, b.canonical_shape, types.groups_to_axes(entry, groups))
+      if not self.explicit:
+        x = self._constrain(x, types.groups_to_axes(entry, groups))
       pads = [(0, self.s.padded.get(a, e) - e) for a, e in zip(b.axes, b.canonical_shape)]
       if any(p for _, p in pads):
         x = jnp.pad(x, pads)
@@ -122,9 +152,16 @@ class _Edges:
 
   def output(self, y):
     out = self.s.program.writes
+    if not self.explicit:  # XLA's propagation then starts from the layout the nest left
+      y = self._constrain(y, self.plan.spec(out.name))
     y = self._reordered(y, out.axes, self.plan.spec(out.name), to_storage=False)
     crop = tuple(slice(0, e) for e in out.canonical_shape)
-    return jnp.reshape(y[crop], out.shape)
+    cropped = [d for d, (a, e) in enumerate(zip(out.axes, out.canonical_shape)) if y.shape[d] != e]
+    if cropped:
+      spec = self.plan.spec(out.name) if not self.explicit else types.spec_of(y, self.mesh)
+      y = self._constrain(y, types.whole(spec, y.ndim, cropped))
+    y = types.flatten(y[crop], self.mesh, [len(d) for d in out.dims])
+    return y if self.explicit else self._constrain(y, types.output_spec(self.s))
 
 
 def _resident(schedule, plan, local) -> dict:
