@@ -139,6 +139,19 @@ def test_plans_follow_the_flags_and_the_mercury_evaluation():
 # ------------------------------------------------------------------ the generated results README and table
 
 
+def test_the_results_readme_and_the_readme_table_are_what_the_files_give():
+  """Regenerate with ``python -m benchmarks.run readme`` after adding or changing a results file."""
+  assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == readme.results_readme()
+  text = (ROOT / "README.md").read_text()
+  assert readme.BEGIN in text and readme.END in text, "README.md lost the results table's markers"
+  assert text.split(readme.BEGIN)[1].split(readme.END)[0].strip() == readme.readme_table()
+  assert readme.main(["readme", "--check"]) == 0
+  jsons = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.json"))
+  listed = [line.split("`")[1] for line in readme.results_readme().splitlines() if line.startswith("| `")]
+  assert sorted(listed) == jsons  # one row per results file
+  assert all(readme.summarize(str(ROOT / "benchmarks" / "results" / name)).headline for _, name in readme.HEADLINES)
+
+
 def _suite_file(path, **extra):
   def contestants(ratio, floor):
     return [{"name": "b", "role": "baseline", "median_ms": 2.0, "ratio_to_best_baseline": 1.0},
