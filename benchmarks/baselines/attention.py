@@ -34,7 +34,7 @@ jaxmercury.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ def _cudnn_block(q, k, v, causal):
   log-sum-exp to the inputs' dtype, too coarse for merging; JAX's own cuDNN
   wrapper keeps it in float32.
   """
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU only: lazy (JAX internals, see above)
   mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
   o, lse = cudnn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]),
                                        mask_type=mask, qkv_layout="BTNH", return_residual=True)
@@ -157,16 +157,21 @@ def _repeat_kv(k, v, ranks):
   kv = k.shape[2]
   if kv % ranks == 0:
     return k, v
-  if ranks % kv:
-    raise ValueError(f"ulysses: {kv} key/value heads neither divide nor are divided by {ranks} ranks")
   return jnp.repeat(k, ranks // kv, axis=2), jnp.repeat(v, ranks // kv, axis=2)
 
 
-def _heads_check(name, h, kv, ranks):
-  if h % ranks:
-    raise ValueError(f"{name}: {h} query heads do not split over {ranks} ranks")
-  if kv % ranks and ranks % kv:
-    raise ValueError(f"{name}: {kv} key/value heads neither divide nor are divided by {ranks} ranks")
+def heads_problem(heads: int, kv_heads: int, ranks: int) -> str | None:
+  """Why ``heads`` query and ``kv_heads`` key/value heads do not split over ``ranks`` (Ulysses), or None."""
+  if heads % ranks:
+    return f"{heads} query heads do not split over {ranks} ranks"
+  if kv_heads % ranks and ranks % kv_heads:
+    return f"{kv_heads} key/value heads neither divide nor are divided by {ranks} ranks"
+  return None
+
+
+def _heads_check(name, heads, kv_heads, ranks):
+  if why := heads_problem(heads, kv_heads, ranks):
+    raise ValueError(f"{name}: {why}")
 
 
 def _seq_to_heads(x, axis):
@@ -272,10 +277,6 @@ def usp(mesh, levels, *, causal: bool, impl: str, heads: int, kv_heads: int):
   return _mapped(mesh, levels, body)
 
 
-def local_share(*, causal: bool, impl: str):
-  """One rank's share on one device, no communication: ``f(q, k, v) -> o`` (compute floor).
-
-  ``q`` is the rank's query block, ``k``/``v`` whole; with ``causal`` the
-  mask is top-left aligned (the first rank's share).
-  """
-  return jax.jit(lambda q, k, v: full_attention(q, k, v, causal=causal, impl=impl))
+def local_share(impl: str):
+  """One rank's share on one device, no communication: ``f(q, k, v) -> o`` (the compute floor), non-causal."""
+  return jax.jit(lambda q, k, v: full_attention(q, k, v, causal=False, impl=impl))

@@ -10,8 +10,8 @@ row-sharded, ``out`` row-sharded.
 * ``xla_auto``: ``jax.jit`` of a plain ``jnp.dot`` with the operands' and
   the output's shardings given, so XLA's SPMD partitioner chooses the
   collectives. Run with the windowed-einsum flags
-  (``WINDOWED_EINSUM_FLAGS``, set before JAX starts) this is XLA's automatic
-  collective matmul.
+  (``benchmarks.baselines.WINDOWED_EINSUM_FLAGS``, set before JAX starts) this
+  is XLA's automatic collective matmul.
 * ``pallas_allgather_matmul``: JAX's Mosaic GPU kernel
   ``jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul``
   (Hopper GPUs, one level over every device), imported only when built.
@@ -25,10 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-WINDOWED_EINSUM_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
-                         "--xla_gpu_multi_streamed_windowed_einsum=true "
-                         "--xla_gpu_enable_latency_hiding_scheduler=true")
 
 
 def layouts(kind: str, level: str):
@@ -72,13 +68,7 @@ def xla_auto(mesh, level: str, kind: str):
                  in_shardings=(x, w), out_shardings=out)
 
 
-def local_share(kind: str):
-  """One rank's GEMM on one device, no communication (compute floor): ``f(x, w)``.
-
-  All-gather GEMM: ``[M, K] @ [K, N/n]``; reduce-scatter GEMM: ``[M, K/n] @ [K/n, N]``.
-  """
-  del kind  # the shapes passed in say which
-  return jax.jit(_dot)
+local_share = jax.jit(_dot)  # one rank's GEMM on one device, no communication: the compute floor
 
 
 def hopper(device) -> bool:
