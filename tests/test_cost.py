@@ -400,22 +400,6 @@ def test_fused_attention_probe_length(monkeypatch):
   assert set(lengths) == {512}  # the program's own keys where they are fewer
 
 
-# ------------------------------------------------------------------ benchmarks.model_check's statistics
-def test_model_check_statistics(tmp_path):
-  from benchmarks import model_check
-  assert list(model_check.ranks([3.0, 1.0, 3.0, 2.0])) == [2.5, 0.0, 2.5, 1.0]
-  assert model_check.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-  assert model_check.spearman([1, 1, 2, 3], [3, 2, 1, 0]) == pytest.approx(-0.9486833)  # ties share ranks
-  assert model_check.median_abs_log_error([2.0, 1.0, 1.0], [1.0, 1.0, 2.0]) == pytest.approx(math.log(2))
-  log = tmp_path / "suite.log"
-  log.write_text("== attention MHA B1 S8K H32 KV32 D128 causal  (407 s of the budget left)\n"
-                 "      [1/2] ring [cudnn_attention]                   predicted     0.738 ms  ok         1.603 ms\n"
-                 "      [2/2] par(i_gpu,gpu) tile(i,2) [cudnn_attention] predicted     0.892 ms  ok   5.862 ms\n")
-  assert model_check.log_predictions(str(log)) == {
-      "attention MHA B1 S8K H32 KV32 D128 causal": {"ring [cudnn_attention]": 0.738,
-                                                    "par(i_gpu,gpu) tile(i,2) [cudnn_attention]": 0.892}}
-
-
 def test_partial_state_counts_each_leaf_in_its_own_shape():
   """An attention partial result is its float32 output block plus a log-sum-exp without the head dimension (not
   two output blocks); a GEMM's is its output block."""

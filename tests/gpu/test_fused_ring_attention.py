@@ -59,7 +59,7 @@ def test_one_gpu(s_local, h, kv, blocks):
 
 
 def test_every_gpu_with_the_benchmarks_heads():
-  """32 query heads over 8 key/value heads, d = 128, as in benchmarks/fused_attention.py (one config)."""
+  """32 query heads over 8 key/value heads, d = 128, as in the fused suite of python -m benchmarks.run (one config)."""
   _check(gpu_mesh(), 1024, 32, 8, CONFIGS[0])
 
 
