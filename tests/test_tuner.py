@@ -19,6 +19,7 @@ from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import calibrate, cost, decide, measure, plot
 from jaxmercury.tuner.autotuner import TuneResult
 from jaxmercury.tuner.candidates import Candidate
+from jaxmercury.tuner.plain import plain_programs
 
 # A fixed, rough CPU machine: tests that are not about calibration need not pay for it.
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
@@ -372,7 +373,24 @@ def _hand_made_result():
     result = (measure.Measurement(status, 1.0 + n, [1.0 + n], 1e-7) if status == measure.OK
               else measure.Measurement(status, reason="made up"))
     cands.append(Candidate(name, s, 0.5 + n, memory.memory_per_device(s), result))
+  (plain,) = plain_programs(prog, mesh)
+  cands.append(Candidate(plain.name, plain, math.nan, plain.memory_bytes(),
+                         measure.Measurement(measure.OK, 1.5, [1.5], 1e-7), origin="plain"))
   return TuneResult(cands[0], cands, machine=CPU)
+
+
+def test_the_table_and_the_plot_mark_the_plain_programs():
+  result = _hand_made_result()
+  rows = {line.split(" | ")[0].strip("| "): line for line in result.table().splitlines()[2:]}
+  assert "| plain jnp.dot (XLA) | plain |  | 1.500 |" in rows["plain jnp.dot (XLA)"]
+  assert result.baseline.name == "plain jnp.dot (XLA)" and "| winner" in rows[result.best.name]
+  figure = pytest.importorskip("matplotlib.figure")
+  ax = figure.Figure().add_subplot()
+  plot._scatter(ax, result)
+  plot._labels(ax, [(1.0, 1.5, c) for c in result.candidates if c.plain])
+  labels = [h.get_label() for h in ax.collections]
+  assert "plain program (measured)" in labels and "measured" in labels
+  assert [t.get_text() for t in ax.texts] == ["plain jnp.dot (XLA)"]
 
 
 def test_latency_memory_plot_writes_a_png(tmp_path):
