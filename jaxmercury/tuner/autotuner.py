@@ -439,7 +439,7 @@ def _final_round(ok, kept: _Kept, inputs, iters: int, budget_s: float, log, cota
   round_s = sum(by_name[n].time_ms for n in calls) * 1e-3
   batch = max(4, min(iters, int(budget_s / (decide.FIRST_LOOK * round_s)) if round_s > 0 else iters))
   verdict = decide.final_round(calls, plain=[n for n in calls if by_name[n].plain], order=order, batch=batch,
-                               max_rounds=max(5 * batch, 20), budget_s=budget_s) if len(calls) > 1 else None
+                               max_rounds=3 * batch, budget_s=budget_s) if len(calls) > 1 else None
   if verdict is None:
     return (*_own_times_winner(ok), [])
   for name in calls:
