@@ -373,17 +373,17 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     best, decision, tied = _final_round(ok, kept, inputs, iters, final_budget_s, log, step_key)
   elif ok:
     best, decision = _own_times_winner(ok)
+  if many:
+    final = agree.broadcast_json(
+        {"results": [None if c.result is None else c.result.to_dict() for c in cands], "decision": decision,
+         "best": None if best is None else cands.index(best)} if agree.is_leader() else None)
+    for c, r in zip(cands, final["results"]):
+      c.result = None if r is None else measure.Measurement.from_dict(r)
+    best, decision = None if final["best"] is None else cands[final["best"]], final["decision"]
   if decision:
     log(f"decision: {decision}")
   if best is not None and best.final is None:  # decided without a final round: the verdict alone, for the record
     best.final = Final(None, (), decision)
-  if many:
-    final = agree.broadcast_json(
-        {"results": [None if c.result is None else c.result.to_dict() for c in cands],
-         "best": None if best is None else cands.index(best)} if agree.is_leader() else None)
-    for c, r in zip(cands, final["results"]):
-      c.result = None if r is None else measure.Measurement.from_dict(r)
-    best = None if final["best"] is None else cands[final["best"]]
   if best is not None:
     store.winner(best, cands)
   return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective, decision=decision,

@@ -80,7 +80,8 @@ class Candidate:
     tuned_at: for ``"nearest"``: the sizes it was tuned at.
     recorded_trace: the trace another process recorded for a candidate this process cannot rebuild (it
       failed to validate there); None: the schedule's.
-    final: its side-by-side times in the final round (``Final``); None: it was not a finalist.
+    final: its side-by-side times in the final round (``Final``); None: it was not a finalist (a winner decided
+      on the candidates' own times carries the verdict alone).
   """
 
   strategy: str
