@@ -116,19 +116,28 @@ def _program(kind, jm):
   return jm.programs.matmul(FLAGS.m, FLAGS.n, FLAGS.k, dtype=FLAGS.dtype)
 
 
-WINNER_FIELDS = ("name", "strategy", "kernel", "kernel_config", "lowering", "lowering_config", "schedule", "time_ms",
-                 "memory_bytes")
+WINNER_FIELDS = ("name", "strategy", "origin", "plain", "kernel", "kernel_config", "lowering", "lowering_config",
+                 "schedule", "time_ms", "final_ms", "memory_bytes")
 
 
 def result_json(result, mesh) -> dict:
-  """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``), the winner's too."""
+  """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``; a plain program, what a
+  user would run without jaxmercury, carries ``"plain": true``), the winner's too, the best plain program
+  (``"baseline"``: its name and time) and the winner's speedup over it, on the times of the round they were
+  compared in (the final round's where both ran in it), and how the winner was chosen (``"decision"``)."""
   def structured(c):
     d = c.to_dict()
     d["schedule"] = json.loads(d["schedule"])
     return d
   cands = [structured(c) for c in result.candidates]
   winner = {k: v for k, v in structured(result.best).items() if k in WINNER_FIELDS} if result.best else None
-  return {"objective": result.objective, "winner": winner, "candidates": cands,
+  base = result.baseline
+  baseline = None if base is None else {
+      "name": base.name, "time_ms": base.final_ms if base.final_ms is not None and result.best is not None
+      and result.best.final_ms is not None else base.time_ms, "own_time_ms": base.time_ms, "final_ms": base.final_ms}
+  return {"objective": result.objective, "winner": winner, "baseline": baseline,
+          "speedup_vs_baseline": result.speedup_vs_baseline, "decision": result.decision,
+          "tied": [c.name for c in result.tied], "candidates": cands,
           "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
           "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
 

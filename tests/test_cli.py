@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
+from jaxmercury.tuner.plain import runnable_from_json
 
 ATTENTION = ["attention", "--batch", "1", "--heads", "4", "--kv_heads", "2", "--seq_len", "64",
              "--head_dim", "16", "--causal"]
@@ -30,10 +31,11 @@ def _check_report(report, prog):
   assert report["platform"] == "cpu" and report["mesh"] == {"gpu": 8}
   assert {c["status"] for c in report["candidates"]} <= {"ok", "pruned", "failed"}
   ok = [c for c in report["candidates"] if c["status"] == "ok"]
-  assert ok and report["winner"]["time_ms"] == min(c["time_ms"] for c in ok)
+  assert ok and report["winner"]["name"] in {c["name"] for c in ok}
+  assert report["baseline"]["name"] in {c["name"] for c in ok if c["plain"]}
   for c in ok[:3]:
     mesh_levels = jax.make_mesh((8,), ("gpu",), axis_types=mesh.axis_types)
-    assert_matches(jm.Schedule.from_json(prog, mesh_levels, json.dumps(c["schedule"])))
+    assert_matches(runnable_from_json(prog, mesh_levels, json.dumps(c["schedule"])))
   for c in report["candidates"]:
     if c["status"] != "ok":
       assert c["reason"]
@@ -41,7 +43,7 @@ def _check_report(report, prog):
 
 def test_attention_cli_tunes_stores_and_reuses(tmp_path):
   out = _run(ATTENTION + ["--json", str(tmp_path / "a.json")], tmp_path)
-  assert "simulated CPU mesh" in out and "winner:" in out and "loop nest:" in out
+  assert "simulated CPU mesh" in out and "winner:" in out and ("loop nest:" in out or "partitioned by XLA" in out)
   report = json.loads((tmp_path / "a.json").read_text())
   assert report["from_database"] is False
   _check_report(report, jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.tuner.plain import is_plain
 from jaxmercury.tuner.timeout import run_limited
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
@@ -133,32 +134,38 @@ def compiled_memory(compiled) -> int | None:
              - m.alias_size_in_bytes)
 
 
-def _placed(schedule, plan, buffer: str, x):
-  """``x`` laid out as ``plan`` stores ``buffer``; under several processes each keeps its devices' shards."""
-  spec = plan.user_spec(buffer)
-  sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
+def stored_spec(runnable, buffer: str) -> PartitionSpec | None:
+  """The layout a schedule stores ``buffer`` in (its plan's), or a plain program's layout of it."""
+  if is_plain(runnable):
+    return runnable.user_spec(buffer)
+  return runnable.plan().user_spec(buffer)
+
+
+def _placed(runnable, buffer: str, x):
+  """``x`` laid out as ``runnable`` stores ``buffer``; under several processes each keeps its devices' shards."""
+  spec = stored_spec(runnable, buffer)
+  sharding = NamedSharding(runnable.mesh, spec if spec is not None else PartitionSpec())
   if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
     x = np.asarray(jax.device_get(x))
   return jax.device_put(x, sharding)
 
 
 def place_inputs(schedule, inputs):
-  """Inputs laid out as the schedule stores them, so that timing excludes the move.
+  """Inputs laid out as the schedule (or plain program) stores them, so that timing excludes the move.
 
   Under several processes each process passes the same (host-local) values
   and keeps the shards its devices hold.
   """
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return inputs
-  plan = schedule.plan()
-  return jax.block_until_ready([_placed(schedule, plan, b.name, x) for b, x in zip(schedule.program.reads, inputs)])
+  return jax.block_until_ready([_placed(schedule, b.name, x) for b, x in zip(schedule.program.reads, inputs)])
 
 
 def place_output(schedule, x):
   """``x`` (shaped like the output: its cotangent) laid out as the schedule stores its output."""
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return x
-  return jax.block_until_ready(_placed(schedule, schedule.plan(), schedule.program.writes.name, x))
+  return jax.block_until_ready(_placed(schedule, schedule.program.writes.name, x))
 
 
 def _this_process(values: np.ndarray) -> np.ndarray:
@@ -252,11 +259,32 @@ def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
   return {name: t for name, t in times.items() if name in live}
 
 
+def ready_call(schedule, inputs, *, cotangent_key=None) -> Callable:
+  """A call of no arguments running the compiled ``schedule`` (or plain program) on ``inputs`` in its layouts,
+  after one untimed run.
+
+  Args:
+    schedule: a checked schedule or plain program.
+    inputs: the program's inputs.
+    cotangent_key: call a training step instead: the forward and backward (``training_step``) on a random output
+      cotangent drawn from this key, laid out as the output.
+  """
+  xs = place_inputs(schedule, inputs)
+  fn = schedule.compile()
+  if cotangent_key is not None:
+    out = schedule.program.writes
+    cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
+    fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
+  compiled = fn.lower(*xs).compile()
+  jax.block_until_ready(compiled(*xs))
+  return functools.partial(compiled, *xs)
+
+
 def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None) -> dict[str, list[float]]:
   """Times already-checked schedules side by side (``rounds``).
 
   Args:
-    schedules: name -> Schedule; each compiles and runs (one untimed run each).
+    schedules: name -> Schedule (or plain program); each compiles and runs (one untimed run each, ``ready_call``).
     inputs: the program's inputs; each schedule gets them in its own layout.
     iters: rounds.
     cotangent_key: time a training step instead: each schedule's forward and
@@ -266,23 +294,13 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None)
   Returns:
     name -> per-run milliseconds.
   """
-  ready = {}
-  for name, schedule in schedules.items():
-    xs = place_inputs(schedule, inputs)
-    fn = schedule.compile()
-    if cotangent_key is not None:
-      out = schedule.program.writes
-      cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
-      fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
-    compiled = fn.lower(*xs).compile()
-    jax.block_until_ready(compiled(*xs))
-    ready[name] = functools.partial(compiled, *xs)
+  ready = {name: ready_call(s, inputs, cotangent_key=cotangent_key) for name, s in schedules.items()}
   return rounds(ready, iters)
 
 
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
             time_limit_s: float | None = None, gather: Callable | None = None,
-            on_checked: Callable | None = None, cotangent=None) -> Measurement:
+            on_checked: Callable | None = None, cotangent=None, keep: Callable | None = None) -> Measurement:
   """Compiles ``schedule``, checks it against ``reference``, then times it.
 
   A candidate that fails to compile or run, or whose compile and first run
@@ -311,6 +329,8 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
       forward and its backward for this output cotangent, in one call);
       ``reference`` is then ``(output, gradients)`` and each gradient is
       checked too (``gradient_tolerance``). ``rel_err`` is the output's.
+    keep: called, once the candidate is timed, with a call of no arguments that runs its compiled program on the
+      placed inputs again (to time it side by side later without compiling it again).
 
   Returns:
     The ``Measurement``.
@@ -360,4 +380,6 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     return Measurement(FAILED, rel_err=err, compiled_bytes=nbytes,
                        reason=reason or f"timed runs failed on process {int(np.isnan(all_times).any(1).argmax())}")
   slowest = [float(t) for t in np.max(all_times, axis=0)]  # each run as long as its slowest process
+  if keep is not None:
+    keep(functools.partial(checked.compiled, *checked.inputs))
   return Measurement(OK, statistics.median(slowest), slowest, err, compiled_bytes=nbytes)
