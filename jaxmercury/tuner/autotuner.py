@@ -44,6 +44,7 @@ import dataclasses
 import math
 import random
 import sqlite3
+import time
 
 import jax
 
@@ -70,6 +71,7 @@ from jaxmercury.tuner.candidates import (
 )
 from jaxmercury.tuner.database import FORWARD, RECORD_FORMAT, TRAINING, record_from_data
 from jaxmercury.tuner.plain import PlainProgram, plain_programs
+from jaxmercury.tuner.progress import calibration_progress
 from jaxmercury.tuner.reference import trial
 from jaxmercury.tuner.space import enumerate_schedules
 
@@ -118,6 +120,25 @@ class TuneResult:
     if best.final_ms is not None and base.final_ms is not None:
       return base.final_ms / best.final_ms
     return base.time_ms / best.time_ms if best.time_ms else None
+
+  def summary(self) -> str:
+    """One line: the winner, its time and speedup over the plain program; or, when nothing passed, how many
+    candidates were over the memory budget, invalid for the mesh, failed their numerical check or failed
+    otherwise (a compile or run error, a time-out)."""
+    if self.best is not None:
+      best, speedup, base = self.best, self.speedup_vs_baseline, self.baseline
+      versus = "" if speedup is None or base is None or base is best else f", {speedup:.2f}x {base.name}"
+      what = " (the plain program)" if best.plain else ""
+      timed = sum(1 for c in self.candidates if c.status == measure.OK)
+      found = "from the database" if self.from_database else f"{timed} of {len(self.candidates)} candidates timed"
+      return f"winner {best.name}{what}: {best.time_ms:.3f} ms{versus} ({found})"
+    counts = {}
+    for c in self.candidates:
+      if c.result is not None and c.status != measure.OK:
+        cause = c.result.cause or ("failed to compile or run" if c.status == measure.FAILED else "pruned")
+        counts[cause] = counts.get(cause, 0) + 1
+    parts = ", ".join(f"{n} {cause}" for cause, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"nothing passed of {len(self.candidates)} candidates: {parts or 'none was offered'}"
 
   def table(self) -> str:
     """Every candidate, best first: ``plain`` in the origin column marks the programs a user would otherwise run;
@@ -320,6 +341,34 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     isolation = "thread"
 
   objective = TRAINING if training else FORWARD
+  started = time.perf_counter()
+  log(f"== {program}{' (training step)' if training else ''} on mesh {dict(mesh.shape)}")
+  try:
+    result = _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine,
+                     iters, time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log,
+                     layouts, many, objective)
+  except KeyboardInterrupt:
+    kept = 0 if database is None else len([m for m in database.measurements(program, mesh, layouts,
+                                                                            objective=objective).values()
+                                           if m.result is not None])
+    raise TuneInterrupted(kept) from None
+  log(f"== done in {time.perf_counter() - started:.1f} s: {result.summary()}")
+  return result
+
+
+class TuneInterrupted(KeyboardInterrupt):
+  """Ctrl-C during a tune. Every measurement taken so far is stored (``kept`` of this operator's), so that
+  tuning again resumes from them."""
+
+  def __init__(self, kept: int):
+    super().__init__(f"interrupted; {kept} measurements kept, rerun to resume")
+    self.kept = kept
+
+
+def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, iters,
+            time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log, layouts, many,
+            objective) -> TuneResult:
+  """``autotune``'s search, once its arguments are checked (see there)."""
   found = _from_database(program, mesh, layouts, objective, database, retune, log)
   if found is not None:
     return found
@@ -530,8 +579,8 @@ def _machine(program, mesh, machine, database, log) -> cost.Machine:
     figures = agree.broadcast_json(machine.to_dict() if agree.is_leader() and machine else None)
     machine = None if figures is None else cost.Machine.from_dict(figures)
   if machine is None:
-    log("calibrating the cost model on this machine ...")
-    machine = calibrate(program, mesh)
+    log("calibrating the cost model on this machine (once per machine, operator and dtype) ...")
+    machine = calibrate(program, mesh, progress=calibration_progress(log))
     if agree.process_count() > 1:
       machine = cost.Machine.from_dict(agree.broadcast_json(machine.to_dict() if agree.is_leader() else None))
     if database is not None:
@@ -553,7 +602,8 @@ def _scored(c: Candidate, program, mesh, machine, in_shardings, out_sharding, tr
                                memory_bytes=memory_per_device(schedule))
   except ScheduleError as e:
     return dataclasses.replace(c, schedule=schedule, predicted_ms=math.inf, memory_bytes=0,
-                               result=measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
+                               result=measure.Measurement(measure.FAILED, reason=f"invalid: {e}",
+                                                          cause=measure.INVALID))
 
 
 def _anchors(fits, library_names) -> dict:
@@ -592,7 +642,7 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   for c in plain:
     if memory_budget is not None and c.memory_bytes > memory_budget:
       c.result = measure.Measurement(measure.PRUNED, reason=f"its inputs and output alone take {c.memory_bytes} B, "
-                                                            "over the budget")
+                                                            "over the budget", cause=measure.OVER_BUDGET)
   cands = plain + [score(c) for c in proposed]
   plain = [c for c in plain if c.result is None]
   fits, programs = [], {}  # programs: program_key -> the candidate timed for it
@@ -600,7 +650,8 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
     if c.result is not None:
       continue
     if memory_budget is not None and c.memory_bytes > memory_budget:
-      c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget")
+      c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget",
+                                     cause=measure.OVER_BUDGET)
       continue
     key = program_key(c.schedule)
     if key in programs:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +27,8 @@ from jaxmercury.tuner.plain import is_plain
 from jaxmercury.tuner.timeout import run_limited
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
+# Why a candidate was not timed or failed (``Measurement.cause``), for a summary that tells them apart.
+OVER_BUDGET, INVALID, WRONG = "over the memory budget", "invalid for the mesh", "failed its numerical check"
 
 # Local outcome codes of the first phase, combined across processes.
 _PASSED, _ERROR, _TIMEOUT = 0, 1, 2
@@ -38,7 +42,8 @@ class Measurement:
   ``status`` is ``ok`` (checked and timed), ``pruned`` (not compiled: over
   the memory budget, or ranked below the timed few by the cost model) or
   ``failed`` (compile or run error, time-out, NaN, or a result that differs
-  from the reference); ``reason`` says which.
+  from the reference); ``reason`` says which, ``cause`` in one word where the summary tells it apart
+  (``OVER_BUDGET``, ``INVALID``, ``WRONG``; empty otherwise).
   """
 
   status: str
@@ -47,6 +52,7 @@ class Measurement:
   rel_err: float | None = None
   reason: str = ""
   compiled_bytes: int | None = None  # from compiled.memory_analysis(), where available
+  cause: str = ""
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -110,16 +116,29 @@ def local_error(y, ref) -> tuple[bool, float, float]:
   return finite, diff, norm
 
 
+_SOURCE_LINE = re.compile(r'^(File ".*", line \d+|\S+\.py:\d+)')
+
+
+def clip(text: str, limit: int = 300) -> str:
+  """``text`` cut to ``limit`` characters at a word boundary, marked by an ellipsis where it was cut."""
+  if len(text) <= limit:
+    return text
+  cut = text[:limit - 1]
+  space = cut.rfind(" ")
+  return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
+
+
 def _first_line(e: BaseException) -> str:
-  """The exception's type and its most telling line (an out-of-memory is named as such)."""
-  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  """The exception's type and its most telling line (an out-of-memory is named as such; source locations that
+  JAX prefixes some messages with are skipped)."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip() and not _SOURCE_LINE.match(line.strip())]
   line = lines[0] if lines else ""
   oom = next((x for x in lines if "RESOURCE_EXHAUSTED" in x or "Out of memory" in x), None)
   if oom is not None:
-    return f"out of memory: {type(e).__name__}: {oom[:300]}"
+    return f"out of memory: {type(e).__name__}: {clip(oom)}"
   if line.startswith("Traceback") or line.endswith("Traceback (most recent call last):"):
     line = f"{line} ... {lines[-1]}"  # a host callback's error: its last line says what failed
-  return f"{type(e).__name__}: {line[:300]}"
+  return f"{type(e).__name__}: {clip(line)}"
 
 
 def compiled_memory(compiled) -> int | None:
@@ -141,10 +160,20 @@ def stored_spec(runnable, buffer: str) -> PartitionSpec | None:
   return runnable.plan().user_spec(buffer)
 
 
+def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
+  """``spec`` with each dimension the mesh does not divide whole: a padded axis is stored whole and padded inside
+  the program, so that is where the caller's array starts."""
+  entries = []
+  for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    levels = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    entries.append(entry if size % math.prod(mesh.shape[n] for n in levels) == 0 else None)
+  return PartitionSpec(*entries)
+
+
 def _placed(runnable, buffer: str, x):
   """``x`` laid out as ``runnable`` stores ``buffer``; under several processes each keeps its devices' shards."""
-  spec = stored_spec(runnable, buffer)
-  sharding = NamedSharding(runnable.mesh, spec if spec is not None else PartitionSpec())
+  spec = _divisible(stored_spec(runnable, buffer) or PartitionSpec(), x.shape, runnable.mesh)
+  sharding = NamedSharding(runnable.mesh, spec)
   if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
     x = np.asarray(jax.device_get(x))
   return jax.device_put(x, sharding)
@@ -356,7 +385,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes)
   if not np.all(rows[:, 1]):
     what = "output or a gradient" if cotangent is not None else "output"
-    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes)
+    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes, cause=WRONG)
   diffs, norms = np.sum(rows[:, 2:2 + len(names)], axis=0), np.sum(rows[:, 2 + len(names):], axis=0)
   errs = [float(np.sqrt(d / (n if n else 1.0))) for d, n in zip(diffs, norms)]
   err = errs[0]
@@ -365,7 +394,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     if e > tol:
       what = "wrong result" if k == 0 else f"wrong gradient {name}"
       return Measurement(FAILED, rel_err=err, reason=f"{what}: relative error {e:.2e} above {tol:.0e}",
-                         compiled_bytes=nbytes)
+                         compiled_bytes=nbytes, cause=WRONG)
   if on_checked is not None:
     on_checked(checked.run_s)
   limit = None if time_limit_s is None else time_limit_s + 10 * (warmup + iters) * checked.run_s
