@@ -101,6 +101,16 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
       "layouts": None if layouts is None else str(layouts), **extra, **_versions()}, sort_keys=True)
 
 
+def machine_key(program, mesh) -> str:
+  """The key of cost-model figures: once per machine (device kind and mesh), operator pattern and element types,
+  whatever the sizes: figures measured at one size rank the candidates of the others."""
+  return json.dumps({
+      "machine": program.pattern or program.fingerprint(),
+      "dtypes": [str(b.dtype) for b in (*program.reads, program.writes)],
+      "causal": str(program.params.get("causal")), "mesh": [[n, s] for n, s in mesh.shape.items()],
+      "device": _device_kind(mesh), **_versions()}, sort_keys=True)
+
+
 class Near(NamedTuple):
   """``Database.nearest``'s answer: the winner tuned for other sizes, replayed on the program asked about (a
   ``Schedule``, or a ``PlainProgram``)."""
@@ -365,8 +375,8 @@ class Database:
 
   # ------------------------------------------------------------ machines
   def machine(self, program, mesh):
-    """Stored cost-model figures for this machine and program, or None."""
-    rows = self._read("SELECT figures FROM machines WHERE key = ?", (record_key(program, mesh),))
+    """Stored cost-model figures for this machine and program's pattern and types (``machine_key``), or None."""
+    rows = self._read("SELECT figures FROM machines WHERE key = ?", (machine_key(program, mesh),))
     if not rows:
       return None
     try:
@@ -378,7 +388,7 @@ class Database:
 
   def store_machine(self, program, mesh, machine):
     self._write("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
-                (record_key(program, mesh), json.dumps(machine.to_dict()), _now()))
+                (machine_key(program, mesh), json.dumps(machine.to_dict()), _now()))
 
   def __len__(self):
     rows = self._read("SELECT COUNT(*) FROM winners", ())
