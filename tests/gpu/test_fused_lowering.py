@@ -110,8 +110,10 @@ def test_the_tuner_offers_and_times_them():
                        log=lambda _: None)
   print("\n" + result.table())
   by_name = {c.name: c for c in result.candidates}
-  for name in offered:
-    assert by_name[name].status == measure.OK, (name, by_name[name].result.reason)
+  for name in offered:  # timed, or merged into a candidate of the same program that was (one GPU: several are)
+    c = by_name[name]
+    same = c.result.reason.removeprefix("same program as ") if c.status == measure.PRUNED else name
+    assert by_name[same].status == measure.OK, (name, c.result.reason)
   assert result.best is not None
 
 
