@@ -194,6 +194,25 @@ class AttentionMask:
       keep = keep & expand_mask(next(it), self.mask_axes)
     return jnp.transpose(keep, ["bhgij".index(a) for a in order])
 
+  def dense_keep(self, q_len: int, kv_len: int, extras) -> jnp.ndarray:
+    """The kept pairs of a whole attention, bool [batch or 1, heads or 1, q_len, kv_len] (as
+    ``jax.nn.dot_product_attention``'s ``mask``), from the program's extra inputs (``buffers`` order, the
+    program's layouts: a mask's ``h`` is the query heads)."""
+    d = jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
+    lo, hi = self.band
+    keep = jnp.ones((1, 1, q_len, kv_len), bool)
+    if lo is not None:
+      keep = keep & (d >= lo)
+    if hi is not None:
+      keep = keep & (d <= hi)
+    it = iter(extras)
+    if self.segment_ids:
+      qs, ks = next(it), next(it)
+      keep = keep & (qs[:, None, :, None] == ks[:, None, None, :])
+    if self.mask_axes is not None:
+      keep = keep & jnp.expand_dims(next(it), [n for n, a in enumerate(MASK_AXES) if a not in self.mask_axes])
+    return keep
+
   # ------------------------------------------------------------------ the program's extra inputs
   def inputs(self, query, key, *, mask=None, query_seq_lengths=None, key_value_seq_lengths=None,
              q_segment_ids=None, kv_segment_ids=None, mask_axes=None, is_causal=None, local_window_size=None,
