@@ -258,3 +258,16 @@ def test_kernels_say_which_masks_they_compute():
   for name in ("pallas_attention", "mosaic_attention"):
     reason = registry.local(name).why_not(prog, mesh)
     assert reason is not None and "window" in reason, (name, reason)
+
+
+def test_plain_attention_takes_the_mask():
+  """The tuner's plain programs (what a user would run in JAX) compute the masked program, not a causal one."""
+  from jaxmercury.programs import plain
+  for kwargs in (dict(causal=True, window=(3, 0)), dict(window=(2, 5)), dict(causal=True, segment_ids=True),
+                 dict(mask_axes=("b", "h", "i", "j"), segment_ids=True)):
+    prog = jm.programs.attention(2, 4, 2, 16, 16, 8, **kwargs)
+    xs = prog.random_inputs(fresh_key())
+    (xla,) = plain.applicable(prog, "cpu")
+    assert rel_err(xla.make(prog)(*xs), prog.reference(*xs)) < 2e-5, kwargs
+  bf16 = jm.programs.attention(1, 4, 2, 16, 16, 8, causal=True, segment_ids=True, dtype=jnp.bfloat16)
+  assert "segment" in plain.known(bf16)[0].why_not(bf16, "gpu")
