@@ -302,6 +302,8 @@ def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
   out = {}
   for name, ring in rings.items():
     lp = loops[name]
+    if lp.axis not in masked:  # a ring over heads (or batch): every step holds the same positions
+      continue
     distance = (index(lp) - rank[ring.level]) % ring.size
     needed = frozenset(int(d) for d in np.unique(distance[shown]))
     if len(needed) < ring.size:
