@@ -44,6 +44,7 @@ from jaxmercury.tuner import measure
 from jaxmercury.tuner.calibrate import calibrate
 from jaxmercury.tuner.cost import Machine
 from jaxmercury.tuner.database import FORWARD, TRAINING
+from jaxmercury.tuner.plain import runnable_from_json
 from jaxmercury.tuner.plot import latency_memory_plot
 
 # The cost model's figures on the simulated CPU mesh of --smoke (calibrating takes ~30 s there).
@@ -224,7 +225,7 @@ def tuned(env, case, prog, mesh, ins, out, rec: dict) -> harness.Contestant:
   if schedule is None and case.family in env.winners:
     try:
       _, trace, record = env.winners[case.family]
-      schedule = jm.Schedule.from_json(prog, mesh, trace, other_sizes=True)
+      schedule = runnable_from_json(prog, mesh, trace, other_sizes=True)  # a schedule or a plain program
       tuner["replayed"] = "the sweep's last winner, tuned at a smaller size"
     except Exception as exc:  # the last winner does not fit this size
       tuner["replay_error"] = harness.error_text(exc)

@@ -36,7 +36,8 @@ HEADLINES = (
     ("fused ring attention", "2026-11-23-s10-fused_attention-2xH200.json"),
     ("training step with the fused ring attention", "2026-11-24-s12-fused_attention_training-32k-H200.json"),
     ("local attention kernels against cuDNN", "2026-11-22-local_kernels-H200-iters40.json"),
-    ("the tuner against the library", "2026-11-22-tune_check-2xH200-run3.json"),
+    ("one GPU: attention training step, tuned", "2026-11-25-one_gpu_training_S32K-H100.json"),
+    ("one GPU: Llama (2 layers, 8B widths) decorated vs not", "2026-11-25-model_llama2L-H100.json"),
     ("Llama-3 8B block, 32K tokens: graph plan against XLA", "2026-11-24-s11-llama_block-32768-2xH200.json"),
 )
 
@@ -232,7 +233,7 @@ def readme_table() -> str:
   lines = ["| measured | headline | device, date | file |", "|---|---|---|---|"]
   for what, name in HEADLINES:
     r = summarize(os.path.join(RESULTS, name))
-    head = f"**stale** ({_cell(r.stale)}) {_cell(r.headline)}" if r.stale else _cell(r.headline)
+    head = f"**stale** ({_cell(r.stale.split(':')[0])}) {_cell(r.headline)}" if r.stale else _cell(r.headline)
     when = f"{_cell(r.device)}, {r.date}" + (f" at {_cell(r.commit)[:8]}" if r.commit else "")
     lines.append(f"| {what} | {head} | {when} | [json](benchmarks/results/{name}) |")
   return "\n".join(lines)
