@@ -5,6 +5,7 @@ from jaxmercury._version import __version__
 from jaxmercury.errors import (
                                InputError,
                                LayoutError,
+                               MaskError,
                                MeshError,
                                PreconditionError,
                                ProgramError,
@@ -23,5 +24,5 @@ __all__ = [
     "LogSumExp", "MeshError",
     "PreconditionError", "Program", "ProgramError", "Reduction", "Schedule", "ScheduleError", "Sum", "TraceError",
     "UnknownLevelError", "UnknownNameError", "grid", "library", "match_buffer", "ops", "programs", "schedules",
-    "tuner", "validate", "distribute", "graph", "kernels", "__version__",
+    "tuner", "validate", "distribute", "graph", "kernels", "__version__", "MaskError",
 ]

@@ -5,6 +5,7 @@ so callers can catch one family::
 
   ScheduleError
     ProgramError        the operator's declaration (axes, buffers, dtypes, body)
+      MaskError         an attention mask jaxmercury cannot express
     MeshError           the mesh, or a schedule built for another mesh
       UnknownLevelError a mesh level name that does not exist (also UnknownNameError)
     LayoutError         in_shardings / out_sharding against the mesh and buffer dims
@@ -40,6 +41,11 @@ class TraceError(ScheduleError):
 
 class ProgramError(ScheduleError):
   """A program declaration is invalid: axes, buffers, dtypes, kinds, body or reduction."""
+
+
+class MaskError(ProgramError):
+  """An attention mask (or a ``jax.nn.dot_product_attention`` argument) that the attention programs cannot express;
+  the message says which argument and what would be expressible."""
 
 
 class MeshError(ScheduleError):

@@ -121,9 +121,10 @@ def _run(program, mesh, inputs, database, tune, tune_options):
 
 
 @functools.lru_cache(maxsize=256)
-def attention_program(shape_q, shape_k, dtype, causal):
+def attention_program(shape_q, shape_k, dtype, causal, window=None, segment_ids=False, mask_axes=None):
   b, s, h, d = shape_q
-  return programs.attention(b, h, shape_k[2], s, shape_k[1], d, causal=causal, dtype=dtype)
+  return programs.attention(b, h, shape_k[2], s, shape_k[1], d, causal=causal, dtype=dtype, window=window,
+                            segment_ids=segment_ids, mask_axes=mask_axes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,11 +132,25 @@ def matmul_program(shape_a, shape_b, dtype):
   return programs.matmul(shape_a[0], shape_b[1], shape_a[1], dtype=dtype)
 
 
-def attention(q, k, v, *, mesh, causal: bool = False, database=None, tune: bool = False, **tune_options):
+def attention(q, k, v, *, mesh, causal: bool = False, window=None, q_segment_ids=None, kv_segment_ids=None,
+              mask=None, mask_axes=None, database=None, tune: bool = False, **tune_options):
   """Attention of q [b, s, h, d] with k, v [b, t, kv_heads, d] on ``mesh``; on meshes of Explicit axes its result
-  has the sharding type ``jax.nn.dot_product_attention`` would give."""
-  prog = attention_program(tuple(q.shape), tuple(k.shape), str(q.dtype), causal)
-  out = _run(prog, mesh, (q, k, v), database, tune, tune_options)
+  has the sharding type ``jax.nn.dot_product_attention`` would give.
+
+  Masks (``jaxmercury.programs.masks``; they combine): ``causal``; ``window`` (``(left, right)`` or one int,
+  ``jax.nn.dot_product_attention``'s ``local_window_size``); ``q_segment_ids`` [b, s] and ``kv_segment_ids``
+  [b, t] (packed sequences: a query keeps the keys of its own segment); ``mask``, a boolean array broadcastable to
+  [b, h, s, t] (or over the dimensions ``mask_axes`` names, e.g. ``("b", "i", "j")`` for [b, s, t]). A mask
+  jaxmercury cannot express raises ``MaskError`` with the reason (``programs.mask_reason`` says so without
+  raising).
+  """
+  m = programs.attention_mask(q, k, mask=mask, is_causal=causal, local_window_size=window,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask_axes=mask_axes)
+  prog = attention_program(tuple(q.shape), tuple(k.shape), str(q.dtype), m.causal, m.window, m.segment_ids,
+                           m.mask_axes)
+  extras = m.inputs(q, k, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                    mask_axes=mask_axes)
+  out = _run(prog, mesh, (q, k, v, *extras), database, tune, tune_options)
   return types.like(out, mesh, jax.eval_shape(lambda *x: jax.nn.dot_product_attention(*x, is_causal=causal), q, k, v),
                     free_dims=(0, 1))
 

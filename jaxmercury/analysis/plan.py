@@ -17,17 +17,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis.layouts import Layout
 from jaxmercury.errors import PreconditionError, ScheduleError
-from jaxmercury.ir.loops import PARALLEL
+from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR
+from jaxmercury.kernels.work import Block
+from jaxmercury.programs.masks import mask_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """A shifted loop: what travels around the ring of its parallel loop's level."""
+  """A shifted loop: what travels around the ring of its parallel loop's level.
+
+  ``distances``: where an attention program's positional mask (causal, a
+  sliding window) hides every block of some steps from every rank, the
+  distances ``(visited block - rank) % size`` some rank computes; the other
+  steps are skipped, their compute and their transfers (None: every step runs).
+  """
 
   loop: str
   axis: str
@@ -35,11 +44,33 @@ class Ring:
   size: int
   buffers: tuple[str, ...]  # read buffers passed around the ring
   travel: bool  # partial outputs travel (pipelined reduce-scatter)
+  distances: frozenset | None = None
 
   @property
   def offset(self) -> int:
     """Rank r visits (t + r + offset) % size; 1 lets the last visit be the owner's."""
     return 1 if self.travel else 0
+
+  def steps(self, offset: int | None = None) -> list[int]:
+    """The steps that run when rank r visits ``(t + r + offset) % size`` (default this ring's offset): all but
+    those no rank computes a block at (at least one: a ring with nothing to compute runs its first step)."""
+    offset = self.offset if offset is None else offset
+    if self.distances is None:
+      return list(range(self.size))
+    return [t for t in range(self.size) if (t + offset) % self.size in self.distances] or [0]
+
+  @property
+  def skipped(self) -> int:
+    """How many of its steps the ring skips."""
+    return self.size - len(self.steps())
+
+  @property
+  def transfers(self) -> int:
+    """How many times the ring's blocks move (``ppermute`` rounds, of one or several hops): before each step that
+    runs but the first, before the first unless it is step 0, and, for travelling partial outputs, once more
+    after the last step run unless it is the last step."""
+    steps = self.steps()
+    return (len(steps) - 1 + (steps[0] > 0) + (self.travel and steps[-1] < self.size - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +177,8 @@ def make_plan(schedule) -> Plan:
         and placements.get((b.name, par.level), ("shard",))[0] != "replicate")
     travel = lp.axis in out.axes and par.axis not in out.axes
     rings[lp.name] = Ring(lp.name, lp.axis, par.level, levels[par.level], ring_bufs, travel)
+  for name, d in _band_distances(schedule, loops, rings).items():
+    rings[name] = dataclasses.replace(rings[name], distances=d)
 
   def nest_layout(buf, ring_member):
     entries = []
@@ -219,6 +252,63 @@ def make_plan(schedule) -> Plan:
       _check_layout(schedule, b, layout, what)
   _check_layout(schedule, out, result, "result")
   return Plan(storage, resident, result, rings, tuple(reductions), local_factors, prog.buffers)
+
+
+ATTENTION_PATTERNS = ("attention", "attention_dq", "attention_dkv")
+
+
+def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
+  """For each ring whose steps an attention program's positional mask hides from every rank, the distances
+  ``(visited block - rank) % size`` that some rank computes (``Ring.distances``).
+
+  Every body call on every device is enumerated over the loops that move the query and key positions (the
+  mesh levels, the serial loops on ``i`` and ``j``), as the nest computes them; a call is hidden when the band
+  keeps none of its pairs (``kernels.work.Block.band_case``).
+  """
+  prog = schedule.program
+  mask = mask_of(prog.params)
+  if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.positional or not {"i", "j"} <= set(prog.kinds):
+    return {}
+  masked = ("i", "j")
+  level_names = list(schedule.levels)
+  serial = [lp for lp in schedule.loops if lp.role == SERIAL and lp.axis in masked]
+  shape = [schedule.levels[lv] for lv in level_names] + [lp.extent for lp in serial]
+  grid = np.indices(shape).reshape(len(shape), -1)
+  rank = dict(zip(level_names, grid))
+  step = {lp.name: grid[len(level_names) + n] for n, lp in enumerate(serial)}
+
+  def index(lp):
+    if lp.role == PARALLEL:
+      return rank[lp.level]
+    if lp.shifted_by:
+      ring = rings[lp.name]
+      return (step[lp.name] + rank[ring.level] + ring.offset) % lp.extent
+    return step[lp.name]
+
+  starts, sizes = [], {}
+  for a in masked:
+    start, stride = np.zeros(grid.shape[1], np.int64), 1
+    for f in reversed(schedule.factors[a]):
+      lp = loops[f]
+      if lp.role != VECTOR:
+        start = start + index(lp) * stride
+      stride *= lp.extent
+    starts.append(start)
+    sizes[a] = math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR)
+  extents = {a: prog.axes[a].extent for a in masked}
+  pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
+  shown = np.array([Block(sizes, extents, dict(zip(masked, map(int, col))), schedule.zigzags,
+                          mask.band).band_case() != "hidden" for col in pairs.T])[np.reshape(inverse, -1)]
+  out = {}
+  for name, ring in rings.items():
+    lp = loops[name]
+    if lp.axis not in masked:  # a ring over heads (or batch): every step holds the same positions
+      continue
+    distance = (index(lp) - rank[ring.level]) % ring.size
+    needed = frozenset(int(d) for d in np.unique(distance[shown]))
+    if len(needed) < ring.size:
+      out[name] = needed
+  return out
 
 
 def _level_of(lp, loops):

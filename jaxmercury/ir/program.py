@@ -183,9 +183,11 @@ class Program:
     return jnp.reshape(out, self.writes.shape)
 
   def random_inputs(self, key: jax.Array, scale: float = 1.0):
-    """Fresh normal random inputs with the read buffers' shapes and dtypes."""
+    """Fresh normal random inputs with the read buffers' shapes and dtypes (boolean buffers: True with
+    probability 3/4)."""
     keys = jax.random.split(key, len(self.reads))
-    return tuple((scale * jax.random.normal(k, b.shape, jnp.float32)).astype(b.dtype)
+    return tuple(jax.random.bernoulli(k, 0.75, b.shape) if jnp.dtype(b.dtype) == jnp.bool_ else
+                 (scale * jax.random.normal(k, b.shape, jnp.float32)).astype(b.dtype)
                  for k, b in zip(keys, self.reads))
 
   def __str__(self):

@@ -16,7 +16,8 @@ A kernel may also name a pattern that has no template here (a user's own
 operator): then only programs that declare that pattern match.
 
 The match gives the renaming (program axis -> pattern axis) and the
-template's parameters (``causal``, ...), so a kernel written for the pattern's
+template's parameters (``causal``, an attention program's mask: its
+``window``, ``segment_ids`` and ``mask_axes``, ...), so a kernel written for the pattern's
 axis names serves a user's program that names its axes differently.
 """
 
@@ -49,16 +50,21 @@ class Pattern:
     name: what kernels name in ``Kernel.patterns``.
     template: ``template(**choice)`` builds a small program of the pattern.
     choices: each template parameter's possible values.
+    declared: template parameters with too many values to try (an attention mask's window, its buffers): a
+      program that declares the pattern gives them from its own parameters (where it has them); programs
+      matched by their bodies take the template's defaults.
   """
 
   name: str
   template: Callable
   choices: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  declared: tuple[str, ...] = ()
 
-  def instances(self):
+  def instances(self, fixed: Mapping[str, Any] | None = None):
+    """Each choice of the parameters and its template, with the ``fixed`` ones (a declaring program's) set."""
     keys = list(self.choices)
     for values in itertools.product(*(self.choices[k] for k in keys)):
-      choice = dict(zip(keys, values))
+      choice = {**dict(zip(keys, values)), **(fixed or {})}
       yield choice, self.template(**choice)
 
 
@@ -156,7 +162,8 @@ def _match(name: str, program) -> Match:
                             f"patterns.Pattern with a template program to match by structure)")
   pat = _PATTERNS[name]
   reasons = []
-  for choice, template in pat.instances():
+  fixed = {k: program.params[k] for k in pat.declared if declared and k in program.params}
+  for choice, template in pat.instances(fixed):
     if declared and any(program.params.get(k, v) != v for k, v in choice.items()):
       continue
     try:
@@ -185,14 +192,19 @@ def match(name: str, program) -> Match:
   return _match(name, program)
 
 
-def _attention(causal=False, emit_lse=False):
-  prog = attention_program(1, 2, 1, 4, 4, 2, causal=causal)
+MASK_PARAMS = ("window", "segment_ids", "mask_axes")  # an attention program's mask beyond causal (programs.masks)
+
+
+def _attention(causal=False, emit_lse=False, window=None, segment_ids=False, mask_axes=None):
+  prog = attention_program(1, 2, 1, 4, 4, 2, causal=causal, window=window, segment_ids=segment_ids,
+                           mask_axes=mask_axes)
   return backward.attention_with_lse(prog) if emit_lse else prog
 
 
 def _attention_grad(part):
-  def build(causal=False):
-    prog = attention_program(1, 2, 1, 4, 4, 2, causal=causal)
+  def build(causal=False, window=None, segment_ids=False, mask_axes=None):
+    prog = attention_program(1, 2, 1, 4, 4, 2, causal=causal, window=window, segment_ids=segment_ids,
+                             mask_axes=mask_axes)
     return (backward.attention_dq if part == "dq" else backward.attention_dkv)(prog)
   return build
 
@@ -201,7 +213,8 @@ def _matmul():
   return matmul_program(4, 4, 4)
 
 
-register_pattern(Pattern("attention", _attention, {"causal": (False, True), "emit_lse": (False, True)}))
-register_pattern(Pattern("attention_dq", _attention_grad("dq"), {"causal": (False, True)}))
-register_pattern(Pattern("attention_dkv", _attention_grad("dkv"), {"causal": (False, True)}))
+register_pattern(Pattern("attention", _attention, {"causal": (False, True), "emit_lse": (False, True)},
+                         declared=MASK_PARAMS))
+register_pattern(Pattern("attention_dq", _attention_grad("dq"), {"causal": (False, True)}, declared=MASK_PARAMS))
+register_pattern(Pattern("attention_dkv", _attention_grad("dkv"), {"causal": (False, True)}, declared=MASK_PARAMS))
 register_pattern(Pattern("matmul", _matmul))

@@ -37,6 +37,7 @@ from jaxmercury.errors import PreconditionError, UnknownNameError
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import patterns
 from jaxmercury.kernels.work import Block, Work, body_share
+from jaxmercury.programs.masks import mask_of
 
 ALL_PLATFORMS = frozenset({"cpu", "gpu", "tpu"})
 
@@ -90,13 +91,18 @@ class Kernel:
     platforms: device platforms it runs on.
     supports: ``supports(device) -> reason | None`` for finer device requirements (Hopper).
     interpret: it runs on CPUs in Pallas interpret mode (``interpret_mode()``).
-    work: ``work(block, *, causal, config) -> Work`` of one call, on the pattern's axis names (cost model).
-      None: the program's body computes every block densely unless a causal mask hides all of it; another
-      kernel is taken to compute only the pairs the mask keeps.
+    work: ``work(block, *, causal, config) -> Work`` of one call, on the pattern's axis names (cost model);
+      ``block.band`` is the program's positional mask (causal, sliding window). None: the program's body
+      computes every block densely unless the positional mask hides all of it; another kernel is taken to
+      compute only the pairs the mask keeps.
     workspace: ``workspace(program, sizes, config) -> bytes`` of one call (None: the program's own estimate).
     backward: attention kernels: how the backward runs (``AttentionBackward``).
     preference: the default kernel of a pattern is the applicable one of the highest preference (None: never).
     description: one line for the docs and printouts.
+    masks: attention kernels: the mask kinds it computes (``programs.masks.KINDS``: ``causal``, ``window``,
+      ``segment_ids``, ``mask``); it does not apply to a program with another.
+    mask_problem: ``mask_problem(mask) -> reason | None`` for finer requirements of a mask (a window only with
+      the causal mask, ...).
   """
 
   name: str
@@ -113,6 +119,8 @@ class Kernel:
   backward: AttentionBackward | None = None
   preference: int | None = None
   description: str = ""
+  masks: frozenset = frozenset({"causal"})
+  mask_problem: Callable | None = None
 
   def configure(self, params: Mapping[str, Any] | None = None):
     """The kernel's configuration with ``params`` set (its defaults for none; None for a kernel without one)."""
@@ -132,13 +140,22 @@ class Kernel:
     On an ``AbstractMesh`` (planning only) the devices are not checked.
     """
     try:
-      _pattern_match(self, program)
+      m = _pattern_match(self, program)
     except PreconditionError as e:
       return f"kernel implements {sorted(self.patterns)}: {e}"
+    if m is not None and (reason := self._mask_reason(mask_of(m.params))):
+      return reason
     dtypes = {np.dtype(b.dtype) for b in program.reads if self.dtype_of in (None, b.name)}
     if self.dtypes is not None and not dtypes <= self.dtypes:
       return f"kernel accepts {sorted(map(str, self.dtypes))}, program has {sorted(map(str, dtypes))}"
     return _device_problem(self, mesh)[0]
+
+  def _mask_reason(self, mask) -> str | None:
+    """Why the kernel cannot compute an attention program's ``mask`` (None: it can)."""
+    if missing := mask.kinds - self.masks:
+      return (f"kernel computes masks {sorted(self.masks) or 'none'}, not the program's {sorted(missing)} "
+              f"({mask.describe()})")
+    return self.mask_problem(mask) if self.mask_problem else None
 
   def block(self, program, mesh, config=None) -> Callable:
     """The block function for ``program`` on ``mesh``; ``PreconditionError`` where it does not apply."""
@@ -157,15 +174,16 @@ class Kernel:
   def block_work(self, program, block: Block, config=None) -> Work:
     """Where one body call of ``program`` runs (``Work``), from the block alone (no tracing)."""
     m = _pattern_match(self, program)
-    causal = bool({**program.params, **(m.params if m else {})}.get("causal", False))
+    mask = mask_of({**program.params, **(m.params if m else {})})
     if m is not None and m.renames:
       block = block.renamed(m.to_pattern)
+    if mask.positional and {"i", "j"} <= set(block.sizes):  # a query and a key axis to mask
+      block = dataclasses.replace(block, band=mask.band)
     if self.work is not None:
-      return self.work(block, causal=causal, config=config if config is not None else self.configure())
-    causal = causal and {"i", "j"} <= set(block.sizes)  # a query and a key axis to mask
+      return self.work(block, causal=mask.causal, config=config if config is not None else self.configure())
     if self.make is None:
-      return Work(fast=body_share(block, causal))
-    return Work(fast=block.causal_share() if causal else 1.0)
+      return Work(fast=body_share(block))
+    return Work(fast=block.band_share() if block.band else 1.0)
 
   def workspace_bytes(self, program, sizes, config=None) -> int:
     """Temporary bytes of one call on blocks of ``sizes`` (program axis names)."""

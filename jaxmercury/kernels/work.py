@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from jaxmercury.ir.orders import zigzag_chunk
+from jaxmercury.programs import masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +42,20 @@ class Block:
     extents: each axis's true global extent (positions past it are padding).
     starts: the block's first stored position along each loop axis.
     zigzag: for axes stored in zigzag order, their number of chunks.
+    band: an attention program's positional mask, ``(lo, hi)``: it keeps ``lo <= query - key <= hi``
+      (``programs.masks.AttentionMask.band``; None: none).
   """
 
   sizes: Mapping[str, int]
   extents: Mapping[str, int]
   starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
   zigzag: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  band: tuple | None = None
 
   def renamed(self, names: Mapping[str, str]) -> "Block":
     """The same block with its axes renamed (``names``: old -> new; others kept)."""
     r = lambda m: {names.get(k, k): v for k, v in m.items()}
-    return Block(r(self.sizes), r(self.extents), r(self.starts), r(self.zigzag))
+    return Block(r(self.sizes), r(self.extents), r(self.starts), r(self.zigzag), self.band)
 
   def contiguous(self, axis: str) -> bool:
     """Whether the block's true positions along ``axis`` are consecutive (``BlockContext.contiguous``)."""
@@ -83,33 +87,32 @@ class Block:
 
   def causal_case(self, query: str = "i", key: str = "j") -> str:
     """``"visible"`` (every key at or before every query), ``"hidden"`` (every key after) or ``"partial"``."""
-    (q_lo, q_hi), (k_lo, k_hi) = self.span(query), self.span(key)
-    if k_hi <= q_lo:
-      return "visible"
-    return "hidden" if k_lo > q_hi else "partial"
+    return self.band_case(query, key, band=CAUSAL)
 
   def causal_share(self, query: str = "i", key: str = "j") -> float:
     """The share of the block's (query, key) pairs a causal mask keeps (real keys at or before the query)."""
+    return self.band_share(query, key, band=CAUSAL)
+
+  def band_case(self, query: str = "i", key: str = "j", band=None) -> str:
+    """``"visible"``, ``"hidden"`` or ``"partial"``: whether ``band`` (default the block's) keeps all, none or
+    some of the block's pairs, judged by their positions' extremes."""
+    return masks.band_case(self.span(query), self.span(key), band or self.band or (None, None))
+
+  def band_share(self, query: str = "i", key: str = "j", band=None) -> float:
+    """The share of the block's (query, key) pairs that ``band`` (default the block's) keeps with a real key."""
+    band = band or self.band or (None, None)
     kept = 0
     for q in self.ranges(query):
       for lo, hi in self.ranges(key):
-        kept += _pairs_at_or_below(q, (lo, min(hi, self.extents[key])))
+        kept += masks.band_pairs(q, (lo, min(hi, self.extents[key])), band)
     return kept / (self.sizes[query] * self.sizes[key])
 
 
-def _pairs_at_or_below(queries: tuple[int, int], keys: tuple[int, int]) -> int:
-  """How many (x, y) with x in ``queries``, y in ``keys`` (``[start, stop)`` ranges) have y <= x."""
-  c, d = keys
-  if d <= c:
-    return 0
-
-  def below(n):  # sum over x < n of the keys at or before x
-    m = max(min(n, d) - c, 0)
-    return m * (m + 1) // 2 + max(n - d, 0) * (d - c)
-
-  return below(queries[1]) - below(queries[0])
+CAUSAL = (0, None)  # the band of a causal mask: query - key >= 0
 
 
-def body_share(block: Block, causal: bool) -> float:
-  """The dense share an attention program's own body computes: all of it unless causal masking hides it all."""
-  return 0.0 if causal and block.causal_case() == "hidden" else 1.0
+def body_share(block: Block, causal: bool = False) -> float:
+  """The dense share an attention program's own body computes: all of it unless its positional mask (the block's
+  band, or a causal one) hides it all."""
+  band = block.band or (CAUSAL if causal else None)
+  return 0.0 if band and block.band_case(band=band) == "hidden" else 1.0

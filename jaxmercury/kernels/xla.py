@@ -15,12 +15,13 @@ import jax
 
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.programs.attention_backward import dq_dkv_block
+from jaxmercury.programs.masks import KINDS, mask_of
 
 SCORES_BYTES = 4 << 30  # the float32 scores the whole-attention backward may hold per device
 
 
 def _joint(dq_program):
-  return functools.partial(dq_dkv_block, causal=dq_program.params["causal"])
+  return functools.partial(dq_dkv_block, mask=mask_of(dq_program.params))
 
 
 def _whole(q, k, v, o, do, lse, causal):
@@ -39,6 +40,6 @@ def _whole_limit(program, extents) -> str | None:
   return None
 
 
-XLA = Kernel(name="xla", patterns=frozenset({"*"}), make=None,
+XLA = Kernel(name="xla", patterns=frozenset({"*"}), make=None, masks=frozenset(KINDS),
              backward=AttentionBackward(joint=_joint, whole=_whole, whole_limit=_whole_limit),
              description="the program's own body, compiled by XLA")

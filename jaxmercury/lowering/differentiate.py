@@ -29,8 +29,9 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
   Args:
     schedule: the loop-nest schedule: its ``attention_with_lse`` dual keeps the
       forward's residuals, its ``backward_schedule``'s dual programs run the backward.
-    forward: ``f(q, k, v) -> o``, run where nothing is differentiated.
-    forward_with_lse: ``with_lse_schedule -> g(q, k, v) -> olse``: the forward
+    forward: ``f(q, k, v, *extras) -> o`` (extras: a masked program's segment ids or mask array), run where
+      nothing is differentiated.
+    forward_with_lse: ``with_lse_schedule -> g(q, k, v, *extras) -> olse``: the forward
       that keeps the backward's residuals, built from the dual's
       ``attention_with_lse`` schedule (a fused kernel's); default that
       schedule compiled.
@@ -47,18 +48,18 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
   pullback = _backward(backward, dq_s, dkv_s)
 
   @jax.custom_vjp
-  def attention(q, k, v):
-    return forward(q, k, v)
+  def attention(q, k, v, *extras):  # extras: the mask's buffers (segment ids, a mask array): no gradients
+    return forward(q, k, v, *extras)
 
-  def fwd(q, k, v):
-    y = keep(q, k, v)
+  def fwd(q, k, v, *extras):
+    y = keep(q, k, v, *extras)
     o = y[..., :d].astype(q.dtype)
-    return o, (q, k, v, o, y[..., d])
+    return o, (q, k, v, o, y[..., d], extras)
 
   def bwd(residuals, do):
-    q, k, v, o, lse = residuals
-    dq, dk, dv = pullback(q, k, v, o, do.astype(q.dtype), lse)
-    return like(dq, q), like(dk, k), like(dv, v)
+    q, k, v, o, lse, extras = residuals
+    dq, dk, dv = pullback(q, k, v, o, do.astype(q.dtype), lse, *extras)
+    return (like(dq, q), like(dk, k), like(dv, v)) + (None,) * len(extras)
 
   explicit = any(t == AxisType.Explicit for t in getattr(schedule.mesh, "axis_types", ()))
 
@@ -76,7 +77,7 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
 
 
 def _backward(schedule, dq_s, dkv_s):
-  """``(q, k, v, o, do, lse) -> (dq, dk, dv)``: one fused call per device (``local_backward``), else the dual
+  """``(q, k, v, o, do, lse, *extras) -> (dq, dk, dv)``: one fused call per device (``local_backward``), else the dual
   programs in one nest (``joint_backward``), else the two dual programs one after the other."""
   fused = local_backward(schedule)
   if fused is not None:

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.kernels import registry
+from jaxmercury.programs.masks import mask_of
 
 BUFFERS = ("q", "k", "v", "o")
 
@@ -61,6 +62,8 @@ def local_reason(schedule) -> str | None:
     return f"kernel {schedule.kernel or 'xla'!r} has no fused backward"
   if prog.params["causal"] and prog.buffer("q").shape[1] != prog.buffer("k").shape[1]:
     return "causal attention with queries and keys of different lengths"
+  if (mask := mask_of(prog.params)).kinds - {"causal"}:
+    return f"the fused backwards take a causal mask or none, not {mask.describe()}"
   plan, sizes = schedule.plan(), schedule.levels
   if any(r.size > 1 for r in plan.rings.values()) or any(sizes[r.level] > 1 for r in plan.reductions):
     return "blocks travel or reduce across devices"

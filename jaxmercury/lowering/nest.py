@@ -134,21 +134,31 @@ class Nest:
     ring = rings[0]
     n = ring.size
     rank = jax.lax.axis_index(ring.level)
-    perm = [(j, (j - 1) % n) for j in range(n)]  # rank j-1 receives rank j's block
-    shift = lambda tree: jax.tree.map(lambda x: jax.lax.ppermute(x, ring.level, perm), tree)
+
+    def shift(tree, hops=1):  # rank j - hops receives rank j's block
+      if hops % n == 0:
+        return tree
+      perm = [(j, (j - hops) % n) for j in range(n)]
+      return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.level, perm), tree)
+
     offset = max(r.offset for r in rings)  # a part whose outputs travel starts one block on
-    current = {b: env[b][0] for b in ring.buffers}
-    if offset:
-      current = shift(current)
+    # the steps some part computes a block at (a positional mask may hide the others from every rank)
+    steps = sorted(set().union(*(r.steps(offset) for r in rings)))
+    current = shift({b: env[b][0] for b in ring.buffers}, offset + steps[0])
     acc = (None,) * len(self.parts)
-    for t in range(n):
-      nxt = shift(current) if t < n - 1 else None  # issued before this step's compute
+    for n_step, t in enumerate(steps):
+      later = steps[n_step + 1] if n_step + 1 < len(steps) else None
+      nxt = shift(current, later - t) if later is not None else None  # issued before this step's compute
       idx = (t + rank + offset) % n
       step_env = {**env, **{b: (current[b], env[b][1]) for b in ring.buffers}}
       sub = self._run(k + 1, self._slice_env(step_env, lp, idx), {**fixed, lp.name: idx})
-      acc = tuple(part.accumulate(a, s, lp.name, fixed, idx, shift=shift if r.travel else None)
+      hops = t - steps[n_step - 1] if n_step else 1
+      acc = tuple(part.accumulate(a, s, lp.name, fixed, idx,
+                                  shift=(lambda tree, h=hops: shift(tree, h)) if r.travel else None)
                   for part, r, a, s in zip(self.parts, rings, acc, sub))
       current = nxt
+    if steps[-1] < n - 1:  # travelling partial outputs go on to their owners
+      acc = tuple(shift(a, n - 1 - steps[-1]) if r.travel else a for r, a in zip(rings, acc))
     return acc
 
   def _leaf(self, env, fixed):
@@ -188,8 +198,8 @@ def joint_problem(first, others) -> str | None:
         return f"buffer {b} is laid out differently in {s.program.name}"
     if serial(s) != serial(first):
       return f"serial loops {serial(s)} of {s.program.name} differ from {serial(first)}"
-    if {k: (r.buffers, r.level, r.size) for k, r in p.rings.items()} != {
-        k: (r.buffers, r.level, r.size) for k, r in p0.rings.items()}:
+    if {k: (r.buffers, r.level, r.size, r.distances) for k, r in p.rings.items()} != {
+        k: (r.buffers, r.level, r.size, r.distances) for k, r in p0.rings.items()}:
       return f"the rings of {s.program.name} move other buffers"
     if (s.zigzags, s.factors, s.padded) != (first.zigzags, first.factors, first.padded):
       return f"{s.program.name} tiles, pads or orders its axes differently"

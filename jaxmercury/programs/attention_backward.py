@@ -10,8 +10,9 @@ others (FlashAttention-2's backward):
 ``dq`` reduces over keys (the forward's loop structure), ``dk`` and ``dv``
 over queries: two programs over the same axes, so a forward schedule's trace
 replays onto both (see ``jaxmercury.schedules.dual``). Probabilities are
-recomputed from ``lse``, never stored; causal block pairs that are wholly
-masked are skipped.
+recomputed from ``lse``, never stored; block pairs that the mask hides wholly
+are skipped. A masked program's backward programs read its mask's buffers
+too, after ``lse``.
 """
 
 import functools
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 
 from jaxmercury.ir.dsl import Axis, grid, match_buffer
 from jaxmercury.ir.reductions import LogSumExp, Sum
-from jaxmercury.programs.attention import skip_if_hidden
+from jaxmercury.programs.attention import mask_buffers, skip_if_hidden
+from jaxmercury.programs.masks import AttentionMask, mask_of
 
 
 def _axes(p):
@@ -31,57 +33,61 @@ def _axes(p):
   return b, hk, g, i, j, d
 
 
-def _probabilities(ctx, q, k, lse, causal):
+def _probabilities(ctx, q, k, lse, extras, mask):
   scale = 1.0 / math.sqrt(q.shape[-1])
   s = jnp.einsum("bihgd,bjhd->bihgj", q, k, preferred_element_type=jnp.float32) * scale
-  mask = ctx.valid("j")[None, :] & ctx.valid("i")[:, None]
-  if causal:
-    mask = mask & (ctx.positions("i")[:, None] >= ctx.positions("j")[None, :])
-  mask = mask[None, :, None, None, :]
+  keep = mask.keep(ctx, extras, "bihgj", valid_queries=True)
   safe = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
-  return jnp.where(mask, jnp.exp(s - safe), 0.0), scale
+  return jnp.where(keep, jnp.exp(s - safe), 0.0), scale
 
 
-def _scores_grad(ctx, q, k, v, o, do, lse, causal):
-  p, scale = _probabilities(ctx, q, k, lse, causal)
+def _scores_grad(ctx, q, k, v, o, do, lse, extras, mask):
+  p, scale = _probabilities(ctx, q, k, lse, extras, mask)
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
   dp = jnp.einsum("bihgd,bjhd->bihgj", do, v, preferred_element_type=jnp.float32)
   return p, p * (dp - delta[..., None]), scale
 
 
 def _skipping(block):
-  """Runs ``block`` unless causal masking hides the whole block pair (then zeros)."""
+  """Runs ``block`` unless the mask hides the whole block pair (then zeros): by its positions, or by its data."""
   @functools.wraps(block)
-  def run(ctx, *blocks, causal):
-    if not causal:
-      return block(ctx, *blocks, causal=False)
-    shapes = jax.eval_shape(lambda *x: block(ctx, *x, causal=True), *blocks)
-    return skip_if_hidden(ctx, functools.partial(block, causal=True),
-                          lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), *blocks)
+  def run(ctx, q, k, v, o, do, lse, *extras, causal: bool = False, mask: AttentionMask | None = None):
+    mask = mask if mask is not None else AttentionMask(causal=causal)
+    blocks = (q, k, v, o, do, lse) + extras
+    compute = lambda ctx, *x: block(ctx, *x[:6], x[6:], mask)
+    if not (mask.positional or mask.data):
+      return compute(ctx, *blocks)
+    shapes = jax.eval_shape(lambda *x: compute(ctx, *x), *blocks)
+    zeros = lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if mask.data:
+      skip = ~jnp.any(mask.keep(ctx, extras))
+      return jax.lax.cond(skip, zeros, lambda *x: compute(ctx, *x), *blocks)
+    return skip_if_hidden(ctx, compute, zeros, *blocks, mask=mask)
   return run
 
 
 @_skipping
-def dq_block(ctx, q, k, v, o, do, lse, *, causal):
-  """dq [b, i, hk, g, d] of one block pair, float32."""
-  _, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
+def dq_block(ctx, q, k, v, o, do, lse, extras, mask):
+  """dq [b, i, hk, g, d] of one block pair, float32 (called as ``dq_block(ctx, q, k, v, o, do, lse, *extras,
+  causal=..., mask=...)``)."""
+  _, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, extras, mask)
   return jnp.einsum("bihgj,bjhd->bihgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
 
 @_skipping
-def dkv_block(ctx, q, k, v, o, do, lse, *, causal):
+def dkv_block(ctx, q, k, v, o, do, lse, extras, mask):
   """[dk, dv] stacked as [b, j, hk, 2, d] for one block pair, float32."""
-  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
+  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, extras, mask)
   dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
   dv = jnp.einsum("bihgj,bihgd->bjhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
   return jnp.stack([dk, dv], axis=3)
 
 
 @_skipping
-def dq_dkv_block(ctx, q, k, v, o, do, lse, *, causal):
+def dq_dkv_block(ctx, q, k, v, o, do, lse, extras, mask):
   """``(dq_block(...), dkv_block(...))`` from one computation of the block pair's probabilities: the body of the
   dq and dk-dv programs run in one nest (``lowering.lower.lower_joint``)."""
-  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, causal)
+  p, ds, scale = _scores_grad(ctx, q, k, v, o, do, lse, extras, mask)
   dq = jnp.einsum("bihgj,bjhd->bihgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
   dk = jnp.einsum("bihgj,bihgd->bjhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
   dv = jnp.einsum("bihgj,bihgd->bjhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
@@ -93,12 +99,14 @@ def _backward_buffers(p, dtype):
   reads = (match_buffer("q", (b, i, (hk, g), d), dtype), match_buffer("k", (b, j, hk, d), dtype),
            match_buffer("v", (b, j, hk, d), dtype), match_buffer("o", (b, i, (hk, g), d), dtype),
            match_buffer("do", (b, i, (hk, g), d), dtype), match_buffer("lse", (b, i, (hk, g)), jnp.float32))
-  return (b, hk, g, i, j, d), reads
+  extras = mask_buffers(mask_of(p), dict(b=b, hk=hk, g=g, i=i, j=j))
+  return (b, hk, g, i, j, d), reads + extras
 
 
 def _flops(p, matmuls):
-  return 2.0 * matmuls * p["batch"] * p["heads"] * p["q_len"] * p["kv_len"] * p["head_dim"] * (
-      0.5 if p["causal"] else 1.0)
+  mask = mask_of(p)
+  return 2.0 * matmuls * p["batch"] * p["heads"] * p["q_len"] * p["kv_len"] * p["head_dim"] * mask.kept_share(
+      p["q_len"], p["kv_len"])
 
 
 def attention_with_lse(program):
@@ -120,7 +128,7 @@ def attention_dq(program):
   (b, hk, g, i, j, d), reads = _backward_buffers(p, dtype)
   out = match_buffer("dq", (b, i, (hk, g), d), jnp.float32)
   return grid((b, hk, g, i, j), "ssssr", reads=reads, writes=out,
-              body=functools.partial(dq_block, causal=p["causal"]), reduction=Sum(),
+              body=functools.partial(dq_block, mask=mask_of(p)), reduction=Sum(),
               name=f"{program.name} dq", pattern="attention_dq", params={**p, "grad": "dq"},
               flops=_flops(p, 3), workspace=lambda s: 3 * program.workspace(s),
               statement="dq[b, i, hk*g] += ds(b, i, j) k[b, j, hk]")
@@ -133,7 +141,7 @@ def attention_dkv(program):
   two = Axis("kv", 2)
   out = match_buffer("dkv", (b, j, hk, two, d), jnp.float32)
   return grid((b, hk, j, g, i), "sssrr", reads=reads, writes=out,
-              body=functools.partial(dkv_block, causal=p["causal"]), reduction=Sum(),
+              body=functools.partial(dkv_block, mask=mask_of(p)), reduction=Sum(),
               name=f"{program.name} dk dv", pattern="attention_dkv", params={**p, "grad": "dkv"},
               flops=_flops(p, 4), workspace=lambda s: 3 * program.workspace(s),
               statement="dk, dv[b, j, hk] += ds^T q, p^T do over i, g")

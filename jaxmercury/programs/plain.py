@@ -8,7 +8,8 @@ whole arrays with the program's own shapes and dtypes.
 
 - matmul: ``jnp.dot(a, b, preferred_element_type=<the output's dtype>)``;
 - attention: ``jax.nn.dot_product_attention``, with cuDNN on GPUs for
-  half-precision inputs, with XLA otherwise;
+  half-precision inputs (causal masks and causal windows), with XLA otherwise
+  (a window, segment ids or a mask array passed as one boolean mask);
 - any other program: its ``reference`` (the loop nest run whole).
 """
 
@@ -20,6 +21,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxmercury.programs.masks import mask_of
 
 XLA, CUDNN = "xla", "cudnn"
 IMPLEMENTATION_LABELS = {XLA: "XLA", CUDNN: "cuDNN"}
@@ -56,8 +59,18 @@ def _dot(program):
 
 def _attention(implementation: str):
   def make(program):
-    causal = bool(program.params["causal"])
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+    mask = mask_of(program.params)
+    if implementation == CUDNN or mask.kinds <= {"causal"}:
+      return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal,
+                                                          local_window_size=mask.window,
+                                                          implementation=implementation)
+
+    def masked(q, k, v, *extras):  # the mask as one boolean array; rows that keep no key give zeros, as programs do
+      keep = mask.dense_keep(q.shape[1], k.shape[1], extras)
+      out = jax.nn.dot_product_attention(q, k, v, mask=keep, implementation=implementation)
+      rows = jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))[..., None]  # [b or 1, q_len, heads or 1, 1]
+      return jnp.where(rows, out, jnp.zeros((), out.dtype))
+    return masked
   return make
 
 
@@ -66,6 +79,11 @@ def _cudnn_why_not(program, platform: str) -> str | None:
     return f"cuDNN attention runs on GPUs, not {platform}"
   if program.writes.dtype not in HALF:
     return f"cuDNN attention takes bfloat16 or float16, not {program.writes.dtype}"
+  mask = mask_of(program.params)
+  if mask.data:
+    return f"the plain cuDNN attention here takes causal masks and windows, not {mask.describe()}"
+  if mask.window is not None and not (mask.causal and mask.window[1] == 0):
+    return f"cuDNN's sliding window is causal (a window (left, 0) with causal), not {mask.describe()}"
   return None
 
 

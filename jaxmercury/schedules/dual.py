@@ -145,10 +145,17 @@ def with_lse_schedule(schedule) -> Schedule:
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
     raise ScheduleError(f"{prog.name}: no backward programs for pattern {prog.pattern!r}")
   specs = _storage_specs(schedule)
-  q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
+  extras = _extras(prog)
   return replay(Schedule(ab.attention_with_lse(prog), schedule.mesh,
-                         in_shardings=[PartitionSpec(*x) for x in (q, k, v)], out_sharding=PartitionSpec(*o)),
-                _renamed(schedule.trace, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"]}, part=None))
+                         in_shardings=[PartitionSpec(*specs[n]) for n in ("q", "k", "v", *extras)],
+                         out_sharding=PartitionSpec(*specs["o"])),
+                _renamed(schedule.trace, {"q": ["q"], "k": ["k"], "v": ["v"], "o": ["olse"],
+                                          **{n: [n] for n in extras}}, part=None))
+
+
+def _extras(prog) -> tuple[str, ...]:
+  """The read buffers after q, k and v: the mask's (segment ids, a mask array)."""
+  return tuple(b.name for b in prog.reads[3:])
 
 
 def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = False
@@ -171,17 +178,20 @@ def attention_duals(schedule, workspace_bytes: int = 4 << 30, *, joint: bool = F
   prog = schedule.program
   specs = _storage_specs(schedule)
   q, k, v, o = (specs[n] for n in ("q", "k", "v", "o"))
+  extras = _extras(prog)
   rows = PartitionSpec(*o[:3])
-  backward_ins = [PartitionSpec(*x) for x in (q, k, v, o, o)] + [rows]
+  backward_ins = [PartitionSpec(*x) for x in (q, k, v, o, o)] + [rows] + [PartitionSpec(*specs[n]) for n in extras]
   mesh, steps = schedule.mesh, schedule.trace
   companions = ["o", "do", "lse"]
+  same = {n: [n] for n in extras}
   dq = replay(Schedule(ab.attention_dq(prog), mesh, in_shardings=backward_ins, out_sharding=PartitionSpec(*q)),
-              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"]}, part="dq"))
+              _renamed(steps, {"q": ["q"], "k": ["k"], "v": ["v"], "o": companions + ["dq"], **same}, part="dq"))
   unfitted = len(dq.trace)
   dq = fit_blocks(dq, workspace_bytes)
   dkv = replay(Schedule(ab.attention_dkv(prog), mesh, in_shardings=backward_ins,
                         out_sharding=PartitionSpec(k[0], k[1], k[2], None, k[3])),
-               _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions}, part="dkv"))
+               _renamed(steps, {"q": ["q"], "k": ["k", "dkv"], "v": ["v", "dkv"], "o": companions, **same},
+                        part="dkv"))
   if not joint:
     return forward, dq, fit_blocks(dkv, workspace_bytes)
   replay(dkv, dq.trace[unfitted:])

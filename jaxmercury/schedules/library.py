@@ -13,6 +13,7 @@ import math
 from jax.sharding import PartitionSpec
 
 from jaxmercury.errors import ScheduleError
+from jaxmercury.programs.masks import KV_SEGMENTS, band_pairs, mask_of
 from jaxmercury.schedules.schedule import Schedule
 
 
@@ -45,17 +46,31 @@ def _seq_spec(levels, dim):
   return PartitionSpec(*([None] * dim + [entry]))
 
 
+def _sequence_specs(program, levels) -> tuple:
+  """Each input stored split along its sequence axis (queries, else keys) over ``levels``: the caller layouts of
+  ``ulysses`` and ``usp``. A mask array with a query axis is split along it, with only a key axis along that."""
+  out = []
+  for b in program.reads:
+    axis = "i" if "i" in b.axes else "j" if "j" in b.axes else None
+    dim = next((n for n, d in enumerate(b.dims) if axis in [a.name for a in d]), None)
+    out.append(_seq_spec(levels, dim) if dim is not None else None)
+  return tuple(out)
+
+
 def attention_library(program, mesh) -> dict[str, Schedule]:
   levels = list(mesh.axis_names)
+  s_levels = dict(mesh.shape)
   out = {}
+  mask = mask_of(program.params)
 
   def ctx_parallel():
     s = Schedule(program, mesh)
     _pad_to_mesh(s, "j")
     par = split(s, "i", levels)
-    for buf in ("k", "v"):
-      for p in par:
-        s.shard(buf, p, axis="j")
+    for buf in ("k", "v", KV_SEGMENTS):
+      if buf in program.buffers:
+        for p in par:
+          s.shard(buf, p, axis="j")
     return s
 
   def ring():
@@ -66,8 +81,11 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     return s
 
   def ring_zigzag():
-    if not program.params.get("causal") or program.axes["i"].extent != program.axes["j"].extent:
+    if not mask.causal or program.axes["i"].extent != program.axes["j"].extent:
       raise ScheduleError("ring_zigzag balances causal self-attention")
+    if mask.window is not None and not _zigzag_pays(mask, program.axes["i"].extent, math.prod(s_levels.values())):
+      raise ScheduleError("ring_zigzag: with this window the busiest rank does no less work in zigzag order than "
+                          "in natural order; zigzag would only add ring steps")
     s = Schedule(program, mesh)
     chunks = 2 * math.prod(s.levels.values())
     s.zigzag("i", chunks).zigzag("j", chunks)
@@ -87,7 +105,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
 
   def ulysses():
     seq = _seq_spec(levels, 1)
-    s = Schedule(program, mesh, in_shardings=(seq,) * 3, out_sharding=seq)
+    s = Schedule(program, mesh, in_shardings=_sequence_specs(program, levels), out_sharding=seq)
     total = math.prod(s.levels.values())
     head = "hk" if program.axes["hk"].extent % total == 0 else "g"
     if program.axes[head].extent % total:
@@ -100,7 +118,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
       raise ScheduleError("usp needs a mesh of two levels")
     outer, inner = levels[0], levels[-1]
     seq = _seq_spec([outer, inner], 1)
-    s = Schedule(program, mesh, in_shardings=(seq,) * 3, out_sharding=seq)
+    s = Schedule(program, mesh, in_shardings=_sequence_specs(program, [outer, inner]), out_sharding=seq)
     head = "hk" if program.axes["hk"].extent % s.levels[inner] == 0 else "g"
     split(s, head, [inner])
     (p,) = split(s, "i", [outer])
@@ -112,6 +130,20 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
                       ("ulysses", ulysses), ("usp", usp), ("tree", tree)):
     _try(out, name, build)
   return out
+
+
+def _zigzag_pays(mask, length: int, devices: int) -> bool:
+  """Whether zigzag order gives the busiest of ``devices`` ranks less masked self-attention work than natural
+  order (a causal mask does; a window much shorter than the sequence does not: every rank's queries see a
+  window's worth of keys in either order)."""
+  if length % (2 * devices):
+    return False
+  chunk = length // (2 * devices)
+  work = lambda lo, hi: band_pairs((lo, hi), (0, length), mask.band)
+  natural = max(work(2 * r * chunk, 2 * (r + 1) * chunk) for r in range(devices))
+  zigzag = max(work(r * chunk, (r + 1) * chunk) + work((2 * devices - 1 - r) * chunk, (2 * devices - r) * chunk)
+               for r in range(devices))
+  return zigzag < natural
 
 
 def matmul_library(program, mesh) -> dict[str, Schedule]:

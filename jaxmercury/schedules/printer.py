@@ -7,6 +7,7 @@ from jaxmercury.analysis import placements
 from jaxmercury.ir.loops import PARALLEL, VECTOR
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
+from jaxmercury.programs.masks import mask_of
 
 
 def _layout(buf, layout) -> str:
@@ -41,11 +42,12 @@ def communication(schedule, plan) -> list[str]:
   for b in prog.reads:
     lines += [collective_text(b, c) for c in cl.steps(plan.storage[b.name], plan.resident[b.name])]
   for ring in plan.rings.values():
+    steps = f", {ring.size - ring.skipped} of {ring.size} steps" if ring.skipped else ""
     if ring.buffers:
       what = ", ".join(ring.buffers)
-      lines.append(f"Ring({what} over {ring.level} at loop {ring.loop}, ppermute overlapped)")
+      lines.append(f"Ring({what} over {ring.level} at loop {ring.loop}, ppermute overlapped{steps})")
     if ring.travel:
-      lines.append(f"Ring(partial {out.name} over {ring.level} at loop {ring.loop}, to its owner)")
+      lines.append(f"Ring(partial {out.name} over {ring.level} at loop {ring.loop}, to its owner{steps})")
   lines += [collective_text(out, c, red) for c in cl.reductions(plan.resident[out.name], plan.result)]
   lines += [collective_text(out, c) for c in cl.steps(plan.result, plan.storage[out.name])]
   return lines
@@ -59,6 +61,17 @@ def fused_summary(schedule) -> str:
   mode = " (Mosaic GPU interpret mode)" if placements.interprets(k, schedule) else ""
   return (f"lowered with {k.label(schedule.lowering_config)}{mode}: the whole nest runs as one fused kernel per "
           f"device, the ring over {level} inside it; gradients: {k.backward.description}\n  {k.description}")
+
+
+def _step_list(ring) -> str:
+  """The steps a ring runs, as ``0, 6-7``."""
+  runs, steps = [], ring.steps()
+  for t in steps:
+    if runs and runs[-1][1] == t - 1:
+      runs[-1][1] = t
+    else:
+      runs.append([t, t])
+  return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def render(schedule) -> str:
@@ -94,7 +107,11 @@ def render(schedule) -> str:
         ring = plan.rings[lp.name]
         head += f"  shift({lp.shifted_by}): visits ({lp.name} + rank {ring.level}"
         head += f" + 1) % {lp.extent}" if ring.offset else f") % {lp.extent}"
-    out.append(f"{'  ' * depth + head:<64}# {tag}")
+        if ring.skipped:
+          where = "window" if mask_of(prog.params).window is not None else "mask"
+          head += f"; skips {ring.skipped} of {lp.extent} steps outside the {where} (runs {_step_list(ring)})"
+    line = "  " * depth + head
+    out.append(f"{line:<64}# {tag}" if len(line) < 64 else f"{line}  # {tag}")
     depth += 1
   kernel = configs.label(schedule.kernel, schedule.kernel_config) if schedule.kernel else "xla"
   block = " ".join(vector) or "scalar"

@@ -43,6 +43,7 @@ from jaxmercury.kernels.placements import ALLGATHER
 from jaxmercury.kernels.registry import DualGemm
 from jaxmercury.kernels.work import Block
 from jaxmercury.lowering import storage_order
+from jaxmercury.programs.masks import mask_of
 from jaxmercury.schedules.dual import backward_schedule
 
 
@@ -193,7 +194,8 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
   (``TRANSPOSED``) or left out (None)."""
   prog, plan = schedule.program, schedule.plan()
   levels = schedule.levels
-  calls = math.prod(lp.extent for lp in schedule.loops if lp.role == SERIAL)
+  calls = math.prod(len(plan.rings[lp.name].steps()) if lp.shifted_by else lp.extent  # steps a mask hides: none
+                    for lp in schedule.loops if lp.role == SERIAL)
   compute = 0.0
   if work:
     compute = work * compute_seconds(schedule, machine, plan) + calls * machine.call_overhead_s
@@ -221,7 +223,7 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
                  for b in r.buffers)
     if r.travel:
       nbytes += state_bytes
-    ring += (r.size - 1) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
+    ring += r.transfers * (nbytes / machine.bandwidth(r.level) + machine.latency_s)  # steps a mask hides: none
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
 
 
@@ -267,13 +269,16 @@ def _sm_count(mesh, default: int = 132) -> int:
 
 
 def dense_flops(program) -> float:
-  """The program's flops with every loop point computed (programs count a causal mask's half only)."""
-  return program.flops / (0.5 if program.params.get("causal") else 1.0)
+  """The program's flops with every loop point computed (programs count a causal mask's half only, a sliding
+  window's pairs)."""
+  p = program.params
+  return program.flops / (mask_of(p).kept_share(p["q_len"], p["kv_len"]) if "q_len" in p else 1.0)
 
 
 def masked_axes(program) -> tuple[str, ...]:
-  """The loop axes whose block positions change a block's work: a causal program's query and key axes."""
-  if not program.params.get("causal"):
+  """The loop axes whose block positions change a block's work: the query and key axes of a program with a
+  positional mask (causal, sliding window)."""
+  if not mask_of(program.params).positional:
     return ()
   return tuple(a for a in ("i", "j") if a in program.kinds)
 
