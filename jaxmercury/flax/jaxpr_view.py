@@ -177,6 +177,27 @@ def _number(value):
     return None
 
 
+def bind(eqn, vals) -> list:
+  """``eqn``'s primitive applied to ``vals``, with the equation's parameters, context and source info: its
+  results as a list."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # older JAX: (subfuns, params)
+    subfuns, params = params
+    vals = (*subfuns, *vals)
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  with source_info_util.user_context(eqn.source_info.traceback), (ctx if ctx is not None else _nothing()):
+    outs = eqn.primitive.bind(*vals, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
 # ------------------------------------------------------------------ where an equation comes from
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np)) + (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
