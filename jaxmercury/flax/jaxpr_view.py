@@ -154,20 +154,56 @@ class View:
     return ref.aval if isinstance(ref, Lit) else ref[1].aval
 
   def scalar(self, ref: Ref):
-    """``ref``'s value when it is one number known before running (a literal, a scalar constant, or one
-    broadcast, reshaped or converted); else None."""
-    for _ in range(8):
-      if isinstance(ref, Lit):
-        return _number(ref.value)
-      if ref in self.consts:
-        c = self.consts[ref]
-        return _number(c) if np.size(c) == 1 and not isinstance(c, jax.core.Tracer) else None
-      site = self.producer(ref)
-      if site is None or site.primitive not in ("broadcast_in_dim", "reshape", "convert_element_type",
-                                                "squeeze", "expand_dims"):
-        return None
-      ref = site.ins[0]
-    return None
+    """``ref``'s value when it is one number known before running (computed from scalar literals and
+    constants alone, perhaps broadcast); else None."""
+    try:
+      value = self.evaluate(ref, limit=1)
+    except DependsOnInputs:
+      return None
+    value = np.asarray(value)
+    if value.size != 1 and (not value.size or any(value.strides)):
+      return None
+    return _number(value.reshape(-1)[:1])
+
+  def evaluate(self, ref: Ref, *, limit: int | None = None, cache: dict | None = None):
+    """``ref``'s concrete value, computed from its producers at trace time.
+
+    Raises:
+      DependsOnInputs: it depends on an input of the program (or on a value computed outside it), or, with
+        ``limit``, on an intermediate of more than ``limit`` elements other than a broadcast.
+    """
+    cache = {} if cache is None else cache
+    if isinstance(ref, Lit):
+      return ref.value
+    if ref in cache:
+      return cache[ref]
+    if ref in self.consts:
+      value = self.consts[ref]
+      if isinstance(value, jax.core.Tracer):
+        raise DependsOnInputs
+      cache[ref] = value
+      return value
+    site = self.producer(ref)
+    if site is None:
+      raise DependsOnInputs
+    if site.primitive == "broadcast_in_dim" and limit is not None:
+      value = np.asarray(self.evaluate(site.ins[0], limit=limit, cache=cache))
+      if value.size == 1 or not any(value.strides):  # one number, broadcast: a view, not a copy
+        cache[ref] = np.broadcast_to(value.reshape(-1)[:1].reshape(()), site.params["shape"])
+        return cache[ref]
+    if limit is not None and int(np.prod(self.aval(ref).shape)) > limit:
+      raise DependsOnInputs
+    vals = [self.evaluate(r, limit=limit, cache=cache) for r in site.ins]
+    with jax.ensure_compile_time_eval():
+      outs = bind(site.eqn, vals)
+    for r, v in zip(site.outs, outs):
+      if r is not None:
+        cache[r] = np.asarray(v)
+    return cache[ref]
+
+
+class DependsOnInputs(Exception):
+  """A value depends on the program's inputs: it is not known at trace time."""
 
 
 def _number(value):

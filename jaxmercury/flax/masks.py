@@ -19,10 +19,9 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
-from jaxmercury.flax.jaxpr_view import Lit, View, bind
+from jaxmercury.flax.jaxpr_view import DependsOnInputs, Lit, View
 
 LARGEST_EVALUATED = 1 << 26  # elements of a mask evaluated at trace time
 
@@ -61,10 +60,6 @@ def route(info: MaskInfo) -> dict | None:
   return None if build is None else build(info)
 
 
-class _Inputs(Exception):
-  """The value depends on an input of the program."""
-
-
 def _peel(view: View, ref, dims: tuple):
   """``ref`` (whose dims are ``dims`` of the logits) without the broadcasts and all-true conjunctions around it."""
   for _ in range(32):
@@ -86,30 +81,6 @@ def _peel(view: View, ref, dims: tuple):
     else:
       return ref, dims
   return ref, dims
-
-
-def _evaluate(view: View, ref, cache: dict):
-  """``ref``'s concrete value, computed from its producers; raises ``_Inputs`` where an input is reached."""
-  if isinstance(ref, Lit):
-    return ref.value
-  if ref in cache:
-    return cache[ref]
-  if ref in view.consts:
-    value = view.consts[ref]
-    if isinstance(value, jax.core.Tracer):
-      raise _Inputs
-    cache[ref] = value
-    return value
-  site = view.producer(ref)
-  if site is None:
-    raise _Inputs
-  vals = [_evaluate(view, r, cache) for r in site.ins]
-  with jax.ensure_compile_time_eval():
-    outs = bind(site.eqn, vals)
-  for r, v in zip(site.outs, outs):
-    if r is not None:
-      cache[r] = np.asarray(v)
-  return cache[ref]
 
 
 def _from_inputs(view: View, ref) -> MaskInfo:
@@ -142,8 +113,8 @@ def classify(view: View, preds: list, q_dim: int | None, k_dim: int, rank: int, 
     if size > LARGEST_EVALUATED:
       return MaskInfo("unknown", note=f"{size} elements, too large to inspect")
     try:
-      value = np.asarray(_evaluate(view, ref, {}), bool)
-    except _Inputs:
+      value = np.asarray(view.evaluate(ref), bool)
+    except DependsOnInputs:
       return _from_inputs(view, ref)
     if not keep:
       value = ~value

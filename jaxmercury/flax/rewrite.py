@@ -62,16 +62,15 @@ def _decide(view, match, routing) -> Decision:
   common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
   if m.kind == "attention":
     mask = m.mask.kind if m.mask is not None else ""
-    outside = _inside_custom(view, m)
-    reason = m.reason or outside
+    if m.layout:
+      nb1, ng, nd = m.layout["groups"]
+      q_shape, k_shape, v_shape = m.shapes
+      q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
+      k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
+      common["shapes"] = (q_std, k_std, _std_shape(v_shape, m.layout["v"], (1, 1, nb1, 1)))
+    reason = m.reason or _inside_custom(view, m)
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
-    nb1, ng, nd = m.layout["groups"]
-    q_shape, k_shape, _ = m.shapes
-    q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
-    k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
-    v_std = _std_shape(m.shapes[2], m.layout["v"], (1, 1, nb1, 1))
-    common["shapes"] = (q_std, k_std, v_std)
     operator = masks.route(m.mask)
     program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), operator.get("causal", False))
   else:
@@ -221,7 +220,7 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
 # ------------------------------------------------------------------ tracing a function
 def _split(args, kwargs):
   leaves, tree = jax.tree.flatten((args, kwargs))
-  dynamic = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  dynamic = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
   return leaves, tree, dynamic
 
 
