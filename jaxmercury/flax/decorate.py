@@ -23,7 +23,8 @@ from jaxmercury.flax.routes import AttentionFn, DotGeneral, Routing
 LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
 
 
-def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, **tune_options):
+def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, attention: bool = True,
+               linear: bool = True, **tune_options):
   """Runs the attention and GEMMs of a Flax NNX module or a JAX function as jaxmercury operators on ``mesh``.
 
   The target's program is traced (``jax.make_jaxpr``) at each call's shapes;
@@ -58,6 +59,8 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     mesh: the device mesh.
     database: a ``jaxmercury.Database``; None for the default file.
     tune: tune operators missing from the database.
+    attention: route attention.
+    linear: route GEMMs (linear layers, einsum projections).
     **tune_options: passed to ``jaxmercury.autotune`` when tuning;
       ``training=True`` (for a model being trained) uses, and tunes, the
       schedules of the fastest training step rather than of the forward.
@@ -66,7 +69,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     The instance (its calls routed; its state unchanged), a subclass whose
     instances route their calls, the routed function, or a decorator.
   """
-  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())))
+  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear)
 
   def apply(obj):
     if isinstance(obj, type):

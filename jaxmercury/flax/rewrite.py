@@ -68,13 +68,13 @@ def _decide(view, match, routing) -> Decision:
       q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
       k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
       common["shapes"] = (q_std, k_std, _std_shape(v_shape, m.layout["v"], (1, 1, nb1, 1)))
-    reason = m.reason or _inside_custom(view, m)
+    reason = m.reason or _inside_custom(view, m) or ("" if routing.attention else "attention not routed (asked)")
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
     operator = masks.route(m.mask)
     program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), operator.get("causal", False))
   else:
-    reason = m.reason or _inside_custom(view, m)
+    reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
     if not reason:
       mm, kk, nn = patterns.gemm_sizes(m)
       d = routing.devices
