@@ -92,18 +92,18 @@ def _producer(view, ref, name):
   return site if site is not None and site.primitive == name else None
 
 
-def _reaches_max(view, ref, logits, axes) -> list | None:
-  """The equations from ``ref`` back to ``reduce_max(logits, axes)`` (broadcasts, casts, stop_gradient, a
-  max with -inf); None when it is not that."""
+def _reaches_max(view, ref) -> list | None:
+  """The equations from ``ref`` back to a ``reduce_max`` over one axis (broadcasts, casts, transposes,
+  stop_gradient, a max with -inf), that reduce_max last; None when it is not that."""
   chain = []
-  for _ in range(8):
+  for _ in range(10):
     site = view.producer(ref)
     if site is None:
       return None
     chain.append(site)
     if site.primitive == "reduce_max":
-      return chain if site.ins[0] == logits and tuple(site.params["axes"]) == axes else None
-    if site.primitive in ("broadcast_in_dim", "stop_gradient", "reshape", *_PASS):
+      return chain if len(site.params["axes"]) == 1 else None
+    if site.primitive in ("broadcast_in_dim", "stop_gradient", "reshape", "transpose", *_PASS):
       ref = site.ins[0]
     elif site.primitive == "max":
       other = [r for r in site.ins if view.scalar(r) is None]
@@ -116,21 +116,18 @@ def _reaches_max(view, ref, logits, axes) -> list | None:
 
 
 def _softmax(view, exp):
-  """``(logits, axis, probs, sites)`` when ``exp`` is a softmax's exponential over one axis; else None."""
+  """``(logits, axis, probs, sites)`` when ``exp`` is a softmax's exponential over one axis; else None.
+
+  The maximum may be taken over the logits before a transpose (XLA's ``jax.nn.softmax`` of a transposed
+  array): the transpose must bring the maximum's axis to the sum's."""
   sub = view.producer(exp.ins[0])
   if sub is None or sub.primitive != "sub":
     return None
   logits = sub.ins[0]
-  rmax = None
-  for cand in view.consumers(logits):
-    if cand.primitive == "reduce_max" and len(cand.params["axes"]) == 1:
-      rmax = cand
-  if rmax is None:
-    return None
-  axes = tuple(rmax.params["axes"])
-  to_max = _reaches_max(view, sub.ins[1], logits, axes)
+  to_max = _reaches_max(view, sub.ins[1])
   if to_max is None:
     return None
+  rmax = to_max[-1]
   e = exp.outs[0]
   for div in view.consumers(e):
     if div.primitive != "div" or div.ins[0] != e:
@@ -142,9 +139,17 @@ def _softmax(view, exp):
         break
       chain.append(site)
       if site.primitive == "reduce_sum":
-        if site.ins[0] == e and tuple(site.params["axes"]) == axes:
-          return logits, axes[0], div.outs[0], (sub, exp, div, *to_max, *chain)
-        break
+        axes = tuple(site.params["axes"])
+        if site.ins[0] != e or len(axes) != 1:
+          break
+        if rmax.ins[0] != logits:
+          t = view.producer(logits)
+          if t is None or t.primitive != "transpose" or t.ins[0] != rmax.ins[0] \
+              or t.params["permutation"][axes[0]] != rmax.params["axes"][0]:
+            break
+        elif tuple(rmax.params["axes"]) != axes:
+          break
+        return logits, axes[0], div.outs[0], (sub, exp, div, *to_max, *chain)
       if site.primitive not in ("broadcast_in_dim", "reshape", *_PASS):
         break
       ref = site.ins[0]
@@ -235,16 +240,15 @@ def _attention(view, exp) -> Match | None:
   ref, cast = probs, []
   while True:
     users = view.consumers(ref)
-    if len(users) != 1 or view.is_output(ref):
-      return None
-    if users[0].primitive in _PASS:
+    if len(users) == 1 and users[0].primitive in _PASS:
       cast.append(users[0])
       ref = users[0].outs[0]
       continue
-    pv = users[0]
+    dots = [u for u in users if u.primitive == "dot_general"]
+    if len(dots) != 1:
+      return None
+    pv = dots[0]
     break
-  if pv.primitive != "dot_general":
-    return None
   (pc0, pc1), (pb0, pb1) = pv.params["dimension_numbers"]
   pi = 0 if pv.ins[0] == ref else 1
   if pv.ins[1 - pi] == ref:
