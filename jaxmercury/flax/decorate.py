@@ -1,10 +1,14 @@
-"""``distribute``: route a Flax NNX module's attention and linear layers through jaxmercury.
+"""``distribute`` and ``explain``: route a Flax NNX module's or a JAX function's attention and GEMMs through
+jaxmercury operators, and report what was routed.
 
-Applied to a module instance it rewires the instance (and every submodule)
-in place; applied to a module class it returns a subclass whose instances are
-rewired as they are built. Only static attributes change (``attention_fn``,
-``dot_general``): the parameters, their values and the state pytree stay
-what they were, and so do the results, up to floating-point rounding.
+Applied to a function, ``distribute`` returns it routed (``rewrite.route``);
+applied to a module class, a subclass whose ``__call__`` runs the class's own
+``__call__`` as a function of the module's state (``nnx.split``/``merge``),
+routed, and writes the state back; applied to an instance, the instance with
+its class replaced by that subclass. The parameters, their values and the
+state pytree stay what they were, and so do the results, up to
+floating-point rounding. ``rewire`` installs the older hooks (``AttentionFn``,
+``DotGeneral``) on a module's attributes instead.
 """
 
 from __future__ import annotations
