@@ -206,3 +206,12 @@ def test_explain_needs_a_mesh_or_a_routed_target():
     jm.explain(lambda x: x @ x, jnp.ones((8, 8)))
   with pytest.raises(TypeError, match="instance"):
     jm.explain(rm.Decoder, jnp.ones((2, 8), jnp.int32), mesh=make_mesh("8"))
+
+
+def test_contractions_in_loop_bodies_are_listed():
+  def scanned(x, ws):
+    return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+
+  report = _explain(scanned, (16, 16), (3, 16, 16))
+  assert [(e.kind, e.routed, e.reason, e.shapes) for e in report] == [
+      ("matmul", False, "inside a scan body (not rewritten)", ((16, 16), (16, 16)))]

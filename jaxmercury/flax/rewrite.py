@@ -72,7 +72,7 @@ def _decide(view, match, routing) -> Decision:
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
     operator = masks.route(m.mask)
-    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), operator.get("causal", False))
+    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator)
   else:
     reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
     if not reason:
