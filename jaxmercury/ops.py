@@ -6,13 +6,16 @@ otherwise take the winner tuned for the nearest other sizes of the same
 operator on the same mesh (``Database.nearest``: each size within a factor
 of 4, replayed on these sizes), else a sensible library strategy with the
 preferred local kernel that applies (``registry.default_kernel``: cuDNN or
-Mosaic GPU flash attention on GPUs).
+Mosaic GPU flash attention on GPUs). A stored winner may be a plain program
+(``tuner.plain.PlainProgram``: where no schedule beat what a user would run
+anyway); it compiles and runs like a schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 
 import jax
@@ -26,6 +29,7 @@ from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.tuner.autotuner import autotune
 from jaxmercury.tuner.database import FORWARD, TRAINING, Database
+from jaxmercury.tuner.plain import PlainProgram, is_plain, runnable_from_json
 
 DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter")}
 
@@ -41,7 +45,7 @@ class Choice:
       winner tuned for the nearest other sizes) or ``"default"`` (a library strategy).
   """
 
-  schedule: Schedule
+  schedule: Schedule | PlainProgram
   name: str
   origin: str
 
@@ -55,14 +59,15 @@ class Choice:
 def choose(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Choice:
   """The schedule an operator uses and its origin: stored winner, else tuned (if asked), else the nearest sizes'
   winner, else a default. With ``training=True`` among ``tune_options``, the winners are those tuned for a
-  training step (``autotune(training=True)``)."""
+  training step (``autotune(training=True)``). A winner may be a plain program (``PlainProgram``), which compiles
+  as a schedule does."""
   db = database if database is not None else Database()
   objective = TRAINING if tune_options.get("training") else FORWARD
   found = db.lookup_record(program, mesh, objective=objective)
   if found is not None:
     return Choice(found.winner.schedule, found.winner.name, "database")
   if tune:
-    result = autotune(program, mesh, database=db, **tune_options)
+    result = _outside_traces(lambda: autotune(program, mesh, database=db, **tune_options))
     if result.best is not None:
       return Choice(result.best.schedule, result.best.name, "tuned")
   near = db.nearest(program, mesh, objective=objective)
@@ -77,9 +82,30 @@ def choose(program, mesh, *, database=None, tune: bool = False, **tune_options) 
   return Choice(schedule.patch(kernel) if kernel else schedule, label, "default")
 
 
-def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
+def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule | PlainProgram:
   """The schedule an operator uses (``choose``, without its origin)."""
   return choose(program, mesh, database=database, tune=tune, **tune_options).schedule
+
+
+def _outside_traces(fn):
+  """``fn()``; while a model is being traced (under ``jax.jit``), in a thread of its own: JAX's trace state is per
+  thread, so that the tuner's arrays are real arrays there, not the trace's."""
+  if not isinstance(jnp.zeros(()), jax.core.Tracer):
+    return fn()
+  outcome = {}
+
+  def run():
+    try:
+      outcome["value"] = fn()
+    except BaseException as e:  # re-raised in the caller's thread
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, name="jaxmercury-tune", daemon=True)
+  thread.start()
+  thread.join()
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +125,12 @@ class Prepared:
 
 @functools.lru_cache(maxsize=64)
 def _prepared(trace: str, program, mesh) -> Prepared:
-  schedule = Schedule.from_json(program, mesh, trace)
-  plan = schedule.plan()
-  return Prepared(schedule.compile(), tuple(plan.user_spec(b.name) for b in program.reads),
-                  types.output_spec(schedule))
+  runnable = runnable_from_json(program, mesh, trace)
+  if is_plain(runnable):
+    return Prepared(runnable.compile(), tuple(runnable.in_shardings), runnable.out_sharding)
+  plan = runnable.plan()
+  return Prepared(runnable.compile(), tuple(plan.user_spec(b.name) for b in program.reads),
+                  types.output_spec(runnable))
 
 
 def prepare(program, mesh, *, schedule=None, database=None, tune: bool = False, **tune_options) -> Prepared:
