@@ -215,3 +215,13 @@ def test_contractions_in_loop_bodies_are_listed():
   report = _explain(scanned, (16, 16), (3, 16, 16))
   assert [(e.kind, e.routed, e.reason, e.shapes) for e in report] == [
       ("matmul", False, "inside a scan body (not rewritten)", ((16, 16), (16, 16)))]
+
+
+def test_bfloat16_attention_is_routed():
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # logits cast to float32 inside
+  q = jax.random.normal(fresh_key(), (2, 16, 4, 8), jnp.bfloat16)
+  k, v = (jax.random.normal(fresh_key(), (2, 16, 2, 8), jnp.bfloat16) for _ in range(2))
+  routed = jm.distribute(f, mesh=make_mesh("8"))
+  assert [(e.kind, e.routed) for e in jm.explain(routed, q, k, v)] == [("attention", True)]
+  got = jax.jit(routed)(q, k, v)
+  assert got.dtype == jnp.bfloat16 and rel_err(got, f(q, k, v)) < 2e-2
