@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sqlite3
+import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -175,6 +176,7 @@ class Database:
     self.path = path or default_path()
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     self.set_aside: str | None = None  # where a corrupted file was moved, if one was
+    self._lock = threading.RLock()
     try:
       self._conn = self._connect()
     except sqlite3.DatabaseError as e:
@@ -190,7 +192,9 @@ class Database:
   def _connect(self) -> sqlite3.Connection:
     path = os.fspath(self.path)
     self._inode = _inode(path)
-    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
+    # one connection for every thread (a tune started while a model is traced runs in a thread of its own),
+    # each statement under the lock
+    conn = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
     try:
       conn.execute("PRAGMA journal_mode=WAL")
       check = conn.execute("PRAGMA quick_check").fetchone()
@@ -224,17 +228,19 @@ class Database:
 
   def _write(self, sql: str, params: tuple):
     """One statement in one ``BEGIN IMMEDIATE`` transaction (waits for other writers)."""
-    self._conn.execute("BEGIN IMMEDIATE")
-    try:
-      self._conn.execute(sql, params)
-    except BaseException:
-      self._conn.execute("ROLLBACK")
-      raise
-    self._conn.execute("COMMIT")
+    with self._lock:
+      self._conn.execute("BEGIN IMMEDIATE")
+      try:
+        self._conn.execute(sql, params)
+      except BaseException:
+        self._conn.execute("ROLLBACK")
+        raise
+      self._conn.execute("COMMIT")
 
   def _read(self, sql: str, params: tuple) -> list:
     try:
-      return self._conn.execute(sql, params).fetchall()
+      with self._lock:
+        return self._conn.execute(sql, params).fetchall()
     except sqlite3.DatabaseError as e:
       warnings.warn(f"tuning database {os.fspath(self.path)} could not be read ({e}); treating it as empty",
                     RuntimeWarning, stacklevel=3)
