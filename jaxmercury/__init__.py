@@ -14,7 +14,7 @@ from jaxmercury.errors import (
                                UnknownLevelError,
                                UnknownNameError,
 )
-from jaxmercury.flax import distribute
+from jaxmercury.flax import distribute, explain
 from jaxmercury.ir import Axis, BlockContext, Buffer, LogSumExp, Program, Reduction, Sum, grid, match_buffer
 from jaxmercury.schedules import Schedule, library, validate
 from jaxmercury.tuner import Database, TuneInterrupted, autotune
@@ -24,5 +24,5 @@ __all__ = [
     "LogSumExp", "MeshError",
     "PreconditionError", "Program", "ProgramError", "Reduction", "Schedule", "ScheduleError", "Sum", "TraceError",
     "UnknownLevelError", "UnknownNameError", "grid", "library", "match_buffer", "ops", "programs", "schedules",
-    "tuner", "validate", "distribute", "graph", "kernels", "__version__", "MaskError",
+    "tuner", "validate", "distribute", "explain", "graph", "kernels", "__version__", "MaskError",
 ]

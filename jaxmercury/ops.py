@@ -34,27 +34,57 @@ from jaxmercury.tuner.plain import PlainProgram, is_plain, runnable_from_json
 DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter")}
 
 
-def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule | PlainProgram:
-  """The schedule an operator uses: stored winner, else tuned (if asked), else the nearest sizes' winner, else a
-  default. With ``training=True`` among ``tune_options``, the winners are those tuned for a training step
-  (``autotune(training=True)``). A winner may be a plain program (``PlainProgram``), which compiles as a
-  schedule does."""
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The schedule an operator uses, and where it came from.
+
+  Attributes:
+    schedule: the schedule.
+    name: a short name for display (the strategy, its kernel, the sizes it was tuned at).
+    origin: ``"database"`` (the winner stored for these sizes), ``"tuned"`` (tuned now), ``"nearest"`` (the
+      winner tuned for the nearest other sizes) or ``"default"`` (a library strategy).
+  """
+
+  schedule: Schedule | PlainProgram
+  name: str
+  origin: str
+
+  @property
+  def reason(self) -> str:
+    """The origin in words."""
+    return {"database": "database hit", "tuned": "tuned", "nearest": "nearest sizes' winner",
+            "default": "default (nothing tuned near these sizes)"}[self.origin]
+
+
+def choose(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Choice:
+  """The schedule an operator uses and its origin: stored winner, else tuned (if asked), else the nearest sizes'
+  winner, else a default. With ``training=True`` among ``tune_options``, the winners are those tuned for a
+  training step (``autotune(training=True)``). A winner may be a plain program (``PlainProgram``), which compiles
+  as a schedule does."""
   db = database if database is not None else Database()
   objective = TRAINING if tune_options.get("training") else FORWARD
-  found = db.lookup(program, mesh, objective=objective)
+  found = db.lookup_record(program, mesh, objective=objective)
   if found is not None:
-    return found
+    return Choice(found.winner.schedule, found.winner.name, "database")
   if tune:
     result = _outside_traces(lambda: autotune(program, mesh, database=db, **tune_options))
     if result.best is not None:
-      return result.best.schedule
+      return Choice(result.best.schedule, result.best.name, "tuned")
   near = db.nearest(program, mesh, objective=objective)
   if near is not None:
-    return near.schedule
+    tuned_at = ", ".join(f"{k}={v}" for k, v in near.params.items() if v != program.params.get(k))
+    return Choice(near.schedule, f"{near.name} (tuned at {tuned_at})", "nearest")
   lib = library(program, mesh)
-  schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
+  name = next((n for n in DEFAULTS.get(program.pattern, ()) if n in lib), None)
+  schedule = lib[name] if name is not None else Schedule(program, mesh)
   kernel = registry.default_kernel(program, mesh)
-  return schedule.patch(kernel) if kernel else schedule
+  label = (name or "local") + (f" [{kernel}]" if kernel not in (None, "xla") else "")
+  return Choice(schedule.patch(kernel) if kernel else schedule, label, "default")
+
+
+def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule | PlainProgram:
+  """The schedule an operator uses (``choose``, without its origin)."""
+  return choose(program, mesh, database=database, tune=tune, **tune_options).schedule
 
 
 def _outside_traces(fn):
@@ -103,10 +133,11 @@ def _prepared(trace: str, program, mesh) -> Prepared:
                   types.output_spec(runnable))
 
 
-def prepare(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Prepared:
-  """``program`` compiled by the schedule ``schedule_for`` picks, with the layouts at its edges: what a caller
-  continuing from it under Auto mesh axes needs to know, since arrays' types do not say."""
-  schedule = schedule_for(program, mesh, database=database, tune=tune, **tune_options)
+def prepare(program, mesh, *, schedule=None, database=None, tune: bool = False, **tune_options) -> Prepared:
+  """``program`` compiled by ``schedule`` (None: the one ``schedule_for`` picks), with the layouts at its edges:
+  what a caller continuing from it under Auto mesh axes needs to know, since arrays' types do not say."""
+  if schedule is None:
+    schedule = schedule_for(program, mesh, database=database, tune=tune, **tune_options)
   return _prepared(schedule.to_json(), program, mesh)
 
 

@@ -30,14 +30,12 @@ def test_distribute_keeps_parameters_for_instances_and_classes(tmp_path):
     assert jax.tree.structure(nnx.state(other)) == jax.tree.structure(nnx.state(plain))
     for a, b in zip(_state_leaves(other), _state_leaves(plain)):
       np.testing.assert_array_equal(a, b)
-    block = other.blocks[0]
-    assert isinstance(block.attention.attention_fn, AttentionFn)
-    assert block.attention.attention_fn.fallback is models.llama.attend
-    assert isinstance(block.mlp.w_up.dot_general, DotGeneral)
-    assert block.mlp.w_up.dot_general.fallback is jax.lax.dot_general
-  # rewiring twice keeps the original fallbacks
+  assert isinstance(routed, models.Llama) and type(routed).jaxmercury_base is models.Llama
+  # distributing twice routes once, from the original class
   again = jm.distribute(routed, mesh=mesh)
-  assert again.blocks[0].attention.attention_fn.fallback is models.llama.attend
+  assert type(again).jaxmercury_base is models.Llama and type(again).__mro__[1] is models.Llama
+  report = jm.explain(routed, models.random_tokens(fresh_key(), 2, 16, config.vocab)[:, :-1])
+  assert len(report.of_kind("attention")) == config.layers and all(e.routed for e in report)
   with pytest.raises(TypeError, match="nnx.Module"):
     jm.distribute(object(), mesh=mesh)
 
@@ -86,8 +84,10 @@ def test_multihead_attention_and_linear_general_are_routed(tmp_path):
                                   rngs=nnx.Rngs(1))
 
   plain, routed = build(), jm.distribute(build(), mesh=mesh, database=db)
-  assert isinstance(routed.query.dot_general, DotGeneral) and isinstance(routed.out.dot_general, DotGeneral)
   x = jax.random.normal(fresh_key(), (2, 16, 32))
+  report = jm.explain(routed, x, is_causal=True)
+  assert [(e.kind, e.routed, e.mask) for e in report] == [("matmul", True, "")] * 3 + [
+      ("attention", True, "causal"), ("matmul", True, "")]
   want = plain(x, is_causal=True)
   got = jax.jit(lambda s, x: nnx.merge(nnx.graphdef(routed), s)(x, is_causal=True))(nnx.state(routed), x)
   assert rel_err(got, want) < 1e-5
@@ -150,11 +150,16 @@ def test_routes_pass_database_and_tuning_options(monkeypatch, tmp_path):
     return nnx.dot_product_attention(q, k, v, is_causal=kwargs["causal"])
 
   monkeypatch.setattr(ops, "attention", spy)
+  monkeypatch.setattr(ops, "choose", lambda prog, mesh, **kw: seen.update(chosen=kw) or ops.Choice(
+      jm.library(prog, mesh)["ring"], "ring", "default"))
   layer = jm.distribute(nnx.MultiHeadAttention(num_heads=8, in_features=32, decode=False, rngs=nnx.Rngs(0)),
                         mesh=mesh, database=db, tune=True, top_k=2, iters=3, linear=False)
   layer(jnp.ones((1, 16, 32)), is_causal=True)
+  assert seen.pop("chosen") == {"database": db, "tune": True, "top_k": 2, "iters": 3}
   assert seen == {"mesh": mesh, "causal": True, "database": db, "tune": True, "top_k": 2, "iters": 3}
-  assert not isinstance(layer.query.dot_general, DotGeneral)
+  report = jm.explain(layer, jnp.ones((1, 16, 32)), is_causal=True)
+  assert [e.routed for e in report.of_kind("matmul")] == [False] * 4
+  assert report.of_kind("matmul")[0].reason == "matmuls not routed (asked)"
 
 
 def test_linen_layers_take_the_routes(tmp_path):

@@ -1,6 +1,9 @@
-"""Flax NNX integration: ``distribute`` routes a module's attention and linear layers through jaxmercury."""
+"""Flax NNX and JAX integration: ``distribute`` routes the attention and GEMMs of a module or function through
+jaxmercury operators, ``explain`` reports what it routes."""
 
-from jaxmercury.flax.decorate import distribute, replicate_state, rewire
+from jaxmercury.flax.decorate import distribute, explain, replicate_state, rewire
+from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import AttentionFn, DotGeneral, Routing
 
-__all__ = ["AttentionFn", "DotGeneral", "Routing", "distribute", "replicate_state", "rewire"]
+__all__ = ["AttentionFn", "DotGeneral", "Entry", "Report", "Routing", "distribute", "explain", "replicate_state",
+           "rewire"]

@@ -1,10 +1,14 @@
-"""``distribute``: route a Flax NNX module's attention and linear layers through jaxmercury.
+"""``distribute`` and ``explain``: route a Flax NNX module's or a JAX function's attention and GEMMs through
+jaxmercury operators, and report what was routed.
 
-Applied to a module instance it rewires the instance (and every submodule)
-in place; applied to a module class it returns a subclass whose instances are
-rewired as they are built. Only static attributes change (``attention_fn``,
-``dot_general``): the parameters, their values and the state pytree stay
-what they were, and so do the results, up to floating-point rounding.
+Applied to a function, ``distribute`` returns it routed (``rewrite.route``);
+applied to a module class, a subclass whose ``__call__`` runs the class's own
+``__call__`` as a function of the module's state (``nnx.split``/``merge``),
+routed, and writes the state back; applied to an instance, the instance with
+its class replaced by that subclass. The parameters, their values and the
+state pytree stay what they were, and so do the results, up to
+floating-point rounding. ``rewire`` installs the older hooks (``AttentionFn``,
+``DotGeneral``) on a module's attributes instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.flax import rewrite
+from jaxmercury.flax.report import Report
 from jaxmercury.flax.routes import AttentionFn, DotGeneral, Routing
 
 LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
@@ -23,18 +29,24 @@ LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
 
 def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, attention: bool = True,
                linear: bool = True, **tune_options):
-  """Runs a Flax NNX module's attention and linear layers as jaxmercury operators on ``mesh``.
+  """Runs the attention and GEMMs of a Flax NNX module or a JAX function as jaxmercury operators on ``mesh``.
 
-  Every submodule with an ``attention_fn`` attribute (``nnx.MultiHeadAttention``
-  and modules that follow its convention, such as ``models.llama.Attention``)
-  gets a ``jaxmercury.flax.AttentionFn``; every ``nnx.Linear`` and
-  ``nnx.LinearGeneral`` without a ``dot_general_cls`` gets a
-  ``jaxmercury.flax.DotGeneral``. Each operator uses the schedule stored in the
-  tuning database for its shapes and mesh; on a miss it is tuned when
-  ``tune`` is set (and the winner stored), else the winner tuned for the
-  nearest other sizes runs (``Database.nearest``), else a library default. Calls
-  an operator does not cover (masks, dropout, shapes the mesh does not
-  divide) run the original function.
+  The target's program is traced (``jax.make_jaxpr``) at each call's shapes;
+  in it, attention (``jax.nn.dot_product_attention``'s XLA computation,
+  ``flax.nnx.dot_product_attention``, an einsum -> mask -> softmax -> einsum
+  written out, with grouped key-value heads or not) and contractions shaped
+  as one GEMM (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``,
+  ``jnp.einsum``, ``@``, ``lax.dot_general`` without batch dims) are
+  replaced by ``jaxmercury.ops`` operators, and the rest of the program runs
+  as traced (``jaxmercury.flax.rewrite``). Each operator uses the schedule
+  stored in the tuning database for its shapes and mesh; on a miss it is
+  tuned when ``tune`` is set (and the winner stored), else the winner tuned
+  for the nearest other sizes runs (``Database.nearest``), else a library
+  default. Calls an operator does not compute (masks other than causal, a
+  bias, dtypes, sizes the mesh does not divide) run as traced; which calls
+  were routed, with which schedule, and why the others were not, is logged
+  (absl, INFO) and returned by ``jaxmercury.explain``. Gradients flow
+  through the operators' own backward.
 
   Usage::
 
@@ -43,35 +55,105 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     @jaxmercury.distribute(mesh=mesh, tune=True, training=True)
     class Model(nnx.Module): ...
 
+    @jaxmercury.distribute(mesh=mesh)
+    def forward(params, tokens): ...
+
   Args:
-    target: a module instance or class; omitted, a decorator is returned.
-    mesh: the device mesh (build it with ``axis_types``).
+    target: a module instance or class, or a function; omitted, a decorator is returned.
+    mesh: the device mesh.
     database: a ``jaxmercury.Database``; None for the default file.
     tune: tune operators missing from the database.
     attention: route attention.
-    linear: route linear layers.
+    linear: route GEMMs (linear layers, einsum projections).
     **tune_options: passed to ``jaxmercury.autotune`` when tuning;
       ``training=True`` (for a model being trained) uses, and tunes, the
       schedules of the fastest training step rather than of the forward.
 
   Returns:
-    The rewired instance, the rewiring subclass, or a decorator.
+    The instance (its calls routed; its state unchanged), a subclass whose
+    instances route their calls, the routed function, or a decorator.
   """
-  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())))
+  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear)
 
   def apply(obj):
     if isinstance(obj, type):
       if not issubclass(obj, nnx.Module):
         raise TypeError(f"distribute: {obj.__name__} is not a flax.nnx.Module subclass")
-      return _subclass(obj, routing, attention, linear)
-    if not isinstance(obj, nnx.Module):
-      raise TypeError(f"distribute: expected a flax.nnx.Module or Module class, got {type(obj).__name__} "
-                      "(for Linen, pass jaxmercury.flax.DotGeneral and AttentionFn as the layers' dot_general and "
-                      "attention_fn)")
-    rewire(obj, routing, attention=attention, linear=linear)
-    return obj
+      return _subclass(obj, routing)
+    if isinstance(obj, nnx.Module):
+      base = getattr(type(obj), "jaxmercury_base", type(obj))
+      obj.__class__ = _subclass(base, routing)
+      return obj
+    if callable(obj):
+      return rewrite.route(getattr(obj, "jaxmercury_original", obj), routing)
+    raise TypeError(f"distribute: expected a flax.nnx.Module, a Module class or a function, got "
+                    f"{type(obj).__name__} (for Linen, pass jaxmercury.flax.DotGeneral and AttentionFn as the "
+                    "layers' dot_general and attention_fn)")
 
   return apply if target is None else apply(target)
+
+
+def _subclass(cls, routing: Routing):
+  key = (cls, routing)
+  if key in _SUBCLASSES:
+    return _SUBCLASSES[key]
+  original_call = cls.__call__
+
+  @functools.wraps(original_call)
+  def __call__(self, *args, **kwargs):
+    pure, state = _pure(self, cls)
+    out, new_state = rewrite.route(pure, routing)(state, *args, **kwargs)
+    nnx.update(self, new_state)
+    return out
+
+  distributed = type(cls.__name__, (cls,), {
+      "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+      "__doc__": cls.__doc__, "jaxmercury_routing": routing, "jaxmercury_base": cls})
+  _SUBCLASSES[key] = distributed
+  return distributed
+
+
+_SUBCLASSES: dict = {}
+
+
+def _pure(module, cls):
+  """``(pure, state)``: ``cls.__call__`` on ``module`` as a function of its state, and that state."""
+  graphdef, state = nnx.split(module)
+
+  def pure(state, *args, **kwargs):
+    m = nnx.merge(graphdef, state)
+    out = cls.__call__(m, *args, **kwargs)
+    return out, nnx.state(m)
+
+  pure.__qualname__ = f"{cls.__qualname__}.__call__"
+  return pure, state
+
+
+def explain(target, *args, mesh=None, database=None, tune: bool = False, **kwargs) -> Report:
+  """What ``jaxmercury.distribute`` does with ``target`` called on ``args`` (and ``kwargs``).
+
+  Args:
+    target: a module instance or function, routed by ``distribute`` or not (then ``mesh`` is required).
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s: nothing is computed).
+    mesh, database, tune: the routing, for a target not routed by ``distribute`` (a routed one's is used).
+    **kwargs: keyword arguments of the call.
+
+  Returns:
+    A ``Report``: one ``Entry`` per attention and contraction (kind, where, shapes, routed, schedule,
+    reason); ``str()`` of it is a table.
+  """
+  routing = getattr(target, "jaxmercury_routing", None)
+  if routing is None:
+    if mesh is None:
+      raise TypeError("explain: pass mesh= for a target that jaxmercury.distribute has not routed")
+    routing = Routing(mesh, database, tune)
+  if isinstance(target, type):
+    raise TypeError(f"explain: pass an instance of {target.__name__}, not the class")
+  if isinstance(target, nnx.Module):
+    pure, state = _pure(target, getattr(type(target), "jaxmercury_base", type(target)))
+    return rewrite.explain_function(pure, routing, (state, *args), kwargs)
+  fn = getattr(target, "jaxmercury_original", target)
+  return rewrite.explain_function(fn, routing, args, kwargs)
 
 
 def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = True) -> int:
@@ -96,20 +178,6 @@ def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = T
 
 def _original(fn):
   return fn.fallback if isinstance(fn, (AttentionFn, DotGeneral)) else fn
-
-
-def _subclass(cls, routing, attention, linear):
-  original_init = cls.__init__
-
-  @functools.wraps(original_init)
-  def __init__(self, *args, **kwargs):
-    original_init(self, *args, **kwargs)
-    rewire(self, routing, attention=attention, linear=linear)
-
-  distributed = type(cls.__name__, (cls,), {
-      "__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-      "__doc__": cls.__doc__, "jaxmercury_routing": routing})
-  return distributed
 
 
 def replicate_state(module, mesh):

@@ -39,12 +39,16 @@ class Routing:
       (``ops.schedule_for``).
     tune_options: keyword arguments for ``jaxmercury.autotune``, as sorted
       (name, value) pairs.
+    attention: route attention (``jaxmercury.distribute``'s rewriting).
+    matmul: route GEMMs (``jaxmercury.distribute``'s rewriting).
   """
 
   mesh: Any
   database: Any = None
   tune: bool = False
   tune_options: tuple = ()
+  attention: bool = True
+  matmul: bool = True
 
   @property
   def devices(self) -> int:

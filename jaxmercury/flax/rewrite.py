@@ -1,0 +1,275 @@
+"""Routing by rewriting the traced program.
+
+``route(fn, routing)`` is ``fn`` with each attention and GEMM of its traced
+program (``patterns.find``) computed by a jaxmercury operator: the wrapper
+traces ``fn`` to a jaxpr (``jax.make_jaxpr``) at its arguments' shapes and
+evaluates that jaxpr equation by equation, binding each equation's primitive
+as it was, except the equations a match replaces: its anchor runs the
+operator on the match's operands, its other equations are skipped. Calls
+(``jit``) that hold a replaced equation are evaluated inline, a
+``checkpoint`` as a checkpoint of its rewritten body; every other call is
+bound whole. The operators are differentiable, so gradients flow through
+the rewritten program as through the original.
+
+``plan(view, routing)`` decides for each match: routed with the schedule
+``ops.choose`` picks, or not, with the reason. ``explain`` reports it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from jaxmercury import ops
+from jaxmercury.errors import ScheduleError
+from jaxmercury.flax import masks, patterns
+from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner
+from jaxmercury.flax.report import Entry, Report
+from jaxmercury.flax.routes import DotGeneral, Routing
+from jaxmercury.lowering import types
+
+_ROUTING = contextvars.ContextVar("jaxmercury_routing", default=False)
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+@dataclasses.dataclass(eq=False)
+class Decision:
+  """A match and what routing does with it."""
+
+  match: patterns.Match
+  entry: Entry
+  operator: dict  # routed: the operator's keyword arguments (attention: the mask's)
+
+
+def _std_shape(shape, order, groups):
+  """The shape of an operand moved to ``order`` and flattened by ``groups`` (an empty group: size 1)."""
+  dims, out, k = [shape[d] for d in order], [], 0
+  for n in groups:
+    out.append(math.prod(dims[k:k + n]))
+    k += n
+  return tuple(out)
+
+
+def _decide(view, match, routing) -> Decision:
+  m = match
+  common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
+  if m.kind == "attention":
+    mask = m.mask.kind if m.mask is not None else ""
+    if m.layout:
+      nb1, ng, nd = m.layout["groups"]
+      q_shape, k_shape, v_shape = m.shapes
+      q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
+      k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
+      common["shapes"] = (q_std, k_std, _std_shape(v_shape, m.layout["v"], (1, 1, nb1, 1)))
+    reason = m.reason or _inside_custom(view, m) or ("" if routing.attention else "attention not routed (asked)")
+    if reason:
+      return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
+    operator = masks.route(m.mask)
+    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator)
+  else:
+    reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
+    if not reason:
+      mm, kk, nn = patterns.gemm_sizes(m)
+      d = routing.devices
+      if min(mm, kk, nn) == 0 or mm % d or kk % d or nn % d:
+        reason = f"sizes m={mm} k={kk} n={nn} that the mesh's {d} devices do not divide"
+    if reason:
+      return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason), {})
+    operator = {}
+    program = ops.matmul_program((mm, kk), (kk, nn), str(np.dtype(m.dtype)))
+    mask = ""
+  try:
+    choice = ops.choose(program, routing.mesh, database=routing.database, tune=routing.tune, **routing.options())
+  except ScheduleError as e:
+    return Decision(m, Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask), {})
+  return Decision(m, Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask), operator)
+
+
+def _inside_custom(view, m) -> str:
+  """Why a match inside a custom-derivative function is left alone (its rule would no longer apply)."""
+  for site in (m.anchor, *m.inner):
+    for n in range(1, len(site.path)):
+      call = view.calls.get(site.path[:n])
+      if call is not None and call.primitive in _CUSTOM:
+        return f"inside a {call.primitive} (a custom derivative)"
+  return ""
+
+
+def plan(view: View, routing: Routing) -> list[Decision]:
+  """Each attention and contraction of ``view``'s program, with what routing does with it."""
+  return [_decide(view, m, routing) for m in patterns.find(view)]
+
+
+# ------------------------------------------------------------------ the operators on matched operands
+def _to_std(x, order, groups, mesh):
+  if tuple(order) != tuple(range(x.ndim)):
+    x = jnp.transpose(x, order)
+  groups, pos = list(groups), 0
+  for i, n in enumerate(groups):
+    if n == 0:
+      x = jnp.expand_dims(x, pos)
+      groups[i] = 1
+    pos += groups[i]
+  return types.flatten(x, mesh, groups)
+
+
+def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
+  m, lay, mesh = d.match, d.match.layout, routing.mesh
+  nb1, ng, nd = lay["groups"]
+  heads = nb1 + ng
+  qs = _to_std(q, lay["q"], (1, 1, heads, nd), mesh)
+  ks = _to_std(k, lay["k"], (1, 1, nb1, nd), mesh)
+  vs = _to_std(v, lay["v"], (1, 1, nb1, 1), mesh)
+  factor = m.scale * math.sqrt(qs.shape[-1])
+  if abs(factor - 1.0) > 1e-9:
+    qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
+  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune,
+                      **d.operator, **routing.options())
+  q_order = lay["q"]
+  head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
+  shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
+  y = types.unflatten(out, mesh, shape, [1, 1, len(head_sizes), 1])
+  if not heads:
+    y = jnp.squeeze(y, 2)
+  if tuple(lay["out"]) != tuple(range(y.ndim)):
+    y = jnp.transpose(y, lay["out"])
+  y = y.astype(anchor_aval.dtype)
+  free = tuple(i for i, p in enumerate(lay["out"]) if p in (0, 1))
+  return types.like(y, mesh, anchor_aval, free_dims=free)
+
+
+def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
+  lay = d.match.layout
+  if tuple(lay["lhs"]) != tuple(range(lhs.ndim)):
+    lhs = jnp.transpose(lhs, lay["lhs"])
+  if tuple(lay["rhs"]) != tuple(range(rhs.ndim)):
+    rhs = jnp.transpose(rhs, lay["rhs"])
+  nl, k = lay["free"][0], lay["k"]
+  dn = ((tuple(range(nl, nl + k)), tuple(range(k))), ((), ()))
+  extra = {"out_sharding": params["out_sharding"]} if params.get("out_sharding") is not None else {}
+  return DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
+                             preferred_element_type=params.get("preferred_element_type"), **extra)
+
+
+# ------------------------------------------------------------------ the interpreter
+def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
+  """``view``'s program on ``args`` with the routed decisions' operators in place of their equations."""
+  routed = [d for d in decisions if d.entry.routed]
+  anchors = {id(d.match.anchor): d for d in routed}
+  skipped = {id(s) for d in routed for s in d.match.inner}
+  opened = {s.path[:n] for d in routed for s in (d.match.anchor, *d.match.inner) for n in range(1, len(s.path))}
+  env = {}
+
+  def read(ref):
+    return ref.value if isinstance(ref, Lit) else env[ref]
+
+  def write(refs, vals):
+    for r, v in zip(refs, vals):
+      if r is not None and not isinstance(r, Lit):
+        env[r] = v
+
+  def run(jaxpr, scope, consts):
+    for v, c in zip(jaxpr.constvars, consts):
+      env[(scope, v)] = c
+    for i, eqn in enumerate(jaxpr.eqns):
+      path = scope + (i,)
+      site = view.by_path[path]
+      if path in view.calls:
+        if path in opened:
+          body, body_consts = inner(eqn)
+          if eqn.primitive.name in REMAT:
+            write(site.outs, _remat(eqn, site, body, body_consts, path))
+          else:
+            run(body, path, body_consts)
+          continue
+        write(site.outs, bind(eqn, [read(r) for r in site.ins]))
+      elif id(site) in skipped:
+        continue
+      elif id(site) in anchors:
+        d = anchors[id(site)]
+        vals = [read(r) for r in d.match.operands]
+        aval = View.aval(site.outs[0])
+        if d.match.kind == "attention":
+          out = _attention(d, routing, *vals, aval)
+        else:
+          out = _matmul(d, routing, *vals, site.params)
+        write(site.outs, [out])
+      else:
+        write(site.outs, bind(eqn, [read(r) for r in site.ins]))
+
+  def _remat(eqn, site, body, body_consts, path):
+    def rewritten(*vals):
+      write(site.ins, vals)
+      run(body, path, body_consts)
+      return [read(r) for r in site.outs]
+    return jax.checkpoint(rewritten, prevent_cse=eqn.params.get("prevent_cse", True),
+                          policy=eqn.params.get("policy"))(*[read(r) for r in site.ins])
+
+  write(view.inputs, args)
+  run(view.closed.jaxpr, (), view.closed.consts)
+  return [read(r) for r in view.outputs]
+
+
+# ------------------------------------------------------------------ tracing a function
+def _split(args, kwargs):
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  dynamic = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+  return leaves, tree, dynamic
+
+
+def trace(fn, args, kwargs):
+  """``(view, call)``: ``fn``'s traced program at ``args``' shapes, and ``call(flat_args) -> result``'s pieces:
+  the dynamic leaves and a function rebuilding the result from the program's outputs."""
+  leaves, tree, dynamic = _split(args, kwargs)
+  dyn = [x for x, d in zip(leaves, dynamic) if d]
+
+  def flat(*xs):
+    it = iter(xs)
+    full = [next(it) if d else x for x, d in zip(leaves, dynamic)]
+    a, k = jax.tree.unflatten(tree, full)
+    return fn(*a, **k)
+
+  token = _ROUTING.set(True)
+  try:
+    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
+  finally:
+    _ROUTING.reset(token)
+  return View(closed), dyn, jax.tree.structure(shape)
+
+
+def report(decisions) -> Report:
+  return Report(d.entry for d in decisions)
+
+
+def route(fn, routing: Routing):
+  """``fn`` with its attention and GEMMs computed by jaxmercury operators on ``routing.mesh``."""
+
+  @functools.wraps(fn)
+  def routed(*args, **kwargs):
+    if _ROUTING.get():  # inside another routed function's trace: that one routes
+      return fn(*args, **kwargs)
+    view, dyn, out_tree = trace(fn, args, kwargs)
+    decisions = plan(view, routing)
+    logging.info("jaxmercury routing of %s:\n%s", getattr(fn, "__qualname__", fn), report(decisions))
+    token = _ROUTING.set(True)
+    try:
+      outs = evaluate(view, decisions, routing, dyn)
+    finally:
+      _ROUTING.reset(token)
+    return jax.tree.unflatten(out_tree, outs)
+
+  routed.jaxmercury_routing = routing
+  routed.jaxmercury_original = fn
+  return routed
+
+
+def explain_function(fn, routing: Routing, args, kwargs) -> Report:
+  view, _, _ = trace(fn, args, kwargs)
+  return report(plan(view, routing))

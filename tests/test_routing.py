@@ -1,0 +1,227 @@
+"""Routing by rewriting the traced program: models written as Flax's Gemma example and MaxText write them, a
+plain JAX function, and what ``jm.explain`` reports."""
+
+import contextlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import routing_models as rm
+from conftest import fresh_key, make_mesh, rel_err
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jaxmercury as jm
+from jaxmercury.flax import masks, replicate_state
+
+# (axis type, inside jax.set_mesh)
+PLACES = {"auto": (AxisType.Auto, False), "explicit-set_mesh": (AxisType.Explicit, True),
+          "explicit": (AxisType.Explicit, False)}
+
+
+def _place(name):
+  axis_type, inside = PLACES[name]
+  mesh = make_mesh("8", axis_type)
+  return mesh, (jax.set_mesh(mesh) if inside else contextlib.nullcontext())
+
+
+def _packed(batch, seq):
+  """Segment ids of packed rows: the first row holds two sequences, the others one."""
+  ids = np.zeros((batch, seq), np.int32)
+  ids[0, seq // 2:] = 1
+  return jnp.asarray(ids)
+
+
+MODELS = {
+    # name: (build, extra call arguments, attention (routed, mask) per layer, matmuls)
+    "gemma": (lambda: rm.Gemma(2, nnx.Rngs(0)), lambda t: (),
+              [(False, "sliding_window"), (True, "causal")], 13),
+    "decoder": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (), [(True, "causal")], 7),
+    "packed": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
+               [(False, "segment_ids")], 7),
+}
+
+
+def _train(model, tokens, extra, mesh=None):
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  if mesh is not None:
+    replicate_state(optimizer, mesh)
+
+  @nnx.jit
+  def step(model, optimizer, tokens, *extra):
+    loss, grads = nnx.value_and_grad(rm.loss)(model, tokens, *extra)
+    optimizer.update(model, grads)
+    if mesh is not None:  # the same input shardings every step: one compilation
+      for obj in (model, optimizer):
+        nnx.update(obj, jax.lax.with_sharding_constraint(nnx.state(obj), NamedSharding(mesh, PartitionSpec())))
+    return loss
+
+  return [float(step(model, optimizer, tokens, *extra)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("decoder", "explicit"),
+                                         ("packed", "auto")])
+def test_models_route_as_undecorated(model, place, tmp_path):
+  build, extra_of, attention, matmuls = MODELS[model]
+  mesh, where = _place(place)
+  db = jm.Database(str(tmp_path / "routing.db"))
+  tokens = jax.random.randint(fresh_key(), (2, 17), 0, rm.VOCAB)
+  extra = extra_of(tokens)
+  with where:
+    plain = build()
+    routed = replicate_state(jm.distribute(build(), mesh=mesh, database=db), mesh)
+    report = jm.explain(routed, tokens[:, :-1], *extra)
+    assert [(e.routed, e.mask) for e in report.of_kind("attention")] == attention
+    assert len(report.of_kind("matmul")) == matmuls and all(e.routed for e in report.of_kind("matmul"))
+    for e in report:
+      assert e.where.startswith("tests/routing_models.py:") and e.reason
+      assert (e.schedule is not None) == e.routed
+    fallen = report.fallen_back
+    assert all(e.reason.startswith({"sliding_window": "sliding-window mask (window=4)",
+                                    "segment_ids": "segment-id mask"}[e.mask]) for e in fallen)
+    assert str(report).splitlines()[-1].startswith(f"{len(report.routed)} of {len(report)} routed")
+
+    forward = nnx.jit(lambda m, t, *x: m(t, *x))
+    assert rel_err(forward(routed, tokens[:, :-1], *extra), forward(plain, tokens[:, :-1], *extra)) < 1e-5
+    text = jax.jit(lambda s, t, *x: nnx.merge(nnx.graphdef(routed), s)(t, *x)).lower(
+        nnx.state(routed), tokens[:, :-1], *extra).as_text()
+    assert "all_gather" in text  # the GEMMs'
+    assert ("collective_permute" in text) == any(routed for routed, _ in attention)  # the ring's
+    want, got = _train(plain, tokens, extra), _train(routed, tokens, extra, mesh)
+  assert got == pytest.approx(want, rel=1e-5)
+  assert want[-1] < want[0]
+
+
+@pytest.mark.parametrize("place", ["explicit-set_mesh"])
+def test_plain_function(place, tmp_path):
+  mesh, where = _place(place)
+  db = jm.Database(str(tmp_path / "routing.db"))
+  params = rm.plain_params(fresh_key())
+  x = jax.random.normal(fresh_key(), (2, 16, rm.DIM))
+  target = jax.random.normal(fresh_key(), (2, 16, rm.DIM))
+  with where:
+    routed = jm.distribute(rm.plain_attention, mesh=mesh, database=db)
+    assert jm.distribute(mesh=mesh, database=db)(rm.plain_attention).__name__ == "plain_attention"
+    report = jm.explain(routed, params, x)
+    assert [(e.kind, e.routed) for e in report] == [("matmul", True)] * 3 + [("attention", True), ("matmul", True)]
+    assert report.of_kind("attention")[0].mask == "causal"
+    assert rel_err(jax.jit(routed)(params, x), jax.jit(rm.plain_attention)(params, x)) < 1e-5
+    text = jax.jit(routed).lower(params, x).as_text()
+    assert "collective_permute" in text and "all_gather" in text
+
+    def loss(fn, p):
+      return jnp.mean((fn(p, x) - target) ** 2)
+
+    def train(fn):
+      tx = optax.adam(1e-2)
+
+      @jax.jit
+      def step(p, state):
+        value, grads = jax.value_and_grad(lambda q: loss(fn, q))(p)
+        updates, state = tx.update(grads, state, p)
+        return value, optax.apply_updates(p, updates), state
+
+      p, state, losses = params, tx.init(params), []
+      for _ in range(3):
+        value, p, state = step(p, state)
+        losses.append(float(value))
+      return losses
+
+    assert train(routed) == pytest.approx(train(rm.plain_attention), rel=1e-5)
+
+
+# ------------------------------------------------------------------ what the matcher finds, and why not
+def _explain(fn, *shapes, mesh=None):
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) if isinstance(s, tuple) else s for s in shapes]
+  return jm.explain(fn, *args, mesh=mesh or make_mesh("8"))
+
+
+def test_attention_forms_are_found():
+  q, kv, one = (2, 16, 4, 8), (2, 16, 4, 8), (2, 16, 1, 8)
+  report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), q, kv, kv)
+  assert [(e.kind, e.routed, e.mask) for e in report] == [("attention", True, "none")]
+  report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, one, one)  # MQA
+  assert [(e.routed, e.mask, e.shapes) for e in report] == [(True, "causal", (q, one, one))]
+  report = _explain(lambda q, k, v: nnx.dot_product_attention(q, k, v), q, kv, kv)
+  assert [(e.kind, e.routed) for e in report] == [("attention", True)]
+  report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0)),
+                    q, kv, kv)
+  assert [(e.routed, e.mask, e.reason) for e in report] == [(False, "sliding_window", "sliding-window mask (window=4)")]
+  bias = (1, 4, 16, 16)
+  report = _explain(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b), q, kv, kv, bias)
+  assert [(e.routed, e.reason) for e in report] == [(False, "adds a bias to the logits")]
+
+
+def test_attention_weights_used_elsewhere_fall_back():
+  def weights_too(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+
+  report = _explain(weights_too, (2, 16, 4, 8), (2, 16, 4, 8), (2, 16, 4, 8))
+  assert [(e.kind, e.routed, e.reason) for e in report] == [
+      ("attention", False, "its attention weights are used elsewhere")]
+
+
+def test_matmul_reasons():
+  a, w = (12, 16), (16, 8)
+  report = _explain(lambda a, w: a @ w, a, w)
+  assert report[0].reason == "sizes m=12 k=16 n=8 that the mesh's 8 devices do not divide"
+  report = _explain(lambda a, w: jnp.dot(a, w, precision="highest"), (8, 16), w)
+  assert report[0].reason.startswith("precision")
+  report = _explain(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), (2, 8, 16), (2, 16, 8))
+  assert report[0].reason == "batch dimensions (not one GEMM)"
+  ints = jax.ShapeDtypeStruct((8, 16), jnp.int32), jax.ShapeDtypeStruct((16, 8), jnp.int32)
+  assert _explain(lambda a, b: a @ b, *ints)[0].reason.startswith("dtypes int32")
+  # contracted dims anywhere: the operands are moved to one GEMM
+  report = _explain(lambda a, b: jnp.einsum("kbm,nk->bmn", a, b), (16, 2, 8), (8, 16))
+  assert report[0].routed and report[0].schedule
+  a, b = jax.random.normal(fresh_key(), (16, 2, 8)), jax.random.normal(fresh_key(), (8, 16))
+  fn = lambda a, b: jnp.einsum("kbm,nk->bmn", a, b)
+  assert rel_err(jax.jit(jm.distribute(fn, mesh=make_mesh("8")))(a, b), fn(a, b)) < 1e-5
+
+
+def test_masks_classified_and_hooked():
+  i, j = np.arange(8)[:, None], np.arange(8)[None, :]
+  assert masks.classify_matrix(np.ones((8, 8), bool)).kind == "none"
+  assert masks.classify_matrix(j <= i).kind == "causal"
+  assert masks.classify_matrix((j <= i) & (i - j < 3)) == masks.MaskInfo("sliding_window", (("window", 3),))
+  assert masks.classify_matrix(j >= i).kind == "array"
+  assert masks.route(masks.MaskInfo("causal")) == {"causal": True}
+  assert masks.route(masks.MaskInfo("sliding_window", (("window", 3),))) is None
+
+
+def test_distribute_logs_its_report(caplog):
+  fn = jm.distribute(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), mesh=make_mesh("8"))
+  q = jax.random.normal(fresh_key(), (2, 16, 4, 8))
+  with caplog.at_level(logging.INFO):
+    jax.jit(fn).lower(q, q, q)
+  assert "attention (causal)" in caplog.text and "1 of 1 routed" in caplog.text
+
+
+def test_explain_needs_a_mesh_or_a_routed_target():
+  with pytest.raises(TypeError, match="mesh"):
+    jm.explain(lambda x: x @ x, jnp.ones((8, 8)))
+  with pytest.raises(TypeError, match="instance"):
+    jm.explain(rm.Decoder, jnp.ones((2, 8), jnp.int32), mesh=make_mesh("8"))
+
+
+def test_contractions_in_loop_bodies_are_listed():
+  def scanned(x, ws):
+    return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+
+  report = _explain(scanned, (16, 16), (3, 16, 16))
+  assert [(e.kind, e.routed, e.reason, e.shapes) for e in report] == [
+      ("matmul", False, "inside a scan body (not rewritten)", ((16, 16), (16, 16)))]
+
+
+def test_bfloat16_attention_is_routed():
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # logits cast to float32 inside
+  q = jax.random.normal(fresh_key(), (2, 16, 4, 8), jnp.bfloat16)
+  k, v = (jax.random.normal(fresh_key(), (2, 16, 2, 8), jnp.bfloat16) for _ in range(2))
+  routed = jm.distribute(f, mesh=make_mesh("8"))
+  assert [(e.kind, e.routed) for e in jm.explain(routed, q, k, v)] == [("attention", True)]
+  got = jax.jit(routed)(q, k, v)
+  assert got.dtype == jnp.bfloat16 and rel_err(got, f(q, k, v)) < 2e-2
