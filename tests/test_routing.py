@@ -38,7 +38,7 @@ def _packed(batch, seq):
 MODELS = {
     # name: (build, extra call arguments, attention (routed, mask) per layer, matmuls)
     "gemma": (lambda: rm.Gemma(2, nnx.Rngs(0)), lambda t: (),
-              [(False, "sliding_window"), (True, "causal")], 13),
+              [(True, "sliding_window"), (True, "causal")], 13),
     "decoder": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (), [(True, "causal")], 7),
     "packed": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
                [(False, "segment_ids")], 7),
@@ -149,7 +149,7 @@ def test_attention_forms_are_found():
   assert [(e.kind, e.routed) for e in report] == [("attention", True)]
   report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0)),
                     q, kv, kv)
-  assert [(e.routed, e.mask, e.reason) for e in report] == [(False, "sliding_window", "sliding-window mask (window=4)")]
+  assert [(e.routed, e.mask) for e in report] == [(True, "sliding_window")]
   bias = (1, 4, 16, 16)
   report = _explain(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b), q, kv, kv, bias)
   assert [(e.routed, e.reason) for e in report] == [(False, "adds a bias to the logits")]
@@ -190,7 +190,8 @@ def test_masks_classified_and_hooked():
   assert masks.classify_matrix((j <= i) & (i - j < 3)) == masks.MaskInfo("sliding_window", (("window", 3),))
   assert masks.classify_matrix(j >= i).kind == "array"
   assert masks.route(masks.MaskInfo("causal")) == {"causal": True}
-  assert masks.route(masks.MaskInfo("sliding_window", (("window", 3),))) is None
+  assert masks.route(masks.MaskInfo("sliding_window", (("window", 3),))) == {"causal": True, "window": (2, 0)}
+  assert masks.route(masks.MaskInfo("segment_ids")) is None
 
 
 def test_distribute_logs_its_report(caplog):

@@ -7,10 +7,9 @@ sliding window) and names it; a predicate computed from the inputs is a
 segment-id mask (an ``eq`` of integer inputs) or a mask array.
 
 ``ROUTES`` maps a mask kind to the operator arguments that compute it; a kind
-missing from it falls back to the program's own computation, with its
-``MaskInfo.describe()`` as the reason. Support for another kind plugs in by
-adding an entry (``ROUTES["sliding_window"] = lambda info: {...}``) once an
-operator takes it.
+missing from it (segment ids and mask arrays: their operators take the mask's
+arrays as inputs, which the rewrite does not pass yet) falls back to the
+program's own computation, with its ``MaskInfo.describe()`` as the reason.
 """
 
 from __future__ import annotations
@@ -51,6 +50,8 @@ class MaskInfo:
 ROUTES: dict[str, Callable[[MaskInfo], dict]] = {
     "none": lambda info: {"causal": False},
     "causal": lambda info: {"causal": True},
+    # a query sees ``window`` keys, itself included: ``local_window_size`` (window - 1, 0), causal
+    "sliding_window": lambda info: {"causal": True, "window": (dict(info.params)["window"] - 1, 0)},
 }
 
 
