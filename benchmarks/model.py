@@ -4,11 +4,11 @@ Per case (a ``models.CONFIGS`` config cut to ``--layers`` layers, ``--seqs`` tok
 on the same parameters and tokens: ``plain`` (the model as written, its attention through
 ``jax.nn.dot_product_attention`` with cuDNN on GPUs and XLA on CPUs) and ``jaxmercury`` (the same model, its
 attention written with the XLA implementation, which the rewrite recognizes (a cuDNN call traces to cuDNN's own
-call), after ``jm.distribute(..., tune=True, training=True)``: every attention and linear layer tuned for a training step, the
-plain program among each tune's candidates, the database at ``--db``). The step is the loss and the gradients of
-every parameter (``nnx.value_and_grad`` of ``models.train.loss_fn``), jitted; the optimizer's update is the same
-elementwise work in both and is left out. The record keeps the tuning's wall time (calibration included on a
-fresh database) and what each operator chose.
+call), after ``jm.distribute(..., tune=True, training=True)``: every attention and linear layer tuned for a
+training step, the plain program among each tune's candidates, the database at ``--db``). The step is the loss
+and the gradients of every parameter (``nnx.value_and_grad`` of ``models.train.loss_fn``), jitted; the
+optimizer's update is the same elementwise work in both and is left out. The record keeps the tuning's wall
+time (calibration included on a fresh database) and what each operator chose.
 """
 
 from __future__ import annotations
