@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
+from jaxmercury.analysis.memory import memory_per_device
 
 
 def dense_moe(x, router, w_gate, w_up, w_down, *, top_k, capacity_factor=None):
@@ -158,3 +159,23 @@ def test_tokens_the_mesh_does_not_divide_and_the_dense_gemm():
   s = jm.Schedule(prog, mesh).pad("t", 8).tile("e", 8).parallelize("e0", "x").dispatch("e0", gemm="dense")
   assert rel_err(s.compile()(*xs), want) < 2e-5
   assert rel_err(jm.library(prog, mesh)["expert_parallel"].compile()(*xs), want) < 2e-5
+
+
+def test_cost_memory_and_autotune(tmp_path):
+  """The cost model and memory estimate price dispatched schedules statically; autotune runs on the program."""
+  mesh = jax.sharding.AbstractMesh((2, 4), ("node", "gpu"), axis_types=(AxisType.Auto,) * 2)
+  big = jm.programs.moe(8192, 1024, 2048, 16, 2, capacity_factor=1.25, dtype=jnp.bfloat16)
+  machine = jm.tuner.cost.Machine("h", 5e14, {"*": 1e11, "gpu": 4e11})
+  lib = jm.library(big, mesh)
+  dense = jm.Schedule(big, mesh).tile("e", 4).parallelize("e0", "gpu").tile("f", 2).parallelize("f0", "node")
+  for s in lib.values():
+    assert 0 < jm.tuner.cost.predict(s, machine) < jm.tuner.cost.predict(dense, machine)
+    assert jm.tuner.cost.backward_seconds(s, machine) > 0
+    assert memory_per_device(s) > 0
+  ep = lib["expert_parallel"]
+  assert memory_per_device(ep) < memory_per_device(dense)
+  assert memory_per_device(lib["expert_parallel_pipelined"]) < memory_per_device(ep)
+  prog = jm.programs.moe(64, 16, 24, 8, 2, capacity_factor=1.0)
+  result = jm.autotune(prog, make_mesh("8"), machine=machine, iters=1, space=0, top_k=1,
+                       database=jm.Database(str(tmp_path / "moe.db")), log=lambda *a: None)
+  assert result.best.result.status == "ok" and result.best.schedule.dispatched is not None

@@ -140,3 +140,52 @@ def of(schedule, plan=None, *, complete: bool = True) -> Dispatch | None:
                   local_experts=experts_total // schedule.levels[lp.level], token_levels=token_levels,
                   hidden_levels=hidden_levels, gathered=tuple(lv for lv in hidden_levels if lv in token_levels),
                   chunks=chunks, exchange=opts["exchange"], gemm=opts["gemm"])
+
+
+def hidden_width(schedule, d: Dispatch) -> int:
+  """One device's share of each expert's hidden width (the loop axes other than the tokens and the experts)."""
+  routing = schedule.program.routing
+  width = math.prod(schedule.padded[a] for a in schedule.program.kinds if a not in (routing.tokens, routing.experts))
+  return width // math.prod(schedule.levels[lv] for lv in d.hidden_levels)
+
+
+def work(schedule, d: Dispatch) -> dict:
+  """What one device does per chunk, for the cost model and the memory estimate (no tracing).
+
+  Returns:
+    ``tokens`` routed per chunk, ``rows`` the grouped GEMM computes (the slot buffers' rows; the rows a
+    balanced router fills: ``routed``), ``width`` and ``model`` (hidden and model widths), ``exchanged``: bytes
+    one all-to-all sends to the other devices.
+  """
+  prog, routing = schedule.program, schedule.program.routing
+  tokens = d.local_tokens(schedule.padded[routing.tokens], schedule.levels)
+  slots = d.slots(schedule.padded[routing.tokens], schedule.levels, routing.top_k, routing.capacity)
+  model = math.prod(prog.buffer(routing.routed[0]).canonical_shape) // prog.axes[routing.tokens].extent
+  routed = tokens * routing.top_k
+  if routing.capacity is not None:
+    routed = min(routed, d.local_experts * routing.capacity * d.size // (d.chunks * _token_devices(schedule, d)))
+  itemsize = prog.buffer(routing.routed[0]).dtype.itemsize
+  return dict(tokens=tokens, rows=d.size * slots, routed=routed, width=hidden_width(schedule, d), model=model,
+              exchanged=(d.size - 1) * slots * model * itemsize)
+
+
+def _token_devices(schedule, d: Dispatch) -> int:
+  return math.prod(schedule.levels[lv] for lv in d.token_levels if lv not in d.gathered)
+
+
+def memory_bytes(schedule, d: Dispatch) -> int:
+  """Peak bytes one device holds: its stored blocks, the tokens gathered over the hidden-width levels, and per
+  chunk the slot buffers both ways and the grouped GEMM's float32 pre-activations and outputs."""
+  plan = schedule.plan()
+  prog = schedule.program
+  total = 0
+  for b in prog.reads + (prog.writes,):
+    total += b.dtype.itemsize * math.prod(
+        schedule.padded.get(a, e) // math.prod(schedule.levels[lv] for lv in levels)
+        for a, e, levels in zip(b.axes, b.canonical_shape, plan.storage[b.name]))
+  w = work(schedule, d)
+  itemsize = prog.writes.dtype.itemsize
+  gathered = w["tokens"] * d.chunks * w["model"] * itemsize if d.gathered else 0
+  experts = d.local_experts if d.gemm == "dense" else 1
+  chunk = w["rows"] * (2 * w["model"] * itemsize + 4 * w["model"] * 2 + experts * 3 * 4 * w["width"])
+  return total + gathered + chunk + 4 * w["tokens"] * d.chunks * w["model"]
