@@ -179,3 +179,32 @@ def test_cost_memory_and_autotune(tmp_path):
   result = jm.autotune(prog, make_mesh("8"), machine=machine, iters=1, space=0, top_k=1,
                        database=jm.Database(str(tmp_path / "moe.db")), log=lambda *a: None)
   assert result.best.result.status == "ok" and result.best.schedule.dispatched is not None
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_flax_moe_layer_routed_by_distribute(kind, tmp_path):
+  """``models.mixtral``'s einsum-dispatch MoE equals the dense reference; ``jm.distribute`` routes the block's MoE
+  layer to ``ops.moe`` (expert parallel), with the same outputs and parameter gradients."""
+  import dataclasses  # noqa: I001  (flax and the models, for this test only)
+  from flax import nnx
+  from models.mixtral import CONFIGS, MixtralBlock, einsum_moe
+
+  prog = jm.programs.moe(48, 16, 24, 8, 2, capacity_factor=0.5)
+  xs = inputs(prog, biased=False)
+  assert rel_err(einsum_moe(*xs, top_k=2, capacity_factor=0.5), dense_moe(*xs, top_k=2, capacity_factor=0.5)) < 1e-6
+  mesh = make_mesh("8", kind)
+  config = dataclasses.replace(CONFIGS["tiny"], capacity_factor=1.0)
+  block = MixtralBlock(config, rngs=nnx.Rngs(0))
+  x = jax.random.normal(fresh_key(), (2, 32, config.dim))
+
+  def loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+  want, want_grads = nnx.value_and_grad(loss)(block, x)
+  jm.distribute(block, mesh=mesh, database=jm.Database(str(tmp_path / "moe.db")), attention=False, linear=False)
+  assert isinstance(block.moe.moe_fn, jm.flax.MoeFn)
+  with jax.set_mesh(mesh):
+    got, grads = nnx.value_and_grad(loss)(block, x)
+  assert rel_err(got, want) < 2e-5
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    assert rel_err(g, w) < 2e-4

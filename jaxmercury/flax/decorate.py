@@ -16,13 +16,13 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmercury.flax.routes import AttentionFn, DotGeneral, Routing
+from jaxmercury.flax.routes import AttentionFn, DotGeneral, MoeFn, Routing
 
 LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
 
 
 def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, attention: bool = True,
-               linear: bool = True, **tune_options):
+               linear: bool = True, moe: bool = True, **tune_options):
   """Runs a Flax NNX module's attention and linear layers as jaxmercury operators on ``mesh``.
 
   Every submodule with an ``attention_fn`` attribute (``nnx.MultiHeadAttention``
@@ -34,7 +34,10 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   ``tune`` is set (and the winner stored), else the winner tuned for the
   nearest other sizes runs (``Database.nearest``), else a library default. Calls
   an operator does not cover (masks, dropout, shapes the mesh does not
-  divide) run the original function.
+  divide) run the original function. Every submodule with a ``moe_fn``
+  attribute (a mixture-of-experts layer such as ``models.mixtral.MoE``) gets
+  a ``jaxmercury.flax.MoeFn``: its experts run as ``jaxmercury.ops.moe``
+  (expert parallel, tokens exchanged by a routed all-to-all).
 
   Usage::
 
@@ -50,6 +53,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     tune: tune operators missing from the database.
     attention: route attention.
     linear: route linear layers.
+    moe: route mixture-of-experts layers (``moe_fn``).
     **tune_options: passed to ``jaxmercury.autotune`` when tuning;
       ``training=True`` (for a model being trained) uses, and tunes, the
       schedules of the fastest training step rather than of the forward.
@@ -63,18 +67,18 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     if isinstance(obj, type):
       if not issubclass(obj, nnx.Module):
         raise TypeError(f"distribute: {obj.__name__} is not a flax.nnx.Module subclass")
-      return _subclass(obj, routing, attention, linear)
+      return _subclass(obj, routing, attention, linear, moe)
     if not isinstance(obj, nnx.Module):
       raise TypeError(f"distribute: expected a flax.nnx.Module or Module class, got {type(obj).__name__} "
                       "(for Linen, pass jaxmercury.flax.DotGeneral and AttentionFn as the layers' dot_general and "
                       "attention_fn)")
-    rewire(obj, routing, attention=attention, linear=linear)
+    rewire(obj, routing, attention=attention, linear=linear, moe=moe)
     return obj
 
   return apply if target is None else apply(target)
 
 
-def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = True) -> int:
+def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = True, moe: bool = True) -> int:
   """Installs jaxmercury routes on ``module`` and its submodules, in place.
 
   A route already installed is replaced (its original is kept as fallback).
@@ -87,6 +91,9 @@ def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = T
     if attention and callable(getattr(sub, "attention_fn", None)):
       sub.attention_fn = AttentionFn(routing, _original(sub.attention_fn))
       count += 1
+    if moe and callable(getattr(sub, "moe_fn", None)):
+      sub.moe_fn = MoeFn(routing, _original(sub.moe_fn))
+      count += 1
     if linear and isinstance(sub, LINEAR_TYPES) and getattr(sub, "dot_general_cls", None) is None:
       fallback = _original(sub.dot_general) if sub.dot_general is not None else None
       sub.dot_general = DotGeneral(routing, fallback) if fallback is not None else DotGeneral(routing)
@@ -95,16 +102,16 @@ def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = T
 
 
 def _original(fn):
-  return fn.fallback if isinstance(fn, (AttentionFn, DotGeneral)) else fn
+  return fn.fallback if isinstance(fn, (AttentionFn, DotGeneral, MoeFn)) else fn
 
 
-def _subclass(cls, routing, attention, linear):
+def _subclass(cls, routing, attention, linear, moe=True):
   original_init = cls.__init__
 
   @functools.wraps(original_init)
   def __init__(self, *args, **kwargs):
     original_init(self, *args, **kwargs)
-    rewire(self, routing, attention=attention, linear=linear)
+    rewire(self, routing, attention=attention, linear=linear, moe=moe)
 
   distributed = type(cls.__name__, (cls,), {
       "__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
