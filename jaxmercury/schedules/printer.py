@@ -66,10 +66,11 @@ def routed_communication(schedule, d, dense: list[str]) -> list[str]:
   kept = [line for line in dense if line not in moved]
   split = next((k for k, line in enumerate(kept) if line.startswith(("ReduceScatter", "AllReduce"))), len(kept))
   routed = ", ".join(routing.routed)
-  lines = kept[:split]
-  if routing.capacity is not None:
+  lines = []
+  if routing.capacity is not None:  # first: the devices route their own tokens
     lines.append(f"AllGather(expert counts over {'*'.join(d.token_levels)}: capacity {routing.capacity} "
                  f"in token order)")
+  lines += kept[:split]
   chunks = f", {d.chunks} chunks" if d.chunks > 1 else ""
   lines.append(f"AllToAll({routed} rows over {d.level}: dispatch to the top-{routing.top_k} experts' devices, "
                f"{d.exchange}{chunks})")
