@@ -2,7 +2,8 @@
 
 Cases, at Mixtral-8x7B layer sizes (d_model 4096, d_ff 14336, 8 experts, top-2, 8K tokens, bf16):
 
-* ``layer``: ``programs.moe`` as jaxmercury runs it, ``expert_parallel`` on a one-device mesh (the routed
+* ``layer``: ``programs.moe`` as jaxmercury runs it, ``expert_parallel`` (and ``_pipelined``, and
+  ``_ragged``: ``ragged_all_to_all``) on a one-device mesh (the routed
   exchange is then local: route, slot buffers, ``ragged_dot`` grouped GEMM, combine) with its ``ragged_dot``
   and its dense grouped GEMM, against ``models.mixtral.einsum_moe`` (the capacity-based einsum dispatch of Flax's
   and MaxText's MoE layers: one-hot ``[tokens, experts, capacity]`` dispatch and combine tensors), at capacity
@@ -109,14 +110,14 @@ def _layer(env, case: MoECase) -> dict:
   contestants.append(harness.Contestant(
       "einsum_dispatch", "baseline", lambda: wrap(plain),
       "plain JAX: one-hot [tokens, experts, capacity] dispatch and combine einsums (Flax / MaxText style)"))
-  for name in ("expert_parallel", "expert_parallel_pipelined"):
+  for name in ("expert_parallel", "expert_parallel_pipelined", "expert_parallel_ragged"):
     if name not in lib:
       continue
     for gemm in ("ragged_dot", "dense") if args.smoke else ("ragged_dot",):  # dense: every expert on every slot
       if gemm == "dense" and name != "expert_parallel":
         continue
       schedule = lib[name].without("dispatch")
-      schedule = schedule.dispatch(lib[name].dispatched["loop"], gemm=gemm)
+      schedule = schedule.dispatch(lib[name].dispatched["loop"], gemm=gemm, exchange=lib[name].dispatched["exchange"])
       contestants.append(harness.Contestant(
           f"{name}[{gemm}]", "jaxmercury", lambda s=schedule: wrap(s.compile()),
           f"jaxmercury {name}, grouped GEMM {gemm}", record={"strategy": name, "gemm": gemm}))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import fresh_key, h100_mesh, make_mesh, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -208,3 +208,52 @@ def test_flax_moe_layer_routed_by_distribute(kind, tmp_path):
   assert rel_err(got, want) < 2e-5
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     assert rel_err(g, w) < 2e-4
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+  """``jax.lax.ragged_all_to_all``'s semantics from all-gathers (XLA:CPU does not run the op itself)."""
+  del recv_sizes  # implied by the senders' sizes
+  me = jax.lax.axis_index(axis_name)
+  ops, ins, sends, outs = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                                       output_offsets))
+  rows = jnp.arange(output.shape[0])
+  result = output
+  for src in range(ops.shape[0]):
+    start, size, lands = ins[src, me], sends[src, me], outs[src, me]
+    mine = (rows >= lands) & (rows < lands + size)
+    taken = jnp.take(ops[src], jnp.clip(start + rows - lands, 0, ops.shape[1] - 1), axis=0)
+    result = jnp.where(mine.reshape((-1,) + (1,) * (output.ndim - 1)), taken, result)
+  return result
+
+
+@pytest.mark.parametrize("mesh_name,cf", [("8", 0.5), ("2x4", None)])
+def test_ragged_exchange(mesh_name, cf, monkeypatch):
+  """``dispatch(exchange="ragged")``: its lowered program holds ``ragged_all_to_all``; with the op emulated from
+  all-gathers (XLA:CPU does not run it), its offsets give the dense reference's output and gradients."""
+  mesh = make_mesh(mesh_name)
+  prog = jm.programs.moe(64, 16, 24, 16, 2, capacity_factor=cf)
+  level = mesh.axis_names[-1]
+  s = jm.Schedule(prog, mesh).tile("e", mesh.shape[level]).parallelize("e0", level).dispatch("e0", exchange="ragged")
+  xs = inputs(prog, biased=True)
+  text = jax.jit(jax.grad(lambda *a: jnp.sum(s.compile()(*a) ** 2), argnums=(0, 1, 2))).lower(*xs).as_text()
+  assert "ragged_all_to_all" in text
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
+  want, want_grads = forward_and_gradients(lambda *a: dense_moe(*a, top_k=2, capacity_factor=cf), xs, cot)
+  out, grads = forward_and_gradients(s.compile(), xs, cot)
+  assert rel_err(out, want) < 2e-5
+  assert all(rel_err(g, w) < 2e-5 for g, w in zip(grads, want_grads))
+
+
+def test_ragged_strategy_on_gpu_meshes_only():
+  """``expert_parallel_ragged`` is offered where ragged_all_to_all runs (GPU meshes), priced below the padded one."""
+  big = jm.programs.moe(8192, 1024, 2048, 16, 2, dtype=jnp.bfloat16)
+  gpus = h100_mesh(8)
+  lib = jm.library(big, gpus)
+  assert "expert_parallel_ragged" in lib and "expert_parallel_ragged" not in jm.library(big, make_mesh("8"))
+  assert lib["expert_parallel_ragged"].dispatched["exchange"] == "ragged"
+  assert "ragged" in str(lib["expert_parallel_ragged"])
+  machine = jm.tuner.cost.Machine("h", 5e14, {"*": 5e10})
+  assert jm.tuner.cost.predict(lib["expert_parallel_ragged"], machine) < jm.tuner.cost.predict(
+      lib["expert_parallel"], machine)

@@ -76,8 +76,9 @@ def routed_per_device(schedule, plan):
     ys = []
     for c in range(d.chunks):  # unrolled: one chunk's exchange can overlap another's GEMMs
       part = slice(c * size, (c + 1) * size)
-      ys.append(_exchange(x[part], experts[part], weights[part], keep[part], w_gate, w_up, w_down,
-                          level=d.level, peers=d.size, local=d.local_experts, slots=slots, gemm=d.gemm))
+      exchange = _ragged_exchange if d.exchange == "ragged" else _exchange
+      ys.append(exchange(x[part], experts[part], weights[part], keep[part], w_gate, w_up, w_down,
+                         level=d.level, peers=d.size, local=d.local_experts, slots=slots, gemm=d.gemm))
     y = jnp.concatenate(ys) if len(ys) > 1 else ys[0]
     if d.gathered:
       y = jax.lax.psum_scatter(y, d.gathered, scatter_dimension=0, tiled=True)
@@ -104,6 +105,40 @@ def _exchange(x, experts, weights, keep, w_gate, w_up, w_down, *, level, peers, 
   out = grouped_ffn(recv.reshape(peers * slots, -1), recv_e.reshape(-1), w_gate, w_up, w_down, gemm=gemm)
   back = jax.lax.all_to_all(out.reshape(peers, slots, -1), level, 0, 0)
   got = back[jnp.minimum(dest, peers - 1), slot]  # [n * k, d]; a dropped row's weight is zero
+  return jnp.einsum("nk,nkd->nd", weights, got.reshape(n, k, -1))
+
+
+def _ragged_exchange(x, experts, weights, keep, w_gate, w_up, w_down, *, level, peers, local, slots, gemm):
+  """``_exchange`` with ``ragged_all_to_all``: only the kept rows move, each peer's run packed after the last.
+
+  The rows are sorted by destination; the per-destination counts are all-gathered over the level (``counts[src,
+  dst]``), from which every device knows where its run lands in each peer's receive buffer and where the
+  results return. The receive buffer holds ``peers * slots`` rows, as the padded exchange's.
+  """
+  n, k = experts.shape
+  flat, keep = experts.reshape(-1), keep.reshape(-1)
+  dest = jnp.where(keep, flat // local, peers)  # dropped rows sort last and are sent nowhere
+  order = jnp.argsort(dest, stable=True)
+  sizes = jnp.sum(dest[:, None] == jnp.arange(peers), axis=0).astype(jnp.int32)
+  counts = jax.lax.all_gather(sizes, level)  # [src, dst]
+  me = jax.lax.axis_index(level)
+  before = (jnp.arange(peers) < me)[:, None]
+  starts = jnp.cumsum(sizes) - sizes  # my run for each destination, in my sorted rows
+  lands = jnp.sum(jnp.where(before, counts, 0), axis=0).astype(jnp.int32)  # where my run lands at each dst
+  received = counts[:, me]
+  at = (jnp.cumsum(received) - received).astype(jnp.int32)  # where each source's run sits in my buffer
+  rows = jnp.repeat(x, k, axis=0)[order]
+  ids = (flat % local).astype(jnp.int32)[order]
+  recv = jax.lax.ragged_all_to_all(rows, jnp.zeros((peers * slots, x.shape[1]), x.dtype), starts, sizes, lands,
+                                   received, axis_name=level)
+  recv_ids = jax.lax.ragged_all_to_all(ids, jnp.full((peers * slots,), local, jnp.int32), starts, sizes, lands,
+                                       received, axis_name=level)
+  filled = jnp.arange(peers * slots) < jnp.sum(received)
+  out = grouped_ffn(recv, jnp.where(filled, recv_ids, local), w_gate, w_up, w_down, gemm=gemm)
+  home = jnp.sum(jnp.where(before.T, counts, 0), axis=1).astype(jnp.int32)  # src's run for me, in src's rows
+  back = jax.lax.ragged_all_to_all(out, jnp.zeros((n * k, out.shape[1]), out.dtype), at, received, home,
+                                   sizes, axis_name=level)
+  got = jnp.zeros_like(back).at[order].set(back)  # back to (token, choice) order; dropped rows stay zero
   return jnp.einsum("nk,nkd->nd", weights, got.reshape(n, k, -1))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.errors import ScheduleError
@@ -170,14 +171,14 @@ def moe_library(program, mesh) -> dict[str, Schedule]:
       raise ScheduleError(f"expert_parallel: the {experts} experts do not divide over mesh level {level!r} of "
                           f"size {size}")
 
-  def expert_parallel(chunks: int = 1):
+  def expert_parallel(chunks: int = 1, exchange: str = "padded"):
     ep = levels[-1]  # the innermost level: the all-to-all is the heaviest exchange
     expert_level(ep)
     s = Schedule(program, mesh)
     _pad_to_mesh(s, routing.tokens)
     data = split(s, routing.tokens, levels[:-1])  # the other levels: data parallel
     (e,) = split(s, routing.experts, [ep])
-    s.dispatch(e)
+    s.dispatch(e, exchange=exchange)
     if chunks > 1:
       local = f"{routing.tokens}_in" if data else routing.tokens
       per_device = s.padded[routing.tokens] // math.prod(s.levels.values())
@@ -202,11 +203,24 @@ def moe_library(program, mesh) -> dict[str, Schedule]:
       s.shard(name, f, axis=routing.tokens)
     return s
 
+  def ragged():
+    if _platform(mesh) != "gpu":
+      raise ScheduleError("expert_parallel_ragged: ragged_all_to_all runs on GPUs (XLA:CPU does not run it)")
+    return expert_parallel(exchange="ragged")
+
   for name, build in (("expert_parallel", expert_parallel),
                       ("expert_parallel_pipelined", lambda: expert_parallel(2)),
+                      ("expert_parallel_ragged", ragged),
                       ("expert_tensor_parallel", expert_tensor_parallel)):
     _try(out, name, build)
   return out
+
+
+def _platform(mesh) -> str:
+  """The platform of the mesh's devices (an abstract mesh's abstract device's)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None) or "unknown"
+  return mesh.devices.flat[0].platform
 
 
 def _pad_to_mesh(s: Schedule, axis: str):
@@ -268,7 +282,8 @@ def library(program, mesh) -> dict[str, Schedule]:
   block with replicated weights). moe: ``expert_parallel`` (experts over the
   innermost level, tokens over every level, a routed all-to-all over the
   experts' level: ``Schedule.dispatch``), ``expert_parallel_pipelined`` (the
-  same, each device's tokens dispatched in two chunks), and on two-level
+  same, each device's tokens dispatched in two chunks), ``expert_parallel_ragged``
+  (GPU meshes: ``ragged_all_to_all`` of the kept rows only), and on two-level
   meshes ``expert_tensor_parallel`` (experts over the outer level, each
   expert's hidden width over the inner one); each is left out where the
   experts do not divide over its level. Other programs get ``parallel_<loop>`` and

@@ -608,7 +608,8 @@ class Schedule:
       parallel_loop: the parallel loop over the experts.
       exchange: ``"padded"``: ``all_to_all`` of fixed-size slot buffers, every device sending each peer as many
         rows as could ever go there (``analysis.dispatch.Dispatch.slots``; with a capacity, at most the
-        capacity per expert).
+        capacity per expert); ``"ragged"``: ``ragged_all_to_all`` of the kept rows only, packed into a receive
+        buffer of the same bound (XLA:CPU does not run it).
       gemm: the grouped expert GEMM: ``"ragged_dot"`` (``jax.lax.ragged_dot`` over the rows sorted by
         expert) or ``"dense"`` (every local expert on every received row, masked: for tiny expert counts).
     """

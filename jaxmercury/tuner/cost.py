@@ -138,7 +138,8 @@ def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
   """A dispatched schedule (``Schedule.dispatch``): routing, the exchange both ways and the grouped GEMM.
 
   Per chunk: two all-to-alls of the slot buffers over the experts' level (each sends
-  ``(size - 1) * slots * d`` elements), and the expert FFN (``6 d f`` flops per row) on the rows a balanced
+  ``(size - 1) * slots * d`` elements; a ragged exchange only the kept rows, plus the all-gather of the
+  counts), and the expert FFN (``6 d f`` flops per row) on the rows a balanced
   router sends each device (``ragged_dot``), or on every slot for every local expert (``dense``), at the
   ``xla`` rate. Chunks pipeline: one chunk's exchange hides under another's GEMMs up to ``overlap``. Before and
   after: the router's GEMM, the all-gather of the tokens and the reduce-scatter (or all-reduce) of the float32
@@ -151,7 +152,10 @@ def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
   rate = machine.rate("xla")
   rows = w["routed"] if d.gemm == "ragged_dot" else w["rows"] * d.local_experts
   gemm = work * 6.0 * rows * w["model"] * w["width"] / rate
-  exchange = 2 * (machine.gather_factor * w["exchanged"] / machine.bandwidth(d.level) + machine.latency_s)
+  sent = w["exchanged"]
+  if d.exchange == "ragged":  # only the kept rows, a balanced router's share for the other devices
+    sent = w["routed"] * (d.size - 1) / d.size * w["model"] * schedule.program.writes.dtype.itemsize
+  exchange = 2 * (machine.gather_factor * sent / machine.bandwidth(d.level) + 2 * machine.latency_s)
   pipelined = max(gemm, exchange) + (1.0 - machine.overlap) * min(gemm, exchange)
   per_chunk = gemm + exchange if d.chunks == 1 else pipelined
   tokens = w["tokens"] * d.chunks
