@@ -179,6 +179,8 @@ def test_cost_memory_and_autotune(tmp_path):
   result = jm.autotune(prog, make_mesh("8"), machine=machine, iters=1, space=0, top_k=1,
                        database=jm.Database(str(tmp_path / "moe.db")), log=lambda *a: None)
   assert result.best.result.status == "ok" and result.best.schedule.dispatched is not None
+  gemms = {c.schedule.dispatched["gemm"] for c in result.candidates if c.strategy == "expert_parallel"}
+  assert gemms == {"ragged_dot", "dense"}  # the tuner chooses the grouped GEMM
 
 
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
