@@ -16,10 +16,11 @@ from jaxmercury.errors import (
 from jaxmercury.flax import distribute
 from jaxmercury.ir import Axis, BlockContext, Buffer, LogSumExp, Program, Reduction, Sum, grid, match_buffer
 from jaxmercury.schedules import Schedule, library, validate
-from jaxmercury.tuner import Database, autotune
+from jaxmercury.tuner import Database, TuneInterrupted, autotune
 
 __all__ = [
-    "Axis", "Buffer", "BlockContext", "Database", "autotune", "InputError", "LayoutError", "LogSumExp", "MeshError",
+    "Axis", "Buffer", "BlockContext", "Database", "TuneInterrupted", "autotune", "InputError", "LayoutError",
+    "LogSumExp", "MeshError",
     "PreconditionError", "Program", "ProgramError", "Reduction", "Schedule", "ScheduleError", "Sum", "TraceError",
     "UnknownLevelError", "UnknownNameError", "grid", "library", "match_buffer", "ops", "programs", "schedules",
     "tuner", "validate", "distribute", "graph", "kernels", "__version__",

@@ -6,7 +6,9 @@ otherwise take the winner tuned for the nearest other sizes of the same
 operator on the same mesh (``Database.nearest``: each size within a factor
 of 4, replayed on these sizes), else a sensible library strategy with the
 preferred local kernel that applies (``registry.default_kernel``: cuDNN or
-Mosaic GPU flash attention on GPUs).
+Mosaic GPU flash attention on GPUs). A stored winner may be a plain program
+(``tuner.plain.PlainProgram``: where no schedule beat what a user would run
+anyway); it compiles and runs like a schedule.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.tuner.autotuner import autotune
 from jaxmercury.tuner.database import FORWARD, TRAINING, Database
+from jaxmercury.tuner.plain import PlainProgram, is_plain, runnable_from_json
 
 DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter"),
             "moe": ("expert_parallel",)}
 
 
-def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule:
+def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Schedule | PlainProgram:
   """The schedule an operator uses: stored winner, else tuned (if asked), else the nearest sizes' winner, else a
   default. With ``training=True`` among ``tune_options``, the winners are those tuned for a training step
-  (``autotune(training=True)``)."""
+  (``autotune(training=True)``). A winner may be a plain program (``PlainProgram``), which compiles as a
+  schedule does."""
   db = database if database is not None else Database()
   objective = TRAINING if tune_options.get("training") else FORWARD
   found = db.lookup(program, mesh, objective=objective)
@@ -70,10 +74,12 @@ class Prepared:
 
 @functools.lru_cache(maxsize=64)
 def _prepared(trace: str, program, mesh) -> Prepared:
-  schedule = Schedule.from_json(program, mesh, trace)
-  plan = schedule.plan()
-  return Prepared(schedule.compile(), tuple(plan.user_spec(b.name) for b in program.reads),
-                  types.output_spec(schedule))
+  runnable = runnable_from_json(program, mesh, trace)
+  if is_plain(runnable):
+    return Prepared(runnable.compile(), tuple(runnable.in_shardings), runnable.out_sharding)
+  plan = runnable.plan()
+  return Prepared(runnable.compile(), tuple(plan.user_spec(b.name) for b in program.reads),
+                  types.output_spec(runnable))
 
 
 def prepare(program, mesh, *, database=None, tune: bool = False, **tune_options) -> Prepared:

@@ -71,10 +71,14 @@ def parse_mesh(text: str | None, n_devices: int) -> tuple[tuple[str, ...], tuple
     return ("gpu",), (n_devices,)
   names, sizes = [], []
   for part in text.split(","):
-    name, _, size = part.partition("=")
-    if not name or not size.isdigit():
-      raise ValueError(f"--mesh {text!r}: expected level=size pairs such as node=2,gpu=4")
-    names.append(name.strip())
+    name, _, size = (x.strip() for x in part.partition("="))
+    if not name.isidentifier() or not size.lstrip("-").isdigit():
+      raise ValueError(f"--mesh {text!r}: expected level=size pairs such as gpu=8 or node=2,gpu=4")
+    if int(size) < 1:
+      raise ValueError(f"--mesh {text!r}: level {name!r} has size {size}; each level needs at least 1 device")
+    if name in names:
+      raise ValueError(f"--mesh {text!r}: level {name!r} is named twice")
+    names.append(name)
     sizes.append(int(size))
   if math.prod(sizes) > n_devices:
     raise ValueError(f"--mesh {text!r} needs {math.prod(sizes)} devices; this machine has {n_devices}")
@@ -109,6 +113,33 @@ def predictions(prog, machine, jm) -> list:
            "memory_bytes": c.memory_bytes} for c in cands]
 
 
+OPERATORS = ("attention", "matmul")
+USAGE = "usage: python -m jaxmercury.tune {attention,matmul} [flags]   (--help lists the flags)"
+HELP = ("-h", "--help", "-help", "--helpfull", "-helpfull", "--helpshort", "-helpshort")
+# Flags that must be at least 1 (0 for --top and --space), with the operator they describe (None: every one).
+AT_LEAST = {"batch": ("attention", 1), "heads": ("attention", 1), "kv_heads": ("attention", 1),
+            "seq_len": ("attention", 1), "head_dim": ("attention", 1), "m": ("matmul", 1), "n": ("matmul", 1),
+            "k": ("matmul", 1), "iters": (None, 1), "cpu_devices": (None, 1), "top": (None, 0), "space": (None, 0)}
+
+
+def check_flags(operator: str):
+  """Raises ValueError naming the first flag whose value cannot describe ``operator``'s tune (before JAX starts)."""
+  for name, (applies, least) in AT_LEAST.items():
+    value = FLAGS[name].value
+    if applies in (None, operator) and value < least:
+      raise ValueError(f"--{name} {value}: must be at least {least} ({FLAGS[name].help})")
+  if operator == "attention" and FLAGS.heads % FLAGS.kv_heads:
+    raise ValueError(f"--heads {FLAGS.heads} is not a multiple of --kv_heads {FLAGS.kv_heads}: each key/value head "
+                     "serves the same number of query heads")
+  if FLAGS.time_limit <= 0:
+    raise ValueError(f"--time_limit {FLAGS.time_limit:g}: must be a positive number of seconds")
+  if FLAGS.memory_budget is not None:
+    parse_bytes(FLAGS.memory_budget)
+  parse_links(FLAGS.link_gbps)
+  if FLAGS.predict_mesh:
+    parse_mesh(FLAGS.predict_mesh, 1 << 30)
+
+
 def _program(kind, jm):
   if kind == "attention":
     return jm.programs.attention(FLAGS.batch, FLAGS.heads, FLAGS.kv_heads, FLAGS.seq_len, FLAGS.seq_len,
@@ -116,28 +147,45 @@ def _program(kind, jm):
   return jm.programs.matmul(FLAGS.m, FLAGS.n, FLAGS.k, dtype=FLAGS.dtype)
 
 
-WINNER_FIELDS = ("name", "strategy", "kernel", "kernel_config", "lowering", "lowering_config", "schedule", "time_ms",
-                 "memory_bytes")
+WINNER_FIELDS = ("name", "strategy", "origin", "plain", "kernel", "kernel_config", "lowering", "lowering_config",
+                 "schedule", "time_ms", "final_ms", "memory_bytes")
 
 
 def result_json(result, mesh) -> dict:
-  """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``), the winner's too."""
+  """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``; a plain program, what a
+  user would run without jaxmercury, carries ``"plain": true``), the winner's too, the best plain program
+  (``"baseline"``: its name and time) and the winner's speedup over it, on the times of the round they were
+  compared in (the final round's where both ran in it), and how the winner was chosen (``"decision"``)."""
   def structured(c):
     d = c.to_dict()
     d["schedule"] = json.loads(d["schedule"])
     return d
   cands = [structured(c) for c in result.candidates]
   winner = {k: v for k, v in structured(result.best).items() if k in WINNER_FIELDS} if result.best else None
-  return {"objective": result.objective, "winner": winner, "candidates": cands,
+  base = result.baseline
+  baseline = None if base is None else {
+      "name": base.name, "time_ms": base.final_ms if base.final_ms is not None and result.best is not None
+      and result.best.final_ms is not None else base.time_ms, "own_time_ms": base.time_ms, "final_ms": base.final_ms}
+  return {"objective": result.objective, "winner": winner, "baseline": baseline,
+          "speedup_vs_baseline": result.speedup_vs_baseline, "decision": result.decision,
+          "tied": [c.name for c in result.tied], "candidates": cands,
           "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
           "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
 
 
 def main(argv) -> int:
+  if any(arg in HELP for arg in argv[1:]):
+    listed = "\n".join(line for line in FLAGS.get_help().splitlines() if not line.endswith(".py:"))
+    print(f"{USAGE}\n\n{__doc__.strip()}\n\nflags:\n{listed}")
+    return 0
   rest = FLAGS(argv)
-  if len(rest) != 2 or rest[1] not in ("attention", "matmul"):
-    print("usage: python -m jaxmercury.tune attention|matmul [flags]", file=sys.stderr)
+  if len(rest) == 1:
+    print(USAGE, file=sys.stderr)
     return 2
+  if rest[1] not in OPERATORS or len(rest) > 2:
+    what = f"unknown operator {rest[1]!r}" if rest[1] not in OPERATORS else f"unexpected arguments {rest[2:]}"
+    raise ValueError(f"{what}; the operators are {', '.join(OPERATORS)}")
+  check_flags(rest[1])
   flag = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   # JAX starts here, after XLA_FLAGS asked for the simulated CPU devices
@@ -152,8 +200,7 @@ def main(argv) -> int:
   prog = _program(rest[1], jm)
   where = ("simulated CPU mesh: correctness is real, timings are CPU timings" if platform == "cpu"
            else f"{jax.devices()[0].device_kind}")
-  step = " for training (forward and backward)" if FLAGS.training else ""
-  print(f"tuning {prog}{step}\non {math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
+  print(f"{math.prod(sizes)} devices, mesh {dict(mesh.shape)} ({where})", flush=True)
   db = jm.Database(FLAGS.db)
   budget = parse_bytes(FLAGS.memory_budget) if FLAGS.memory_budget else None
   candidates = None
@@ -179,7 +226,8 @@ def main(argv) -> int:
     from jaxmercury.tuner.plot import latency_memory_plot  # matplotlib: only for --plot
     latency_memory_plot(result, FLAGS.plot, title=f"{prog.name} on {dict(mesh.shape)} ({platform})")
   if result.best is None:
-    print("\nno candidate passed its numerical check")
+    print(f"\n{result.summary()}" + ("; raise --memory_budget" if budget is not None and any(
+        c.result is not None and c.result.cause == jm.tuner.measure.OVER_BUDGET for c in result.candidates) else ""))
     return 1
   source = "from the database" if result.from_database else "stored in the database"
   print(f"\nwinner: {result.best.name} ({result.best.time_ms:.3f} ms{' on CPU' if platform == 'cpu' else ''}), "
@@ -188,13 +236,25 @@ def main(argv) -> int:
 
 
 def run(argv) -> int:
-  """``main`` with bad arguments reported as one line, not a traceback."""
-  from jaxmercury.errors import ScheduleError  # imports JAX: not before main() set XLA_FLAGS
+  """``main`` with bad arguments reported as one line (exit status 2), not a traceback; Ctrl-C ends with exit status
+  130 after saying how many measurements are kept."""
   try:
     return main(argv)
-  except (ValueError, ScheduleError, flags.Error) as e:
+  except (ValueError, flags.Error) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt as e:
+    kept = getattr(e, "kept", None)
+    print(f"\ninterrupted; {kept if kept is not None else 'the'} measurements kept, rerun to resume"
+          if kept != 0 else "\ninterrupted; no measurement was taken yet", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)  # not a normal exit: XLA's threads may still be running a computation
+  except Exception as e:
+    from jaxmercury.errors import ScheduleError  # imports JAX: only once main() set XLA_FLAGS
+    if isinstance(e, ScheduleError):
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    raise
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ the rest are glue nodes that run in any layout that keeps what they reduce
 over whole (the features for the norms, the head dimension for the rotary
 embedding).
 
+Beside the searched plan, ``whole_blocks`` gives the block as a user writes it
+in plain JAX for XLA to partition (Megatron tensor parallelism, and its
+sequence-parallel variant); ``jaxmercury.graph.choose`` times them side by
+side and never picks a plan measured slower (``chosen_block`` runs the
+choice).
+
 With ``batch > 1`` a sequence-split ``[batch, seq, heads, head_dim]`` layout
 has no counterpart among ``[tokens, features]`` layouts (tokens are
 batch-major), so edges needing one are refused; plan batch-1 blocks, or
@@ -21,15 +27,21 @@ split the batch.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from jaxmercury.graph import Graph, Layout, compile_plan, glue_node, input_node, op_node, output_node
+from jaxmercury.graph import Graph, Layout, WholeProgram, compile_plan, glue_node, input_node, op_node, output_node
 from jaxmercury.graph.options import unsplit
 from models.llama import LlamaConfig, rms_norm, rotary, swiglu
 
 PARAMS = ("attention_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # Megatron splits their outputs' features
+ROW = ("wo", "w_down")  # and these GEMMs' reduction
 
 
 def sequence_parallel(mesh) -> Layout:
@@ -134,3 +146,57 @@ def block_apply(params: dict, x, config: LlamaConfig, *, implementation: str | N
   x = x + o.reshape(b, s, c.heads * c.head_dim) @ params["wo"]
   h = rms_norm(x, params["mlp_norm"], c.norm_eps)
   return x + swiglu(h @ params["w_gate"], h @ params["w_up"]) @ params["w_down"]
+
+
+def whole_blocks(config: LlamaConfig, mesh, *, batch: int, seq: int, residual: Layout | None = None,
+                 implementation: str | None = None) -> list[WholeProgram]:
+  """The block as a user would write it (``block_apply``) for XLA to partition, as the graph's whole programs.
+
+  Both read ``x [tokens, dim]`` in the graph's ``residual`` layout and return
+  ``y`` in it; their weights are split as Megatron splits them over every
+  mesh level (``COLUMN`` by output features, ``ROW`` by the reduction), and
+  attention is constrained to a head split where the heads divide the mesh.
+
+  - ``xla_megatron_tp``: the residual stream whole on every device inside the block;
+  - ``xla_megatron_tp_sp``: the residual stream split by tokens (sequence parallelism), XLA gathering it
+    before the column GEMMs and reduce-scattering after the row GEMMs.
+
+  Args:
+    config: the model's sizes and dtype.
+    batch: sequences per batch.
+    seq: tokens per sequence.
+    mesh: the device mesh.
+    residual: the layout of the block's input and output; default ``sequence_parallel(mesh)``.
+    implementation: ``jax.nn.dot_product_attention``'s (None: JAX's choice).
+  """
+  c = config
+  residual = residual or sequence_parallel(mesh)
+  levels = tuple(mesh.axis_names)
+  split = levels[0] if len(levels) == 1 else levels
+  devices = math.prod(mesh.shape.values())
+  specs = {**{k: P(None, split) for k in COLUMN}, **{k: P(split, None) for k in ROW}}
+  heads = NamedSharding(mesh, P(None, None, split, None)) if c.heads % devices == c.kv_heads % devices == 0 else None
+
+  def block(inside):
+    def fn(inputs, params):
+      x = jax.lax.with_sharding_constraint(inputs["x"], NamedSharding(mesh, inside))
+      y = block_apply(params, x.reshape(batch, seq, c.dim), c, implementation=implementation,
+                      attention_sharding=heads)
+      return {"y": jax.lax.with_sharding_constraint(y.reshape(batch * seq, c.dim), NamedSharding(mesh, residual.spec))}
+    return fn
+
+  given = {"x": residual.spec}
+  return [WholeProgram("xla_megatron_tp", block(P()), specs, given),
+          WholeProgram("xla_megatron_tp_sp", block(sequence_parallel(mesh).spec), specs, given)]
+
+
+def chosen_block(choice):
+  """``f(params, x [batch, seq, dim]) -> y`` running what ``jaxmercury.graph.choose`` chose (a plan or a whole
+  program), and the layouts its parameters are read in."""
+  run = choice.chosen.fn
+
+  def f(params, x):
+    b, s, d = x.shape
+    return run({"x": jnp.reshape(x, (b * s, d))}, params)["y"].reshape(b, s, d)
+
+  return f, dict(choice.chosen.param_specs)

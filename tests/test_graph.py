@@ -416,3 +416,68 @@ def test_training_objective_prices_replicated_weights_gradients():
   assert same.seconds == pytest.approx(sum(c.seconds + c.backward_seconds + c.grad_sync_seconds for c in ops)
                                        + sum(BACKWARD_FACTOR * c.seconds + c.grad_sync_seconds for c in glue)
                                        + 2 * forward.edge_seconds)
+
+
+# ------------------------------------------------------------------ the block in plain JAX beside the plans
+def _tiny_block(mesh, seq=64):
+  import models
+  from models import block_graph as bg
+  config = models.CONFIGS["tiny"]
+  plan = jg.search(bg.block_graph(config, batch=1, seq=seq, mesh=mesh, machines=MACHINE), MACHINE)
+  params = bg.block_params(models.DecoderBlock(config, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 999)))))
+  x = jax.random.normal(fresh_key(), (seq, config.dim), jnp.float32)
+  return bg, config, plan, params, x
+
+
+def test_the_block_in_plain_jax_stands_beside_the_plan_and_is_measured_the_same_way():
+  """choose checks the plan and both Megatron blocks (gradients too) and times their training steps side by side:
+  a plan is chosen only when faster than the best of them beyond the noise and the margin."""
+  from jaxmercury.tuner import decide
+  mesh = make_mesh("8")
+  bg, config, plan, params, x = _tiny_block(mesh)
+  wholes = bg.whole_blocks(config, mesh, batch=1, seq=64)
+  assert [w.name for w in wholes] == ["xla_megatron_tp", "xla_megatron_tp_sp"]
+  lines = []
+  choice = jg.choose({"jaxmercury_plan": plan}, wholes, {"x": x}, params, training=True, iters=4, log=lines.append)
+  assert not choice.failed, choice.failed
+  assert {c.name for c in choice.contestants} == {"xla_megatron_tp", "xla_megatron_tp_sp", "jaxmercury_plan"}
+  d = choice.decision
+  assert set(d.times_ms) == {c.name for c in choice.contestants} and d.baseline in ("xla_megatron_tp",
+                                                                                       "xla_megatron_tp_sp")
+  if choice.plan is not None:
+    assert choice.chosen.name == "jaxmercury_plan" and d.versus_baseline.slower(decide.PLAIN_MARGIN)
+  else:
+    assert choice.chosen.plain and choice.chosen.name in d.times_ms
+  assert any(line.startswith("graph final round (training steps):") for line in lines)
+  # What was chosen runs the block.
+  f, specs = bg.chosen_block(choice)
+  y = jax.jit(f)(params, x.reshape(1, 64, config.dim))
+  assert rel_err(y, bg.block_apply(params, x.reshape(1, 64, config.dim), config)) < 1e-5
+  assert set(specs) <= set(bg.PARAMS)
+
+
+def test_a_plan_measured_slower_than_the_plain_block_is_not_chosen(monkeypatch):
+  """The plan's function made to do its work many times over loses to the Megatron block; a whole program whose
+  values differ is failed, not timed."""
+  from jaxmercury.graph import whole
+  mesh = make_mesh("8")
+  bg, config, plan, params, x = _tiny_block(mesh)
+  real = whole.compile_plan
+
+  def slowed(p):
+    compiled = real(p)
+
+    def fn(inputs, params):
+      again = lambda _, y: compiled.fn({"x": inputs["x"] + 0 * y["y"]}, params)
+      return jax.lax.fori_loop(0, 20, again, compiled.fn(inputs, params))
+    return dataclasses.replace(compiled, fn=fn)
+
+  monkeypatch.setattr(whole, "compile_plan", slowed)
+  (megatron, _) = bg.whole_blocks(config, mesh, batch=1, seq=64)
+  wrong = jg.WholeProgram("wrong", lambda i, p: {"y": 1.01 * megatron.fn(i, p)["y"]}, megatron.param_specs)
+  choice = jg.choose(plan, [megatron, wrong], {"x": x}, params, iters=4, log=lambda _: None)
+  assert choice.chosen.name == "xla_megatron_tp" and choice.plan is None
+  assert "wrong" in choice.failed and "relative error" in choice.failed["wrong"]
+  assert choice.decision.times_ms["plan"] and choice.decision.median_ms("plan") > choice.decision.median_ms(
+      "xla_megatron_tp")
+  assert "xla_megatron_tp wins the final round" in choice.summary()

@@ -16,9 +16,10 @@ import jaxmercury as jm
 from jaxmercury.analysis import memory
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import autotuner as tune_module
-from jaxmercury.tuner import calibrate, cost, measure, plot
+from jaxmercury.tuner import calibrate, cost, decide, measure, plot
 from jaxmercury.tuner.autotuner import TuneResult
 from jaxmercury.tuner.candidates import Candidate
+from jaxmercury.tuner.plain import plain_programs
 
 # A fixed, rough CPU machine: tests that are not about calibration need not pay for it.
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
@@ -55,23 +56,38 @@ def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
   ok, failed, pruned = (_by_status(result, s) for s in (measure.OK, measure.FAILED, measure.PRUNED))
   assert len(ok) + len(failed) + len(pruned) == len(result.candidates)
   assert not failed, "\n".join(f"{c.name}: {c.result.reason}" for c in failed)
-  # Every library strategy is timed (with its one kernel on CPU: xla), and the cost model's top_k of the others.
+  # Every library strategy is timed (with its one kernel on CPU: xla), the plain program, and the cost model's
+  # top_k of the others.
   library_names = set(jm.library(prog, mesh))
   assert {c.name for c in ok} >= library_names
-  others = [c for c in ok if c.name not in library_names]
+  (plain,) = [c for c in ok if c.plain]
+  assert plain.origin == "plain" and plain.name.startswith("plain ") and math.isnan(plain.predicted_ms)
+  others = [c for c in ok if c.name not in library_names and not c.plain]
   assert len(others) == top_k
   tol = measure.tolerance(prog.writes.dtype)
   for c in ok:
     assert c.result.rel_err is not None and c.result.rel_err < tol, c.name
     assert len(c.result.times_ms) == 2 and all(t > 0 for t in c.result.times_ms)
     assert math.isfinite(c.time_ms) and c.time_ms > 0
-  assert result.best is min(ok, key=lambda c: c.time_ms)
+  # The winner comes from the final round, which the plain program is in: every finalist faster there is tied
+  # with it within the noise. Without a final round (the plain program alone close to the best), on own times.
+  assert result.baseline is plain
+  finalists = [c for c in ok if c.final_ms is not None]
+  if finalists:
+    assert plain in finalists and result.best in finalists
+    assert all(c in result.tied for c in finalists if c.final_ms < result.best.final_ms)
+    assert result.speedup_vs_baseline == pytest.approx(plain.final_ms / result.best.final_ms)
+  else:
+    assert result.best is plain is min(ok, key=lambda c: c.time_ms), result.decision
 
-  # Every pruned candidate has a reason, and the cost model ranks it below every timed non-library one.
+  # Every pruned candidate has a reason: the same program as a timed one, or the cost model ranks it below every
+  # timed non-library one.
   assert pruned
+  ranked_out = [c for c in pruned if f"top {top_k}" in c.result.reason]
   for c in pruned:
-    assert c.name not in library_names and f"top {top_k}" in c.result.reason, c.name
-  assert max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in pruned)
+    assert c.name not in library_names, c.name
+    assert c in ranked_out or c.result.reason.startswith("same program as "), c.result.reason
+  assert max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in ranked_out)
 
   # Re-run the winner and another passing candidate on fresh inputs, against the reference.
   for c in [result.best] + [c for c in ok if c is not result.best][:1]:
@@ -105,12 +121,12 @@ def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monk
     assert best.status == measure.OK, best.result.reason
     anchors.add(best.name)
   assert any("[test_dot]" in a for a in anchors)  # test_dot has 4x the rate
-  timed = [c for c in result.candidates if c.status == measure.OK]
+  timed = [c for c in result.candidates if c.status == measure.OK and not c.plain]
   others = [c for c in timed if c.name not in anchors]
   assert len(timed) == len(lib) + top_k and len(others) == top_k
 
   # The rest, a strategy's other kernel too, are pruned by the cost model, with the reason.
-  pruned = _by_status(result, measure.PRUNED)
+  pruned = [c for c in _by_status(result, measure.PRUNED) if not c.result.reason.startswith("same program as ")]
   assert pruned and max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in pruned)
   for c in pruned:
     assert f"below the top {top_k}" in c.result.reason, (c.name, c.result.reason)
@@ -127,7 +143,7 @@ def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monk
 def test_database_returns_the_stored_winner_without_compiling(tmp_path, monkeypatch):
   prog, mesh = PROGRAMS["matmul"](), make_mesh("2x4")
   db = jm.Database(tmp_path / "t.db")
-  monkeypatch.setattr(tune_module, "FINAL_MARGIN", 1e9)  # a final round always: its notes must round-trip too
+  monkeypatch.setattr(decide, "FINAL_MARGIN", 1e9)  # a final round always: its notes must round-trip too
   first = _tune(prog, mesh, machine=None, database=db)  # calibrates, then stores figures and winner
   assert first.best is not None and not first.from_database
   assert len(db) == 1
@@ -144,7 +160,7 @@ def test_database_returns_the_stored_winner_without_compiling(tmp_path, monkeypa
   again = jm.Database(tmp_path / "t.db")  # a new connection: the record is on disk
   second = jm.autotune(prog, mesh, database=again, log=_quiet)
 
-  assert second.from_database
+  assert second.from_database and second.decision == first.decision == first.best.final.note
   assert second.best.schedule.to_json() == first.best.schedule.to_json()
   assert (second.best.name, second.best.time_ms, second.best.memory_bytes) == (
       first.best.name, first.best.time_ms, first.best.memory_bytes)
@@ -199,7 +215,7 @@ def test_faulty_kernels_fail_with_a_reason_and_never_win(bad_kernels):
     pairs += [(f"{base} [{k}]", lib[base].copy().patch(k)) for k in bad_kernels]
   result = _tune(prog, mesh, candidates=pairs, top_k=len(pairs))
   by_name = {c.name: c for c in result.candidates}
-  assert len(by_name) == len(pairs)
+  assert len(by_name) == len(pairs) + 1 and by_name[result.baseline.name].plain
 
   for base in ("allgather_matmul", "async_tp"):
     raised, nan, wrong = (by_name[f"{base} [{k}]"] for k in ("test_raises", "test_nan", "test_wrong"))
@@ -211,15 +227,16 @@ def test_faulty_kernels_fail_with_a_reason_and_never_win(bad_kernels):
       assert c.time_ms is None and not c.result.times_ms
   for name in lib:
     assert by_name[name].status == measure.OK, by_name[name].result.reason
-  assert result.best.name in lib and result.best.schedule.kernel is None
+  assert result.best.plain or (result.best.name in lib and result.best.schedule.kernel is None)
 
 
 def test_time_limit_fails_a_slow_candidate():
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
   pair = ("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"])
   tight = _tune(prog, mesh, candidates=[pair], top_k=1, time_limit_s=1e-6)
-  (c,) = tight.candidates
-  assert c.status == measure.FAILED and c.result.reason.startswith("time-out"), c.result.reason
+  assert len(tight.candidates) == 2  # the plain program too
+  for c in tight.candidates:
+    assert c.status == measure.FAILED and c.result.reason.startswith("time-out"), c.result.reason
   assert tight.best is None
   generous = _tune(prog, mesh, candidates=[pair], top_k=1, time_limit_s=300.0)
   assert generous.best is not None and generous.best.status == measure.OK
@@ -356,7 +373,24 @@ def _hand_made_result():
     result = (measure.Measurement(status, 1.0 + n, [1.0 + n], 1e-7) if status == measure.OK
               else measure.Measurement(status, reason="made up"))
     cands.append(Candidate(name, s, 0.5 + n, memory.memory_per_device(s), result))
+  (plain,) = plain_programs(prog, mesh)
+  cands.append(Candidate(plain.name, plain, math.nan, plain.memory_bytes(),
+                         measure.Measurement(measure.OK, 1.5, [1.5], 1e-7), origin="plain"))
   return TuneResult(cands[0], cands, machine=CPU)
+
+
+def test_the_table_and_the_plot_mark_the_plain_programs():
+  result = _hand_made_result()
+  rows = {line.split(" | ")[0].strip("| "): line for line in result.table().splitlines()[2:]}
+  assert "| plain jnp.dot (XLA) | plain |  | 1.500 |" in rows["plain jnp.dot (XLA)"]
+  assert result.baseline.name == "plain jnp.dot (XLA)" and "| winner" in rows[result.best.name]
+  figure = pytest.importorskip("matplotlib.figure")
+  ax = figure.Figure().add_subplot()
+  plot._scatter(ax, result)
+  plot._labels(ax, [(1.0, 1.5, c) for c in result.candidates if c.plain])
+  labels = [h.get_label() for h in ax.collections]
+  assert "plain program (measured)" in labels and "measured" in labels
+  assert [t.get_text() for t in ax.texts] == ["plain jnp.dot (XLA)"]
 
 
 def test_latency_memory_plot_writes_a_png(tmp_path):
@@ -388,15 +422,18 @@ def test_kernel_variants_take_their_kernels_measured_rate():
 
 
 def test_close_candidates_are_ranked_by_a_side_by_side_final_round(monkeypatch):
-  """Candidates within FINAL_MARGIN of the best are re-timed interleaved; the winner is the best of those times."""
-  monkeypatch.setattr(tune_module, "FINAL_MARGIN", 1e9)  # every timed candidate is a finalist
+  """Candidates within FINAL_MARGIN of the best are re-timed interleaved with the plain program; the winner comes
+  from those times: no finalist is faster there beyond the noise."""
+  monkeypatch.setattr(decide, "FINAL_MARGIN", 1e9)  # every timed candidate is a finalist
   lines = []
   result = jm.autotune(jm.programs.matmul(64, 64, 64), make_mesh("8"), space=0, top_k=0, iters=3, log=lines.append)
-  finalists = [c for c in result.candidates if c.result and c.result.reason.startswith("final round")]
-  assert 2 <= len(finalists) <= tune_module.FINAL_SIZE
-  assert all(len(c.result.times_ms) == 3 for c in finalists)
-  assert result.best in finalists and result.best.time_ms == min(c.time_ms for c in finalists)
+  finalists = [c for c in result.candidates if c.final_ms is not None]
+  assert 2 <= len(finalists) <= decide.FINAL_SIZE + 1 and any(c.plain for c in finalists)
+  assert all(len(c.result.times_ms) == 3 and len(c.final.times_ms) >= 4 and c.final.note for c in finalists)
+  assert result.best in finalists and result.best.final_ms is not None
+  assert all(c in result.tied for c in finalists if c.final_ms < result.best.final_ms)
   assert any(line.startswith("  final round (interleaved):") for line in lines)
+  assert any(line.startswith("decision: ") for line in lines)
 
 
 @pytest.mark.parametrize("prog_name", sorted(PROGRAMS))
@@ -416,7 +453,7 @@ def test_training_tune_checks_gradients_times_steps_and_keeps_its_own_record(pro
   ok = _by_status(result, measure.OK)
   assert result.best is not None and ok and len(steps) >= len(ok)
   for c in result.candidates:
-    if c.status != measure.FAILED:
+    if c.status != measure.FAILED and not c.plain:
       assert c.predicted_ms == pytest.approx(1e3 * (cost.predict(c.schedule, CPU)
                                                      + cost.backward_seconds(c.schedule, CPU)))
   assert db.lookup(prog, mesh) is None  # the forward objective has no record
@@ -445,5 +482,6 @@ def test_a_training_tune_in_worker_processes():
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
   result = _tune(prog, mesh, training=True, isolation="process", space=0, top_k=0,
                  candidates=[("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"])])
-  (c,) = result.candidates
-  assert c.status == measure.OK, c.result.reason
+  assert [c.origin for c in result.candidates] == ["plain", "given"]
+  for c in result.candidates:  # the plain program rebuilt in the worker from its description
+    assert c.status == measure.OK, c.result.reason

@@ -4,7 +4,9 @@
 ``output_node`` build them; ``measure_candidates`` replaces the operators'
 predicted times with times measured on the mesh; ``search`` picks every node's candidate jointly
 with the edges' resharding (``fusion`` rules applied to each edge);
-``compile_plan`` runs the chosen plan.
+``compile_plan`` runs the chosen plan; ``choose`` times the searched plans beside the
+graph written as one plain function (``WholeProgram``: XLA partitions it) and
+never picks a plan measured slower.
 """
 
 from jaxmercury.analysis import collectives, fusion, hlo
@@ -16,9 +18,11 @@ from jaxmercury.graph.execute import CompiledPlan, compile_plan
 from jaxmercury.graph.options import NodeOption
 from jaxmercury.graph.search import EdgePlan, GraphPlan, dynamic, exhaustive, fixed, search
 from jaxmercury.graph.timing import measure_candidates
+from jaxmercury.graph.whole import Choice, WholeProgram, choose
 
 __all__ = [
-    "NodeOption", "Collective", "CompiledPlan", "EdgePlan", "Graph", "Layout", "Node", "GraphPlan", "RULES", "Rule",
-    "collectives", "compile_plan", "dynamic", "enumerate_layouts", "exhaustive", "fixed", "fuse", "fusion",
-    "glue_node", "hlo", "input_node", "measure_candidates", "op_node", "output_node", "search", "view",
+    "Choice", "Collective", "CompiledPlan", "EdgePlan", "Graph", "GraphPlan", "Layout", "Node", "NodeOption", "RULES",
+    "Rule", "WholeProgram", "choose", "collectives", "compile_plan", "dynamic", "enumerate_layouts", "exhaustive",
+    "fixed", "fuse", "fusion", "glue_node", "hlo", "input_node", "measure_candidates", "op_node", "output_node",
+    "search", "view",
 ]

@@ -3,19 +3,31 @@
 Candidates are the library's strategies plus a sample of the design space,
 each with every local kernel that applies, and each with every fused lowering
 that applies (``Schedule.lower_with``: the whole nest as one fused kernel, on
-Hopper GPUs for the all-gather GEMMs). The cost model (calibrated once per
-machine and program, then read from the database) ranks them; candidates over
-the memory budget (default on GPUs: 90% of device memory) are pruned before
-compiling. Each library strategy is timed once, with the kernel the cost model
-predicts fastest for it (its anchor); every other candidate, the strategies'
-other kernels included, competes for the ``top_k`` best predicted places, and
-the rest are pruned ("cost model ranks it below the top k"). The timed ones
-are compiled, checked against the reference and timed (a fused lowering of a
-library strategy is timed once too, so it meets the ``shard_map`` lowering of
-the same schedule); those within 5% of the
-best are timed again side by side, in interleaved rounds, and ranked by those
-times (on one process). The winner and every candidate's outcome go to the
-tuning database.
+Hopper GPUs for the all-gather GEMMs); on a mesh of one device, where every
+communication schedule is the local loop nest, the local nest (``"local"``)
+with each kernel and fused lowering. Beside them stand the plain programs
+(``tuner.plain``): what the user would otherwise run, XLA partitioning the
+operator written in JAX (``jnp.dot``, ``jax.nn.dot_product_attention`` with
+cuDNN where it runs), in the caller's layouts.
+
+Candidates that lower to the same program (``candidates.program_key``) are
+merged first: one is kept, the others are pruned ("same program as ...").
+The cost model (calibrated once per machine and program, then read from the
+database) ranks them; candidates over the memory budget (default on GPUs:
+90% of device memory) are pruned before compiling. Each library strategy is
+timed once, with the kernel the cost model predicts fastest for it (its
+anchor); every other candidate, the strategies' other kernels included,
+competes for the ``top_k`` best predicted places, and the rest are pruned
+("cost model ranks it below the top k"). The plain programs are always timed.
+The timed ones are compiled, checked against the reference and timed (a
+fused lowering of a library strategy is timed once too, so it meets the
+``shard_map`` lowering of the same schedule). The winner is decided in a
+final round (``tuner.decide``, on one process): the best plain program and
+the candidates closest to the best time run side by side in interleaved
+rounds until their differences are resolved or a time budget is spent; the
+winner comes from those times alone, the plain program wins unless a schedule
+beats it beyond the noise, and ties within the noise are reported. The winner
+and every candidate's outcome go to the tuning database.
 
 Reliability: the program, mesh, layouts and every candidate are validated
 before anything is traced (an invalid candidate fails with the reason); each
@@ -33,7 +45,7 @@ import json
 import math
 import random
 import sqlite3
-import statistics
+import time
 
 import jax
 
@@ -46,38 +58,111 @@ from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import is_size
 from jaxmercury.schedules.validate import validate
-from jaxmercury.tuner import agree, cost, measure, watchdog
+from jaxmercury.tuner import agree, cost, decide, measure, watchdog
 from jaxmercury.tuner.calibrate import calibrate
-from jaxmercury.tuner.candidates import GIVEN, LIBRARY, NEAREST, SPACE, Candidate, kernel_choices
+from jaxmercury.tuner.candidates import (
+  GIVEN,
+  LIBRARY,
+  NEAREST,
+  PLAIN,
+  SPACE,
+  Candidate,
+  Final,
+  kernel_choices,
+  program_key,
+)
 from jaxmercury.tuner.database import FORWARD, RECORD_FORMAT, TRAINING, record_from_data
+from jaxmercury.tuner.plain import PlainProgram, plain_programs
+from jaxmercury.tuner.progress import calibration_progress
 from jaxmercury.tuner.reference import trial
 from jaxmercury.tuner.space import enumerate_schedules
 
 
 @dataclasses.dataclass
 class TuneResult:
-  """The winner and every candidate considered, with why each lost or failed."""
+  """The winner and every candidate considered, with why each lost or failed.
+
+  Attributes:
+    best: the winner (a plain program when no schedule beats it beyond the noise: ``best.plain``), or None
+      when no candidate passed.
+    candidates: every candidate, plain ones included.
+    from_database: read from the tuning database, not tuned.
+    machine: the cost model's figures.
+    resumed: measurements read back from the database instead of taken.
+    objective: what the times are of: the forward, or a training step (``database.TRAINING``).
+    decision: how the winner was chosen (the final round's verdict, ties within noise named).
+    tied: the candidates tied with the winner within the final round's noise.
+  """
 
   best: Candidate | None
   candidates: list
   from_database: bool = False
   machine: cost.Machine | None = None
-  resumed: int = 0  # measurements read back from the database instead of taken
-  objective: str = FORWARD  # what the times are of: the forward, or a training step (``database.TRAINING``)
+  resumed: int = 0
+  objective: str = FORWARD
+  decision: str = ""
+  tied: list = dataclasses.field(default_factory=list)
+
+  @property
+  def baseline(self) -> Candidate | None:
+    """The best plain candidate that passed (on its final-round time where it had one), or None."""
+    plain = [c for c in self.candidates if c.plain and c.status == measure.OK]
+    final = [c for c in plain if c.final_ms is not None]
+    if final:
+      return min(final, key=lambda c: c.final_ms)
+    return min(plain, key=lambda c: c.time_ms, default=None)
+
+  @property
+  def speedup_vs_baseline(self) -> float | None:
+    """The baseline's time over the winner's, on the times of one round (the final round's where both ran in it,
+    else their own); None without a winner or a baseline."""
+    best, base = self.best, self.baseline
+    if best is None or base is None:
+      return None
+    if best.final_ms is not None and base.final_ms is not None:
+      return base.final_ms / best.final_ms
+    return base.time_ms / best.time_ms if best.time_ms else None
+
+  def summary(self) -> str:
+    """One line: the winner, its time and speedup over the plain program; or, when nothing passed, how many
+    candidates were over the memory budget, invalid for the mesh, failed their numerical check or failed
+    otherwise (a compile or run error, a time-out)."""
+    if self.best is not None:
+      best, speedup, base = self.best, self.speedup_vs_baseline, self.baseline
+      versus = "" if speedup is None or base is None or base is best else f", {speedup:.2f}x {base.name}"
+      what = " (the plain program)" if best.plain else ""
+      timed = sum(1 for c in self.candidates if c.status == measure.OK)
+      found = "from the database" if self.from_database else f"{timed} of {len(self.candidates)} candidates timed"
+      return f"winner {best.name}{what}: {best.time_ms:.3f} ms{versus} ({found})"
+    counts = {}
+    for c in self.candidates:
+      if c.result is not None and c.status != measure.OK:
+        cause = c.result.cause or ("failed to compile or run" if c.status == measure.FAILED else "pruned")
+        counts[cause] = counts.get(cause, 0) + 1
+    parts = ", ".join(f"{n} {cause}" for cause, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"nothing passed of {len(self.candidates)} candidates: {parts or 'none was offered'}"
 
   def table(self) -> str:
-    rows = ["| candidate | predicted ms | measured ms | memory MiB | status | note |",
-            "|---|---|---|---|---|---|"]
+    """Every candidate, best first: ``plain`` in the origin column marks the programs a user would otherwise run;
+    ``final ms`` is the side-by-side time of the final round's finalists, which decided the winner."""
+    rows = ["| candidate | origin | predicted ms | measured ms | final ms | memory MiB | status | note |",
+            "|---|---|---|---|---|---|---|---|"]
     for c in sorted(self.candidates, key=_rank):
       t = "" if c.time_ms is None else f"{c.time_ms:.3f}"
-      note = c.result.reason if c.result else ""
-      rows.append(f"| {c.name} | {c.predicted_ms:.3f} | {t} | {c.memory_bytes / 2**20:.2f} | {c.status} | {note} |")
+      final = "" if c.final_ms is None else f"{c.final_ms:.3f}"
+      predicted = "" if math.isnan(c.predicted_ms) else f"{c.predicted_ms:.3f}"
+      note = c.final.note if c.final else c.result.reason if c.result else ""
+      if c is self.best:
+        note = f"winner: {note}" if note else "winner"
+      rows.append(f"| {c.name} | {c.origin} | {predicted} | {t} | {final} | {c.memory_bytes / 2**20:.2f} | "
+                  f"{c.status} | {note} |")
     return "\n".join(rows)
 
 
 def _rank(c):
   order = {measure.OK: 0, measure.FAILED: 1, measure.PRUNED: 2}
-  return order[c.status], c.time_ms if c.time_ms is not None else c.predicted_ms
+  time = c.time_ms if c.time_ms is not None else c.predicted_ms
+  return order[c.status], c.final_ms is None, c.final_ms or 0.0, math.inf if math.isnan(time) else time
 
 
 def describe(schedule) -> str:
@@ -105,33 +190,50 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
   ``out_sharding``), unless it would run in interpret mode (outside
   ``registry.interpret_mode()``). A design-space schedule's fused kernel that runs the same kernel on the
   same blocks as an earlier candidate's is left out (the library's strategies keep theirs: their backward
-  passes differ). Candidates are returned unscored (``predicted_ms`` NaN).
+  passes differ). The design space is sampled among schedules that lower to programs no library strategy
+  lowers to (``program_key``). On a mesh of one device the local loop nest comes first, as the strategy
+  ``"local"``; the library's strategies follow (the tuner merges them into it: each is the local nest
+  there), those that tile the nest into serial blocks pruned, and no design space is sampled: a tune times
+  one candidate per kernel. Candidates are returned unscored (``predicted_ms`` NaN).
 
   Args:
     kernels: the local kernels to try (``KernelChoice``s or names); default each that applies, at its
       defaults (``candidates.kernel_choices``).
   """
-  base = [(name, LIBRARY, s) for name, s in library(program, mesh).items()]
-  strategies = len(base)
-  seen = {s.to_json() for _, _, s in base}
-  rest = [s for s in enumerate_schedules(program, mesh, tile_factors=(2, 4)) if s.to_json() not in seen]
-  base += [(describe(s), SPACE, s) for s in random.Random(seed).sample(rest, min(space, len(rest)))]
+  base = [(name, LIBRARY, s, None) for name, s in library(program, mesh).items()]
+  if math.prod(mesh.shape.values()) == 1:
+    local = Schedule(program, mesh)
+    key = program_key(local)
+    tiled = measure.Measurement(measure.PRUNED, reason="one device: it tiles the local loop nest into serial "
+                                                       "blocks, which a one-device tune does not try")
+    base = [("local", LIBRARY, local, None)] + [(n, o, s, None if program_key(s) == key else tiled)
+                                                for n, o, s, _ in base]
+  else:
+    seen = {program_key(s) for _, _, s, _ in base}
+    rest = []
+    for s in enumerate_schedules(program, mesh, tile_factors=(2, 4)):
+      key = program_key(s)
+      if key not in seen:
+        seen.add(key)
+        rest.append(s)
+    base += [(describe(s), SPACE, s, None) for s in random.Random(seed).sample(rest, min(space, len(rest)))]
+  strategies = sum(1 for _, origin, _, _ in base if origin == LIBRARY)
   kernels = kernel_choices(program, mesh) if kernels is None else [
       k if isinstance(k, registry.KernelChoice) else registry.KernelChoice(k) for k in kernels]
   out, kernels_seen = [], set()
-  for n, (name, origin, s) in enumerate(base):
+  for n, (name, origin, s, pruned) in enumerate(base):
     if s.dispatched is not None:  # its local kernel is its grouped GEMM, a parameter of the dispatch
-      out += [Candidate(name, v, math.nan, 0, origin=origin) for v in grouped_gemm_variants(s)]
+      out += [Candidate(name, v, math.nan, 0, result=pruned, origin=origin) for v in grouped_gemm_variants(s)]
       continue
     for k in kernels:
       patched = s.copy() if k.name == "xla" else s.copy().patch(k)
-      out.append(Candidate(name, patched, math.nan, 0, origin=origin))
+      out.append(Candidate(name, patched, math.nan, 0, result=pruned, origin=origin))
     for lowering in _fused_lowerings(s, in_shardings, out_sharding):
       lowered = s.copy().lower_with(lowering)
       key = placements.signature(lowered)
       if n < strategies or key not in kernels_seen:
         kernels_seen.add(key)
-        out.append(Candidate(name, lowered, math.nan, 0, origin=origin))
+        out.append(Candidate(name, lowered, math.nan, 0, result=pruned, origin=origin))
   return out
 
 
@@ -169,15 +271,14 @@ def _device_budget(mesh) -> int | None:
 
 
 MAX_ATTEMPTS = 2  # a candidate the tuner died in this often is failed, not retried
-FINAL_MARGIN = 0.05  # candidates this close to the best measured time are timed again, side by side
-FINAL_SIZE = 4  # at most this many of them
 
 
 def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
              in_shardings=None, out_sharding=None,
              memory_budget: int | None = None, machine: cost.Machine | None = None, iters: int = 10,
              time_limit_s: float | None = None, key=None, database=None, retune: bool = False,
-             isolation: str = "thread", resume: bool = True, training: bool = False, log=print) -> TuneResult:
+             isolation: str = "thread", resume: bool = True, training: bool = False, final_budget_s: float = 3.0,
+             log=print) -> TuneResult:
   """Finds the fastest correct schedule of ``program`` on ``mesh``.
 
   The program, mesh and layouts are validated first (``jaxmercury.schedules.validate``);
@@ -195,6 +296,8 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     mesh: the device mesh.
     candidates: (name, Schedule) pairs to choose among; default the library
       plus ``space`` design-space schedules, with every applicable kernel.
+      The plain programs (``tuner.plain.plain_programs``, for the caller's
+      layouts) are added either way.
     space: how many design-space schedules to add to the library's.
     top_k: how many candidates besides the anchors, best predicted first, to
       compile and time. Anchors, always timed when they fit the memory
@@ -212,9 +315,8 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       Default: 90% of a GPU's memory, no limit on CPU.
     machine: cost-model figures; default read from ``database`` or measured by
       ``calibrate`` (and stored).
-    iters: timed runs per candidate (the median counts), and rounds of the
-      final side-by-side timing of the candidates within ``FINAL_MARGIN`` of
-      the best.
+    iters: timed runs per candidate (the median counts), and interleaved
+      rounds between two comparisons in the final round (``tuner.decide``).
     time_limit_s: seconds a candidate's compile and first run may take; past
       it the candidate is failed ("time-out") and the search goes on.
     key: PRNG key for the random inputs; fresh inputs by default.
@@ -235,10 +337,15 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       output cotangent, and timed as one forward-and-backward call
       (``measure.training_step``); the database keeps these records apart
       from the forward's (``database.TRAINING``).
+    final_budget_s: seconds after which the final round starts no new
+      rounds; its finalists not resolved by then are reported tied.
     log: progress printer.
 
   Returns:
-    A ``TuneResult``; ``best`` is None when no candidate passed.
+    A ``TuneResult``; ``best`` is None when no candidate passed, a plain
+    program (``best.plain``) when no schedule beats it beyond the noise;
+    ``baseline`` is the best plain program, ``decision`` says how the winner
+    was chosen.
 
   Raises:
     ScheduleError: the program, mesh or layouts are invalid.
@@ -253,6 +360,34 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
     isolation = "thread"
 
   objective = TRAINING if training else FORWARD
+  started = time.perf_counter()
+  log(f"== {program}{' (training step)' if training else ''} on mesh {dict(mesh.shape)}")
+  try:
+    result = _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine,
+                     iters, time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log,
+                     layouts, many, objective)
+  except KeyboardInterrupt:
+    kept = 0 if database is None else len([m for m in database.measurements(program, mesh, layouts,
+                                                                            objective=objective).values()
+                                           if m.result is not None])
+    raise TuneInterrupted(kept) from None
+  log(f"== done in {time.perf_counter() - started:.1f} s: {result.summary()}")
+  return result
+
+
+class TuneInterrupted(KeyboardInterrupt):
+  """Ctrl-C during a tune. Every measurement taken so far is stored (``kept`` of this operator's), so that
+  tuning again resumes from them."""
+
+  def __init__(self, kept: int):
+    super().__init__(f"interrupted; {kept} measurements kept, rerun to resume")
+    self.kept = kept
+
+
+def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, iters,
+            time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log, layouts, many,
+            objective) -> TuneResult:
+  """``autotune``'s search, once its arguments are checked (see there)."""
   found = _from_database(program, mesh, layouts, objective, database, retune, log)
   if found is not None:
     return found
@@ -269,6 +404,7 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       resumed = sum(1 for n in timed if cands[n].result is not None)
 
   inputs = None
+  kept = _Kept()  # the compiled programs of the candidates that may reach the final round
   for n, index in enumerate(timed):
     c = cands[index]
     if c.result is None:
@@ -282,61 +418,136 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
         if inputs is None:
           inputs, cotangent, reference = trial(program, seed, agree.local_device(mesh), training=training)
         c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s,
-                                   gather=agree.gather if many else None, cotangent=cotangent)
+                                   gather=agree.gather if many else None, cotangent=cotangent,
+                                   keep=None if many else kept.keeper(c))
       store.measured(c)
       note = ""
     else:
       note = "  (resumed)"
     shown = f"{c.time_ms:9.3f} ms" if c.time_ms is not None else c.result.reason
-    log(f"  [{n + 1}/{len(timed)}] {c.name:<40} predicted {c.predicted_ms:9.3f} ms  {c.status:<6} {shown}{note}")
+    predicted = "        -" if math.isnan(c.predicted_ms) else f"{c.predicted_ms:9.3f}"
+    log(f"  [{n + 1}/{len(timed)}] {c.name:<40} predicted {predicted} ms  {c.status:<6} {shown}{note}")
     if not note and isolation == "thread" and c.result.reason.startswith("time-out"):
       log("  warning: an abandoned candidate may still occupy the devices and delay the next ones; "
           "isolation='process' kills it instead")
+    kept.trim([c for c in cands if c.status == measure.OK])
 
   ok = [c for c in cands if c.status == measure.OK]
-  if not many and len(ok) > 1:
+  best, decision, tied = None, "", []
+  if ok and not many:
     if inputs is None:
       inputs = program.random_inputs(jax.random.key(seed))
     step_key = jax.random.fold_in(jax.random.key(seed), 1) if training else None
-    for c in _final_round(ok, inputs, iters, log, step_key):
-      store.measured(c)
-  best = min(ok, key=lambda c: c.time_ms) if ok else None
+    best, decision, tied = _final_round(ok, kept, inputs, iters, final_budget_s, log, step_key)
+  elif ok:
+    best, decision = _own_times_winner(ok)
   if many:
     final = agree.broadcast_json(
-        {"results": [None if c.result is None else c.result.to_dict() for c in cands],
+        {"results": [None if c.result is None else c.result.to_dict() for c in cands], "decision": decision,
          "best": None if best is None else cands.index(best)} if agree.is_leader() else None)
     for c, r in zip(cands, final["results"]):
       c.result = None if r is None else measure.Measurement.from_dict(r)
-    best = None if final["best"] is None else cands[final["best"]]
+    best, decision = None if final["best"] is None else cands[final["best"]], final["decision"]
+  if decision:
+    log(f"decision: {decision}")
+  if best is not None and best.final is None:  # decided without a final round: the verdict alone, for the record
+    best.final = Final(None, (), decision)
   if best is not None:
     store.winner(best, cands)
-  return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective)
+  return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective, decision=decision,
+                    tied=tied)
 
 
-def _final_round(ok, inputs, iters: int, log, cotangent_key=None) -> list:
-  """Re-times the candidates within ``FINAL_MARGIN`` of the best side by side (``cotangent_key``: their training
-  steps); returns those re-timed.
+class _Kept:
+  """Compiled calls (``measure.measure(keep=...)``) of the candidates that may reach the final round: the final
+  round then compiles none of them again. Only those that are finalists so far are kept (``trim``), so that the
+  devices hold the inputs of a few candidates at most."""
 
-  Their times become the side-by-side ones.
+  def __init__(self):
+    self.calls = {}
 
-  One-at-a-time timings of candidates a few percent apart are ordered by the
-  machine's drift as much as by their speed; interleaved rounds are not.
+  def keeper(self, c):
+    return lambda call: self.calls.__setitem__(id(c), call)
+
+  def get(self, c):
+    return self.calls.get(id(c))
+
+  def trim(self, ok):
+    wanted = {id(c) for c in decide.finalists(ok)}
+    self.calls = {k: v for k, v in self.calls.items() if k in wanted}
+
+
+def _final_round(ok, kept: _Kept, inputs, iters: int, budget_s: float, log, cotangent_key=None):
+  """The winner of the final round among ``decide.finalists(ok)`` (``cotangent_key``: their training steps).
+
+  Each finalist's round goes to its ``final`` (its own measurement, as stored, is left as it was).
+
+  Returns:
+    ``(winner, decision text, candidates tied with it)``. With one finalist, or when no finalist runs in the
+    round, the winner is chosen on the candidates' own times (``_own_times_winner``).
   """
-  ok = sorted(ok, key=lambda c: c.time_ms)
-  finalists = [c for c in ok if c.time_ms <= ok[0].time_ms * (1 + FINAL_MARGIN)][:FINAL_SIZE]
+  finalists = decide.finalists(ok)
   if len(finalists) < 2:
-    return []
-  try:
-    times = measure.interleaved({c.name: c.schedule for c in finalists}, inputs, iters=iters,
-                                cotangent_key=cotangent_key)
-  except Exception as e:
-    log(f"  final round skipped: {type(e).__name__}: {e}")
-    return []
-  for c in finalists:
-    c.result = dataclasses.replace(c.result, median_ms=statistics.median(times[c.name]), times_ms=times[c.name],
-                                   reason=f"final round: {len(finalists)} within {FINAL_MARGIN:.0%}, interleaved")
-  log("  final round (interleaved): " + ", ".join(f"{c.name} {c.time_ms:.3f} ms" for c in finalists))
-  return finalists
+    return (*_own_times_winner(ok), [])
+  names = _distinct_names(finalists)
+  calls = {}
+  for name, c in zip(names, finalists):
+    call = kept.get(c)
+    if call is None:
+      try:
+        call = measure.ready_call(c.schedule, inputs, cotangent_key=cotangent_key)
+      except Exception as e:
+        log(f"  final round: {c.name} does not run again ({type(e).__name__}: {str(e)[:200]}); left out")
+        continue
+    calls[name] = call
+  by_name = dict(zip(names, finalists))
+  order = sorted(calls, key=lambda n: (by_name[n].predicted_ms if not math.isnan(by_name[n].predicted_ms)
+                                       else math.inf, n))
+  # rounds per batch: ``iters``, fewer (4 at least) where two batches of the finalists' own times exceed the budget
+  round_s = sum(by_name[n].time_ms for n in calls) * 1e-3
+  batch = max(4, min(iters, int(budget_s / (decide.FIRST_LOOK * round_s)) if round_s > 0 else iters))
+  verdict = decide.final_round(calls, plain=[n for n in calls if by_name[n].plain], order=order, batch=batch,
+                               max_rounds=3 * batch, budget_s=budget_s) if len(calls) > 1 else None
+  if verdict is None:
+    return (*_own_times_winner(ok), [])
+  for name in calls:
+    c = by_name[name]
+    if name in verdict.failed:
+      note = f"failed in the final round ({verdict.failed[name]})"
+    elif name == verdict.winner:
+      note = verdict.summary()
+    else:
+      note = f"{verdict.versus_leader[name]} the leader's time in the final round"
+      note += "; tied within noise with the winner" if name in verdict.tied else ""
+    c.final = Final(verdict.median_ms(name), tuple(verdict.times_ms.get(name, [])), note)
+  log("  final round (interleaved): " + ", ".join(
+      f"{n} {verdict.median_ms(n):.3f} ms" for n in calls if n not in verdict.failed))
+  return by_name[verdict.winner], verdict.summary(), [by_name[n] for n in verdict.tied]
+
+
+def _own_times_winner(ok) -> tuple:
+  """``(winner, decision text)`` on the candidates' own times, where no final round ran (one finalist, or several
+  processes): the fastest, unless it is a schedule less than ``decide.PLAIN_MARGIN`` faster than the best plain
+  program, which then wins."""
+  best = min(ok, key=lambda c: c.time_ms)
+  plain = min((c for c in ok if c.plain), key=lambda c: c.time_ms, default=None)
+  if plain is not None and best is not plain and best.time_ms * (1 + decide.PLAIN_MARGIN) > plain.time_ms:
+    return plain, (f"{plain.name} wins on the candidates' own times: {best.name} is not "
+                   f"{decide.PLAIN_MARGIN:.0%} faster")
+  alone = len(decide.finalists(ok)) < 2
+  why = "no other came close enough for a final round" if alone else "no final round under several processes"
+  if best.plain and alone:
+    why = "no schedule came close enough to it for a final round"
+  return best, f"{best.name} wins on the candidates' own times: {why}"
+
+
+def _distinct_names(cands) -> list[str]:
+  """The candidates' names, a number added where two share one."""
+  out, seen = [], {}
+  for c in cands:
+    seen[c.name] = seen.get(c.name, 0) + 1
+    out.append(c.name if seen[c.name] == 1 else f"{c.name} #{seen[c.name]}")
+  return out
 
 
 def _from_database(program, mesh, layouts, objective, database, retune: bool, log) -> TuneResult | None:
@@ -375,7 +586,8 @@ def _from_database(program, mesh, layouts, objective, database, retune: bool, lo
     _Store(database, program, mesh, layouts, log, objective).winner(record.winner, record.candidates)
   where = f"in {database.path}" if agree.is_leader() else f"by process {jax.process_index()} from process 0"
   log(f"found {where}: {record.winner.name} ({record.winner.time_ms:.3f} ms)")
-  return TuneResult(record.winner, record.candidates, from_database=True, objective=objective)
+  return TuneResult(record.winner, record.candidates, from_database=True, objective=objective,
+                    decision=record.winner.final.note if record.winner.final else "")
 
 
 def _machine(program, mesh, machine, database, log) -> cost.Machine:
@@ -386,8 +598,8 @@ def _machine(program, mesh, machine, database, log) -> cost.Machine:
     figures = agree.broadcast_json(machine.to_dict() if agree.is_leader() and machine else None)
     machine = None if figures is None else cost.Machine.from_dict(figures)
   if machine is None:
-    log("calibrating the cost model on this machine ...")
-    machine = calibrate(program, mesh)
+    log("calibrating the cost model on this machine (once per machine, operator and dtype) ...")
+    machine = calibrate(program, mesh, progress=calibration_progress(log))
     if agree.process_count() > 1:
       machine = cost.Machine.from_dict(agree.broadcast_json(machine.to_dict() if agree.is_leader() else None))
     if database is not None:
@@ -409,7 +621,8 @@ def _scored(c: Candidate, program, mesh, machine, in_shardings, out_sharding, tr
                                memory_bytes=memory_per_device(schedule))
   except ScheduleError as e:
     return dataclasses.replace(c, schedule=schedule, predicted_ms=math.inf, memory_bytes=0,
-                               result=measure.Measurement(measure.FAILED, reason=f"invalid: {e}"))
+                               result=measure.Measurement(measure.FAILED, reason=f"invalid: {e}",
+                                                          cause=measure.INVALID))
 
 
 def _anchors(fits, library_names) -> dict:
@@ -437,20 +650,34 @@ def _given(candidates) -> list[Candidate]:
 
 def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, store,
           retune, resume, training, log):
-  """(candidates, indices to time best predicted first, how many of those are resumed); process 0 only."""
+  """(candidates, indices to time: the plain programs, then the rest best predicted first, how many of those are
+  resumed); process 0 only."""
   memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
   proposed = _given(candidates) if candidates is not None else default_candidates(
       program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding)
   score = lambda c: _scored(c, program, mesh, machine, in_shardings, out_sharding, training)
-  cands = [score(c) for c in proposed]
-  fits = []
-  for c in cands:
+  plain = [Candidate(p.name, p, math.nan, p.memory_bytes(), origin=PLAIN)
+           for p in plain_programs(program, mesh, in_shardings, out_sharding)]
+  for c in plain:
+    if memory_budget is not None and c.memory_bytes > memory_budget:
+      c.result = measure.Measurement(measure.PRUNED, reason=f"its inputs and output alone take {c.memory_bytes} B, "
+                                                            "over the budget", cause=measure.OVER_BUDGET)
+  cands = plain + [score(c) for c in proposed]
+  plain = [c for c in plain if c.result is None]
+  fits, programs = [], {}  # programs: program_key -> the candidate timed for it
+  for c in cands[len(plain):]:
     if c.result is not None:
       continue
     if memory_budget is not None and c.memory_bytes > memory_budget:
-      c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget")
-    else:
-      fits.append(c)
+      c.result = measure.Measurement(measure.PRUNED, reason=f"estimated {c.memory_bytes} B over the budget",
+                                     cause=measure.OVER_BUDGET)
+      continue
+    key = program_key(c.schedule)
+    if key in programs:
+      c.result = measure.Measurement(measure.PRUNED, reason=f"same program as {programs[key].name}")
+      continue
+    programs[key] = c
+    fits.append(c)
   fits.sort(key=lambda c: c.predicted_ms)
   anchors = _anchors(fits, set(library(program, mesh)))
   anchor_ids = {id(c) for c in anchors.values()}
@@ -462,7 +689,8 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   fits = sorted([*anchors.values(), *ranked[:top_k]], key=lambda c: c.predicted_ms)
   near = store.nearest() if candidates is None else None
   if near is not None:
-    _time_nearest(near, cands, fits, ranked[top_k:], memory_budget, score, log)
+    _time_nearest(near, cands, fits, ranked[top_k:], memory_budget, score, programs, log)
+  fits = plain + fits
   if retune:
     store.clear()
   stored = store.measurements() if resume and not retune else {}
@@ -482,11 +710,15 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   return cands, [cands.index(c) for c in fits], resumed
 
 
-def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, score, log):
+def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, score, programs, log):
   """Adds to ``fits`` (the candidates to time) the winner tuned for the nearest other sizes (``near``, a
   ``Database.nearest``), so that a tune never does worse than the schedule a miss would have run; a new
   candidate when no candidate has its trace. Of the candidates already pruned, only those the cost model
-  ranked out (``ranked_out``) are taken back; those over ``memory_budget`` stay pruned."""
+  ranked out (``ranked_out``) are taken back; those over ``memory_budget`` stay pruned, and one that lowers to
+  the program of a candidate already timed (``programs``) is pruned as such. A plain winner is the plain
+  program a tune always times."""
+  if isinstance(near.schedule, PlainProgram):
+    return
   trace = near.schedule.to_json()
   c = next((c for c in cands if c.schedule.to_json() == trace), None)
   if c is None:
@@ -497,6 +729,10 @@ def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, score, log
   if any(f is c for f in fits) or (c.result is not None and not any(r is c for r in ranked_out)):
     return
   if memory_budget is not None and c.memory_bytes > memory_budget:
+    return
+  same = programs.get(program_key(c.schedule))
+  if same is not None and same is not c:
+    c.result = measure.Measurement(measure.PRUNED, reason=f"same program as {same.name}")
     return
   c.result = None
   fits.append(c)

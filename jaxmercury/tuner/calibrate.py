@@ -206,13 +206,15 @@ def memory_figure(device, nbytes: int) -> float:
   return 2 * x.size * 4 / _per_repeat(make, x)
 
 
-def kernel_rates(program, mesh, kernels=None) -> tuple[dict, float]:
+def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, float]:
   """Per local kernel (default: those that apply), its rate on ``program``'s blocks; and the median fixed cost
-  of one call."""
+  of one call. ``progress(what)`` is called before each kernel's measurement."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   budget = (8 << 30) if gpu else (64 << 20)
   rates, overheads = {}, []
   for name in kernels or registry.candidates(program, mesh):
+    if progress is not None:
+      progress(f"kernel {name}")
     rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
     overheads.append(overhead)
   return rates, statistics.median(overheads) if overheads else 0.0
@@ -329,22 +331,55 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   return rates
 
 
-def calibrate(program, mesh, *, kernels=None) -> Machine:
+def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
   """Measures this machine's figures for ``program`` on ``mesh``: the local kernels' rates (all that apply,
   or ``kernels``), on GPUs their backward blocks' (``backward_rates``) and, where ``kernels`` is not given,
-  the fused ring attentions' (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``)."""
+  the fused ring attentions' (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``).
+
+  Args:
+    program: the program whose kernels are measured.
+    mesh: the device mesh whose links are measured.
+    kernels: the local kernels to measure; default those that apply.
+    progress: ``progress(step, done, total)``, called before each measurement (``step`` names it).
+  """
   gpu = mesh.devices.flat[0].platform != "cpu"
   link_bytes = (64 << 20) if gpu else (4 << 20)
-  rates, overhead = kernel_rates(program, mesh, kernels)
+  names = list(kernels or registry.candidates(program, mesh))
+  levels = [level for level in mesh.axis_names if mesh.shape[level] > 1]
+  fused = gpu and kernels is None
+  total = len(names) + 2 * len(levels) + 1 + (2 if fused else 0) + (1 if gpu else 0)
+  done = [0]
+
+  def step(what):
+    if progress is not None:
+      progress(what, done[0], total)
+    done[0] += 1
+
+  rates, overhead = kernel_rates(program, mesh, names, progress=step)
   links, latencies, factors, overlaps = {}, [], [], []
-  for level in mesh.axis_names:
-    if mesh.shape[level] > 1:
-      bw, lat, factor = link_figures(mesh, level, link_bytes)
-      links[level] = bw
-      latencies.append(lat)
-      factors.append(factor)
-      overlaps.append(overlap_figure(mesh, level, link_bytes, gpu))
+  for level in levels:
+    step(f"link {level}")
+    bw, lat, factor = link_figures(mesh, level, link_bytes)
+    links[level] = bw
+    latencies.append(lat)
+    factors.append(factor)
+    step(f"overlap {level}")
+    overlaps.append(overlap_figure(mesh, level, link_bytes, gpu))
   links["*"] = min(links.values()) if links else 1e12
+  step("memory bandwidth")
+  memory = memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20))
+  fused_figures = {}
+  if fused:
+    step("fused ring attentions")
+    fused_figures = fused_rates(program, mesh)
+    step("fused GEMMs")
+    fused_figures |= fused_gemm_rates(program, mesh)
+  backward = {}
+  if gpu:
+    step("backward blocks")
+    backward = backward_rates(program, mesh, rates)
+  if progress is not None:
+    progress("done", total, total)
   return Machine(
       name=f"{mesh.devices.flat[0].device_kind} x{mesh.devices.size} (calibrated)",
       flops_per_s=max(rates.values()) if rates else 1e12, link_bytes_per_s=links,
@@ -352,7 +387,4 @@ def calibrate(program, mesh, *, kernels=None) -> Machine:
       kernel_flops_per_s=rates, gather_factor=statistics.median(factors) if factors else 1.0,
       call_overhead_s=overhead,
       overlap=statistics.median(overlaps) if overlaps else 1.0,
-      memory_bytes_per_s=memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)),
-      fused_flops_per_s=fused_rates(program, mesh) | fused_gemm_rates(program, mesh) if gpu and kernels is None
-      else {},
-      backward_flops_per_s=backward_rates(program, mesh, rates) if gpu else {})
+      memory_bytes_per_s=memory, fused_flops_per_s=fused_figures, backward_flops_per_s=backward)

@@ -7,7 +7,10 @@ the jax and jaxmercury versions: a record from another version or format is
 not used (and ``stale_records`` says it is there). Candidates are stored in
 their structured form (``tuner.candidates.Candidate.to_dict``: strategy,
 kernel and configuration, fused kernel and configuration, trace, outcome);
-format 1 records, whose kernels were written into names, are stale. Three tables:
+format 1 records, whose kernels were written into names, are stale. A plain
+winner (the program a user would otherwise run, ``tuner.plain``) is stored as
+its description (``PlainProgram.to_json``) where a schedule's trace would be,
+and read back as a ``PlainProgram``. Three tables:
 
 - ``winners``: per key, the winner's trace, time and memory, and every
   candidate's outcome;
@@ -41,11 +44,11 @@ import jax
 
 from jaxmercury._version import __version__
 from jaxmercury.errors import ScheduleError, TraceError
-from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import is_size, same_but_sizes
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.candidates import Candidate
 from jaxmercury.tuner.cost import Machine
+from jaxmercury.tuner.plain import runnable_from_json
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS winners (
@@ -99,9 +102,10 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
 
 
 class Near(NamedTuple):
-  """``Database.nearest``'s answer: the winner tuned for other sizes, replayed on the program asked about."""
+  """``Database.nearest``'s answer: the winner tuned for other sizes, replayed on the program asked about (a
+  ``Schedule``, or a ``PlainProgram``)."""
 
-  schedule: Schedule
+  schedule: object
   params: dict  # the parameters it was tuned for
   name: str  # its candidate name there (for display)
   strategy: str  # its strategy
@@ -130,7 +134,7 @@ def record_from_data(program, mesh, data: dict) -> Record:
   """
   try:
     trace, name = data["trace"], data["name"]
-    Schedule.from_json(program, mesh, trace)  # the winner's own trace replays, whatever the candidates hold
+    runnable_from_json(program, mesh, trace)  # the winner's own trace replays, whatever the candidates hold
     cands = [Candidate.from_dict(program, mesh, r) for r in data["candidates"]]
     winner = next((c for c in cands if c.schedule.to_json() == trace and c.name == name), None)
     if winner is None:
@@ -250,7 +254,8 @@ class Database:
     return {"trace": trace, "name": name, "time_ms": time_ms, "memory_bytes": memory, "candidates": cands}
 
   def lookup(self, program, mesh, layouts=None, *, objective: str = FORWARD):
-    """The stored winner for ``program`` on ``mesh`` as a fresh Schedule, or None."""
+    """The stored winner for ``program`` on ``mesh``, or None: a fresh ``Schedule``, or the
+    ``tuner.plain.PlainProgram`` where the plain program won (both compile the same way)."""
     record = self.lookup_record(program, mesh, layouts, objective=objective)
     return None if record is None else record.winner.schedule
 
@@ -299,7 +304,7 @@ class Database:
         near.append((sum(math.log(r) for r in ratios), trace, tuned, name, strategy))
     for _, trace, tuned, name, strategy in sorted(near, key=lambda n: n[0]):
       try:
-        return Near(Schedule.from_json(program, mesh, trace, other_sizes=True), tuned, str(name), str(strategy))
+        return Near(runnable_from_json(program, mesh, trace, other_sizes=True), tuned, str(name), str(strategy))
       except ScheduleError:
         continue
     return None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -21,9 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.tuner.plain import is_plain
 from jaxmercury.tuner.timeout import run_limited
 
 OK, PRUNED, FAILED = "ok", "pruned", "failed"
+# Why a candidate was not timed or failed (``Measurement.cause``), for a summary that tells them apart.
+OVER_BUDGET, INVALID, WRONG = "over the memory budget", "invalid for the mesh", "failed its numerical check"
 
 # Local outcome codes of the first phase, combined across processes.
 _PASSED, _ERROR, _TIMEOUT = 0, 1, 2
@@ -37,7 +42,8 @@ class Measurement:
   ``status`` is ``ok`` (checked and timed), ``pruned`` (not compiled: over
   the memory budget, or ranked below the timed few by the cost model) or
   ``failed`` (compile or run error, time-out, NaN, or a result that differs
-  from the reference); ``reason`` says which.
+  from the reference); ``reason`` says which, ``cause`` in one word where the summary tells it apart
+  (``OVER_BUDGET``, ``INVALID``, ``WRONG``; empty otherwise).
   """
 
   status: str
@@ -46,6 +52,7 @@ class Measurement:
   rel_err: float | None = None
   reason: str = ""
   compiled_bytes: int | None = None  # from compiled.memory_analysis(), where available
+  cause: str = ""
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -109,16 +116,29 @@ def local_error(y, ref) -> tuple[bool, float, float]:
   return finite, diff, norm
 
 
+_SOURCE_LINE = re.compile(r'^(File ".*", line \d+|\S+\.py:\d+)')
+
+
+def clip(text: str, limit: int = 300) -> str:
+  """``text`` cut to ``limit`` characters at a word boundary, marked by an ellipsis where it was cut."""
+  if len(text) <= limit:
+    return text
+  cut = text[:limit - 1]
+  space = cut.rfind(" ")
+  return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
+
+
 def _first_line(e: BaseException) -> str:
-  """The exception's type and its most telling line (an out-of-memory is named as such)."""
-  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  """The exception's type and its most telling line (an out-of-memory is named as such; source locations that
+  JAX prefixes some messages with are skipped)."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip() and not _SOURCE_LINE.match(line.strip())]
   line = lines[0] if lines else ""
   oom = next((x for x in lines if "RESOURCE_EXHAUSTED" in x or "Out of memory" in x), None)
   if oom is not None:
-    return f"out of memory: {type(e).__name__}: {oom[:300]}"
+    return f"out of memory: {type(e).__name__}: {clip(oom)}"
   if line.startswith("Traceback") or line.endswith("Traceback (most recent call last):"):
     line = f"{line} ... {lines[-1]}"  # a host callback's error: its last line says what failed
-  return f"{type(e).__name__}: {line[:300]}"
+  return f"{type(e).__name__}: {clip(line)}"
 
 
 def compiled_memory(compiled) -> int | None:
@@ -133,32 +153,48 @@ def compiled_memory(compiled) -> int | None:
              - m.alias_size_in_bytes)
 
 
-def _placed(schedule, plan, buffer: str, x):
-  """``x`` laid out as ``plan`` stores ``buffer``; under several processes each keeps its devices' shards."""
-  spec = plan.user_spec(buffer)
-  sharding = NamedSharding(schedule.mesh, spec if spec is not None else PartitionSpec())
+def stored_spec(runnable, buffer: str) -> PartitionSpec | None:
+  """The layout a schedule stores ``buffer`` in (its plan's), or a plain program's layout of it."""
+  if is_plain(runnable):
+    return runnable.user_spec(buffer)
+  return runnable.plan().user_spec(buffer)
+
+
+def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
+  """``spec`` with each dimension the mesh does not divide whole: a padded axis is stored whole and padded inside
+  the program, so that is where the caller's array starts."""
+  entries = []
+  for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    levels = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    entries.append(entry if size % math.prod(mesh.shape[n] for n in levels) == 0 else None)
+  return PartitionSpec(*entries)
+
+
+def _placed(runnable, buffer: str, x):
+  """``x`` laid out as ``runnable`` stores ``buffer``; under several processes each keeps its devices' shards."""
+  spec = _divisible(stored_spec(runnable, buffer) or PartitionSpec(), x.shape, runnable.mesh)
+  sharding = NamedSharding(runnable.mesh, spec)
   if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
     x = np.asarray(jax.device_get(x))
   return jax.device_put(x, sharding)
 
 
 def place_inputs(schedule, inputs):
-  """Inputs laid out as the schedule stores them, so that timing excludes the move.
+  """Inputs laid out as the schedule (or plain program) stores them, so that timing excludes the move.
 
   Under several processes each process passes the same (host-local) values
   and keeps the shards its devices hold.
   """
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return inputs
-  plan = schedule.plan()
-  return jax.block_until_ready([_placed(schedule, plan, b.name, x) for b, x in zip(schedule.program.reads, inputs)])
+  return jax.block_until_ready([_placed(schedule, b.name, x) for b, x in zip(schedule.program.reads, inputs)])
 
 
 def place_output(schedule, x):
   """``x`` (shaped like the output: its cotangent) laid out as the schedule stores its output."""
   if not isinstance(schedule.mesh, jax.sharding.Mesh):
     return x
-  return jax.block_until_ready(_placed(schedule, schedule.plan(), schedule.program.writes.name, x))
+  return jax.block_until_ready(_placed(schedule, schedule.program.writes.name, x))
 
 
 def _this_process(values: np.ndarray) -> np.ndarray:
@@ -252,11 +288,32 @@ def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
   return {name: t for name, t in times.items() if name in live}
 
 
+def ready_call(schedule, inputs, *, cotangent_key=None) -> Callable:
+  """A call of no arguments running the compiled ``schedule`` (or plain program) on ``inputs`` in its layouts,
+  after one untimed run.
+
+  Args:
+    schedule: a checked schedule or plain program.
+    inputs: the program's inputs.
+    cotangent_key: call a training step instead: the forward and backward (``training_step``) on a random output
+      cotangent drawn from this key, laid out as the output.
+  """
+  xs = place_inputs(schedule, inputs)
+  fn = schedule.compile()
+  if cotangent_key is not None:
+    out = schedule.program.writes
+    cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
+    fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
+  compiled = fn.lower(*xs).compile()
+  jax.block_until_ready(compiled(*xs))
+  return functools.partial(compiled, *xs)
+
+
 def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None) -> dict[str, list[float]]:
   """Times already-checked schedules side by side (``rounds``).
 
   Args:
-    schedules: name -> Schedule; each compiles and runs (one untimed run each).
+    schedules: name -> Schedule (or plain program); each compiles and runs (one untimed run each, ``ready_call``).
     inputs: the program's inputs; each schedule gets them in its own layout.
     iters: rounds.
     cotangent_key: time a training step instead: each schedule's forward and
@@ -266,23 +323,13 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None)
   Returns:
     name -> per-run milliseconds.
   """
-  ready = {}
-  for name, schedule in schedules.items():
-    xs = place_inputs(schedule, inputs)
-    fn = schedule.compile()
-    if cotangent_key is not None:
-      out = schedule.program.writes
-      cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
-      fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
-    compiled = fn.lower(*xs).compile()
-    jax.block_until_ready(compiled(*xs))
-    ready[name] = functools.partial(compiled, *xs)
+  ready = {name: ready_call(s, inputs, cotangent_key=cotangent_key) for name, s in schedules.items()}
   return rounds(ready, iters)
 
 
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
             time_limit_s: float | None = None, gather: Callable | None = None,
-            on_checked: Callable | None = None, cotangent=None) -> Measurement:
+            on_checked: Callable | None = None, cotangent=None, keep: Callable | None = None) -> Measurement:
   """Compiles ``schedule``, checks it against ``reference``, then times it.
 
   A candidate that fails to compile or run, or whose compile and first run
@@ -311,6 +358,8 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
       forward and its backward for this output cotangent, in one call);
       ``reference`` is then ``(output, gradients)`` and each gradient is
       checked too (``gradient_tolerance``). ``rel_err`` is the output's.
+    keep: called, once the candidate is timed, with a call of no arguments that runs its compiled program on the
+      placed inputs again (to time it side by side later without compiling it again).
 
   Returns:
     The ``Measurement``.
@@ -336,7 +385,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes)
   if not np.all(rows[:, 1]):
     what = "output or a gradient" if cotangent is not None else "output"
-    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes)
+    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes, cause=WRONG)
   diffs, norms = np.sum(rows[:, 2:2 + len(names)], axis=0), np.sum(rows[:, 2 + len(names):], axis=0)
   errs = [float(np.sqrt(d / (n if n else 1.0))) for d, n in zip(diffs, norms)]
   err = errs[0]
@@ -345,7 +394,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     if e > tol:
       what = "wrong result" if k == 0 else f"wrong gradient {name}"
       return Measurement(FAILED, rel_err=err, reason=f"{what}: relative error {e:.2e} above {tol:.0e}",
-                         compiled_bytes=nbytes)
+                         compiled_bytes=nbytes, cause=WRONG)
   if on_checked is not None:
     on_checked(checked.run_s)
   limit = None if time_limit_s is None else time_limit_s + 10 * (warmup + iters) * checked.run_s
@@ -360,4 +409,6 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     return Measurement(FAILED, rel_err=err, compiled_bytes=nbytes,
                        reason=reason or f"timed runs failed on process {int(np.isnan(all_times).any(1).argmax())}")
   slowest = [float(t) for t in np.max(all_times, axis=0)]  # each run as long as its slowest process
+  if keep is not None:
+    keep(functools.partial(checked.compiled, *checked.inputs))
   return Measurement(OK, statistics.median(slowest), slowest, err, compiled_bytes=nbytes)

@@ -5,7 +5,9 @@ device, y its measured latency (candidates checked and timed) or, in a lighter
 marker, the cost model's prediction (candidates pruned before compiling, and
 failed ones). The Pareto front of the timed candidates (the lowest latency for
 at most that much memory) is drawn as a step line; the winner is highlighted
-and the library's strategies are labeled by name.
+and the library's strategies are labeled by name. The plain programs (what a
+user would run without jaxmercury, ``tuner.plain``) are diamonds, labeled by
+name.
 
 matplotlib is an optional dependency: only ``latency_memory_plot`` needs it,
 and it draws with the non-interactive Agg backend without touching pyplot's
@@ -19,7 +21,7 @@ import textwrap
 from collections.abc import Sequence
 
 from jaxmercury.tuner import measure
-from jaxmercury.tuner.candidates import LIBRARY
+from jaxmercury.tuner.candidates import LIBRARY, PLAIN
 
 MIB = 2**20
 
@@ -82,8 +84,13 @@ def _scatter(ax, result):
   if failed:
     ax.scatter([p[0] for p in failed], [p[1] for p in failed], s=22, marker="x", color="tab:red",
                alpha=0.5, label="failed (predicted ms)")
-  if ok:
-    ax.scatter([p[0] for p in ok], [p[1] for p in ok], s=30, color="tab:blue", label="measured")
+  schedules = [p for p in ok if not p[2].plain]
+  plain = [p for p in ok if p[2].plain]
+  if schedules:
+    ax.scatter([p[0] for p in schedules], [p[1] for p in schedules], s=30, color="tab:blue", label="measured")
+  if plain:
+    ax.scatter([p[0] for p in plain], [p[1] for p in plain], s=60, marker="D", color="tab:purple", zorder=4,
+               label="plain program (measured)")
   return ok, pruned + failed
 
 
@@ -98,9 +105,9 @@ def _front_line(ax, ok, right_edge: float):
 
 
 def _labels(ax, points):
-  """Names next to the library strategies' points."""
+  """Names next to the library strategies' and the plain programs' points."""
   for x, y, c in points:
-    if c.origin == LIBRARY:
+    if c.origin in (LIBRARY, PLAIN):
       ax.annotate(c.name, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
 
 

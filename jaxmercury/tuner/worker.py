@@ -2,8 +2,9 @@
 
 Reads one JSON request on stdin (see ``watchdog.worker_request``): the
 program's shipped factory and parameters, the mesh shape, the schedule's
-trace, a seed, timing counts, whether to time a training step, and modules to import (ones that register the
-candidate's kernel). The trace is replayed through the public primitives;
+trace (or a plain program's description, ``tuner.plain``), a seed, timing
+counts, whether to time a training step, and modules to import (ones that
+register the candidate's kernel). The trace is replayed through the public primitives;
 nothing in the request is executed. Progress goes to stdout as lines
 ``jaxmercury-worker: ready``, ``... checked <first run seconds>`` and
 ``... result <measurement JSON>``; the parent kills the process at its limit.
@@ -19,8 +20,8 @@ import jax
 from jax.sharding import AxisType
 
 from jaxmercury import programs
-from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.tuner import measure
+from jaxmercury.tuner.plain import runnable_from_json
 from jaxmercury.tuner.reference import trial
 
 PREFIX = "jaxmercury-worker:"
@@ -49,7 +50,7 @@ def run(request: dict) -> str:
   for s in sizes:
     n *= s
   mesh = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=jax.devices()[:n])
-  schedule = Schedule.from_json(program, mesh, request["trace"])
+  schedule = runnable_from_json(program, mesh, request["trace"])
   inputs, cotangent, reference = trial(program, request["seed"], mesh.devices.flat[0],
                                       training=bool(request.get("training")))
   jax.block_until_ready(reference)

@@ -1,0 +1,104 @@
+"""Plain programs: each operator as a user would write it in JAX, for XLA (or JAX's own kernels) to run.
+
+A tune always includes them (``jaxmercury.tuner.plain`` lays them out on the
+mesh): its answer is never a schedule measured slower than what the user
+would otherwise run. Each is a ``Plain``: a name, the implementation it asks
+JAX for, where it applies, and ``make(program) -> f(*inputs) -> output`` on
+whole arrays with the program's own shapes and dtypes.
+
+- matmul: ``jnp.dot(a, b, preferred_element_type=<the output's dtype>)``;
+- attention: ``jax.nn.dot_product_attention``, with cuDNN on GPUs for
+  half-precision inputs, with XLA otherwise;
+- any other program: its ``reference`` (the loop nest run whole).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+XLA, CUDNN = "xla", "cudnn"
+IMPLEMENTATION_LABELS = {XLA: "XLA", CUDNN: "cuDNN"}
+HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+  """One plain program of a loop-nest pattern.
+
+  Attributes:
+    name: what the user would call, e.g. ``"jnp.dot"``.
+    implementation: what runs it: ``"xla"`` or ``"cudnn"``.
+    make: ``make(program) -> f(*inputs) -> output`` on whole arrays.
+    why_not: ``why_not(program, platform) -> reason | None``: why it does not apply on devices of ``platform``
+      (``"cpu"``, ``"gpu"``, ...); None: it applies.
+  """
+
+  name: str
+  implementation: str
+  make: Callable
+  why_not: Callable = lambda program, platform: None
+
+  @property
+  def label(self) -> str:
+    """For display: ``"plain jnp.dot (XLA)"``."""
+    return f"plain {self.name} ({IMPLEMENTATION_LABELS.get(self.implementation, self.implementation)})"
+
+
+def _dot(program):
+  out = program.writes.dtype
+  return lambda a, b: jnp.dot(a, b, preferred_element_type=out)
+
+
+def _attention(implementation: str):
+  def make(program):
+    causal = bool(program.params["causal"])
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+  return make
+
+
+def _cudnn_why_not(program, platform: str) -> str | None:
+  if platform != "gpu":
+    return f"cuDNN attention runs on GPUs, not {platform}"
+  if program.writes.dtype not in HALF:
+    return f"cuDNN attention takes bfloat16 or float16, not {program.writes.dtype}"
+  return None
+
+
+def _xla_attention_why_not(program, platform: str) -> str | None:
+  if _cudnn_why_not(program, platform) is None:
+    return "cuDNN applies: the plain attention a user runs there"
+  return None
+
+
+def _reference(program):
+  return program.reference
+
+
+REFERENCE = Plain("reference", XLA, _reference)
+
+# By pattern: the plain programs, in the order a tune offers them.
+PLAIN = {
+    "matmul": (Plain("jnp.dot", XLA, _dot),),
+    "attention": (Plain("dot_product_attention", CUDNN, _attention(CUDNN), _cudnn_why_not),
+                  Plain("dot_product_attention", XLA, _attention(XLA), _xla_attention_why_not)),
+}
+
+
+def known(program) -> tuple[Plain, ...]:
+  """Every plain program of ``program``'s pattern (its ``reference`` for patterns without any)."""
+  return PLAIN.get(program.pattern, (REFERENCE,))
+
+
+def applicable(program, platform: str) -> list[Plain]:
+  """The plain programs of ``program`` that apply on devices of ``platform``."""
+  return [p for p in known(program) if p.why_not(program, platform) is None]
+
+
+def find(program, name: str, implementation: str) -> Plain | None:
+  """The plain program of ``program`` so named, or None."""
+  return next((p for p in known(program) if (p.name, p.implementation) == (name, implementation)), None)

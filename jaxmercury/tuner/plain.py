@@ -1,0 +1,233 @@
+"""The plain programs of a tune, laid out on its mesh: what a user would run instead of a schedule.
+
+A ``PlainProgram`` is one of ``jaxmercury.programs.plain``'s definitions
+(``jnp.dot``, ``jax.nn.dot_product_attention`` with cuDNN or XLA, a
+program's ``reference``) jitted with its inputs and output constrained to
+layouts on the mesh, for XLA to partition the rest. It is data, like a
+schedule: ``to_json`` names the definition and the layouts, and
+``from_json`` (or ``runnable_from_json``, which reads schedules too) rebuilds
+it, so that a tuning database can store a plain winner and ``jaxmercury.ops``
+can run it. It answers what the tuner, the measurement and the operators ask
+of a schedule: ``program``, ``mesh``, ``compile()``, ``to_json()``, the
+layouts of its buffers (``user_spec``), and no kernel or fused lowering.
+
+Layouts are the caller's (``in_shardings``, ``out_sharding``) where given,
+else the default layout (``default_specs``): the output's first spatial axis
+that the mesh's device count divides is split over every mesh level, in the
+output and in every input indexed by it; everything else is whole. (A GEMM's
+rows: ``A`` and ``C`` split by rows, ``B`` whole; attention's queries.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxmercury.errors import TraceError
+from jaxmercury.ir.program import Program
+from jaxmercury.programs import plain as definitions
+from jaxmercury.schedules import trace as trace_format
+from jaxmercury.schedules.schedule import Schedule
+
+
+def _spec_data(spec: PartitionSpec):
+  return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
+def _spec_from(data) -> PartitionSpec:
+  if not isinstance(data, list) or not all(e is None or isinstance(e, (str, list)) for e in data):
+    raise TraceError(f"a plain program's layout must be a list of level names, got {data!r}")
+  return PartitionSpec(*[e if e is None or isinstance(e, str) else tuple(e) for e in data])
+
+
+def platform_of(mesh) -> str:
+  """The platform of the mesh's devices (``"cpu"``, ``"gpu"``, ...)."""
+  if isinstance(mesh, jax.sharding.Mesh):
+    return mesh.devices.flat[0].platform
+  device = getattr(mesh, "abstract_device", None)
+  return getattr(device, "platform", None) or "cpu"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlainProgram:
+  """A plain program (``jaxmercury.programs.plain.Plain``) of ``program`` on ``mesh``, in fixed layouts.
+
+  Attributes:
+    program: the program it computes.
+    mesh: the device mesh.
+    plain: the definition.
+    in_shardings: a ``PartitionSpec`` per input, over the input's own dims.
+    out_sharding: the output's ``PartitionSpec``.
+  """
+
+  program: Program
+  mesh: object
+  plain: definitions.Plain
+  in_shardings: tuple
+  out_sharding: PartitionSpec
+
+  # What a schedule has and a plain program has not: no kernel, fused kernel or primitives.
+  kernel = kernel_config = lowering = lowering_config = None
+  trace = ()
+
+  @property
+  def name(self) -> str:
+    """For display: ``"plain jnp.dot (XLA)"``."""
+    return self.plain.label
+
+  @property
+  def levels(self) -> dict:
+    return dict(self.mesh.shape)
+
+  def user_spec(self, buffer: str) -> PartitionSpec:
+    """The layout of ``buffer`` (a read or the output) over its own dims."""
+    if buffer == self.program.writes.name:
+      return self.out_sharding
+    names = [b.name for b in self.program.reads]
+    return self.in_shardings[names.index(buffer)]
+
+  def compile(self, *, differentiable: bool = True):
+    """``f(*inputs) -> output``, jitted: the inputs constrained to their layouts, the plain computation, the output
+    constrained to its layout (arrays in other layouts are moved by XLA, as for a schedule).
+
+    Args:
+      differentiable: accepted for a schedule's signature; a plain program is always differentiable (JAX's own
+        derivative).
+    """
+    del differentiable
+    fn = self.plain.make(self.program)
+    mesh, prog = self.mesh, self.program
+    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+    def constrain(x, spec):
+      sharding = NamedSharding(mesh, spec)
+      return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+
+    def run(*inputs):
+      prog.check_inputs(inputs)
+      return constrain(fn(*[constrain(x, s) for x, s in zip(inputs, self.in_shardings)]), self.out_sharding)
+
+    run.__name__ = f"{prog.name.replace(' ', '_')}_plain"
+    return jax.jit(run)
+
+  def memory_bytes(self) -> int:
+    """Per device: its inputs and output in their layouts (XLA's temporaries are not estimated)."""
+    sizes = self.levels
+    total = 0
+    for buf, spec in [*zip(self.program.reads, self.in_shardings), (self.program.writes, self.out_sharding)]:
+      split = 1
+      for entry in spec:
+        for level in (entry,) if isinstance(entry, str) else (entry or ()):
+          split *= sizes[level]
+      total += math.prod(buf.shape) * buf.dtype.itemsize // split
+    return int(total)
+
+  def to_data(self) -> dict:
+    return {"format": trace_format.FORMAT, "program": self.program.name, "params": dict(self.program.params),
+            "mesh": self.levels, "plain": self.plain.name, "implementation": self.plain.implementation,
+            "in_shardings": [_spec_data(s) for s in self.in_shardings], "out_sharding": _spec_data(self.out_sharding)}
+
+  def to_json(self) -> str:
+    """Its description as data (the definition's name and implementation, the program, mesh and layouts)."""
+    return json.dumps(self.to_data(), sort_keys=True)
+
+  @classmethod
+  def from_json(cls, program: Program, mesh, text: str, *, other_sizes: bool = False) -> "PlainProgram":
+    """The plain program ``to_json`` describes, on ``program`` and ``mesh`` (``other_sizes``: described for other
+    sizes of the same program, as ``Schedule.from_json``).
+
+    Raises:
+      TraceError: the text is malformed, for another program or mesh, or names no plain program of ``program``.
+    """
+    data = _data(text)
+    params, want = data.get("params", {}), dict(program.params)
+    fits = trace_format.same_but_sizes(params, want) if other_sizes and isinstance(params, dict) else params == want
+    if not fits or data.get("program") != program.name:
+      raise TraceError(f"plain program is for {data.get('program')!r} {params}, not {program.name!r} {want}")
+    if data.get("mesh") != dict(mesh.shape):
+      raise TraceError(f"plain program is for mesh {data.get('mesh')}, not {dict(mesh.shape)}")
+    plain = definitions.find(program, data.get("plain"), data.get("implementation"))
+    if plain is None:
+      raise TraceError(f"{program.name} has no plain program {data.get('plain')!r} ({data.get('implementation')!r})")
+    ins = data.get("in_shardings")
+    if not isinstance(ins, list) or len(ins) != len(program.reads):
+      raise TraceError(f"a plain program of {program.name} needs {len(program.reads)} input layouts, got {ins!r}")
+    return cls(program, mesh, plain, tuple(_spec_from(s) for s in ins), _spec_from(data.get("out_sharding")))
+
+  def __str__(self) -> str:
+    lines = [f"{self.name}: {self.program.name} as written in JAX, partitioned by XLA on mesh {self.levels}",
+             "buffers:"]
+    for b, spec in zip(self.program.reads, self.in_shardings):
+      lines.append(f"  in  {b.name}{list(b.shape)} {b.dtype} {spec}")
+    out = self.program.writes
+    lines.append(f"  out {out.name}{list(out.shape)} {out.dtype} {self.out_sharding}")
+    return "\n".join(lines)
+
+  __repr__ = __str__
+
+
+def _data(text: str) -> dict:
+  try:
+    data = json.loads(text)
+  except (TypeError, json.JSONDecodeError) as e:
+    raise TraceError(f"plain program is not valid JSON: {e}") from None
+  if not isinstance(data, dict) or data.get("format") != trace_format.FORMAT:
+    raise TraceError(f"plain program has format {data.get('format') if isinstance(data, dict) else None!r}; "
+                     f"this jaxmercury reads format {trace_format.FORMAT}")
+  return data
+
+
+def is_plain_json(text: str) -> bool:
+  """Whether a stored description is a plain program's (else a schedule's trace)."""
+  try:
+    data = json.loads(text)
+  except (TypeError, json.JSONDecodeError):
+    return False
+  return isinstance(data, dict) and "plain" in data
+
+
+def runnable_from_json(program: Program, mesh, text: str, *, other_sizes: bool = False):
+  """A stored description replayed: a ``PlainProgram`` where it describes one, else a ``Schedule``."""
+  if is_plain_json(text):
+    return PlainProgram.from_json(program, mesh, text, other_sizes=other_sizes)
+  return Schedule.from_json(program, mesh, text, other_sizes=other_sizes)
+
+
+def default_specs(program: Program, mesh) -> tuple[tuple, PartitionSpec]:
+  """The default layout (module docstring): ``(input specs, output spec)``."""
+  levels = tuple(mesh.shape)
+  devices = math.prod(mesh.shape.values())
+  entry = levels[0] if len(levels) == 1 else levels
+  out = program.writes
+  split = None
+  if devices > 1:
+    split = next((d[0].name for d in out.dims
+                  if len(d) == 1 and program.kinds.get(d[0].name) == "s" and d[0].extent % devices == 0), None)
+
+  def spec(buf) -> PartitionSpec:
+    return PartitionSpec(*[entry if split is not None and len(d) == 1 and d[0].name == split else None
+                           for d in buf.dims])
+
+  return tuple(spec(b) for b in program.reads), spec(out)
+
+
+def plain_programs(program: Program, mesh, in_shardings=None, out_sharding=None) -> list[PlainProgram]:
+  """The plain programs that apply on ``mesh``'s devices, in the caller's layouts (a None entry, or none given: the
+  default layout)."""
+  ins, out = default_specs(program, mesh)
+  if in_shardings is not None:
+    ins = tuple(d if s is None else s for s, d in zip(in_shardings, ins))
+  out = out if out_sharding is None else out_sharding
+  return [PlainProgram(program, mesh, p, ins, out) for p in definitions.applicable(program, platform_of(mesh))]
+
+
+def is_plain(runnable) -> bool:
+  return isinstance(runnable, PlainProgram)
+
+
+__all__ = ["PlainProgram", "default_specs", "is_plain", "is_plain_json", "plain_programs", "platform_of",
+           "runnable_from_json"]
