@@ -3,7 +3,8 @@
 ``MoE`` keeps its expert computation in a ``moe_fn`` attribute (the way
 ``models.llama.Attention`` keeps ``attention_fn``), so ``jaxmercury.distribute``
 routes it to ``jaxmercury.ops.moe`` (expert parallel: tokens exchanged by a
-routed all-to-all). Undistributed, ``moe_fn`` is ``einsum_moe``: plain JAX
+routed all-to-all). Undistributed, ``moe_fn`` is ``einsum_moe``
+(``jaxmercury.programs.moe.einsum_dispatch``, also the moe program's plain program in a tune): plain JAX
 written the way Flax's and MaxText's MoE layers write it, a capacity-based
 einsum dispatch (one-hot dispatch and combine tensors of shape
 ``[tokens, experts, capacity]``), with the semantics of ``programs.moe``
@@ -15,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmercury.programs.moe import einsum_dispatch as einsum_moe
 from models.llama import Attention, LlamaConfig, RMSNorm
 
 
@@ -46,35 +46,6 @@ CONFIGS = {
     "mixtral_8x7b": MixtralConfig(dim=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, layers=32,
                                   vocab=32000, rope_theta=1e6, experts=8, top_k=2),
 }
-
-
-def einsum_moe(x, router, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float | None = None):
-  """A capacity-based einsum-dispatch MoE of ``x [..., d]`` (``programs.moe``'s semantics).
-
-  Each (token, choice) assignment takes the next free slot of its expert in token order; the dispatch tensor
-  ``[t, e, c]`` is one where a token sits in slot ``c`` of expert ``e``, and an assignment past the capacity
-  gets no slot. Dropless (``capacity_factor`` None) gives every expert ``tokens`` slots.
-  """
-  shape = x.shape
-  x = x.reshape(-1, shape[-1])
-  tokens, experts = x.shape[0], router.shape[1]
-  capacity = tokens if capacity_factor is None else min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
-  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), preferred_element_type=jnp.float32)
-  values, picked = jax.lax.top_k(logits, top_k)
-  gates = jax.nn.softmax(values, axis=-1)
-  choice = jax.nn.one_hot(picked, experts, dtype=jnp.int32)  # [t, k, e]
-  per_token = jnp.sum(choice, axis=1)
-  slot = jnp.cumsum(per_token, axis=0) - per_token  # [t, e]: earlier tokens that picked e
-  position = jax.nn.one_hot(jnp.where(per_token > 0, slot, capacity), capacity, dtype=x.dtype)  # [t, e, c]
-  dispatch = position * per_token[..., None].astype(x.dtype)
-  combine = jnp.einsum("tk,tke,tec->tec", gates, choice.astype(jnp.float32), dispatch.astype(jnp.float32))
-  xe = jnp.einsum("tec,td->ecd", dispatch, x)
-  a = jnp.einsum("ecd,edf->ecf", xe, w_gate, preferred_element_type=jnp.float32)
-  b = jnp.einsum("ecd,edf->ecf", xe, w_up, preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(a) * b).astype(x.dtype)
-  out = jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=jnp.float32)
-  y = jnp.einsum("tec,ecd->td", combine, out)
-  return y.astype(x.dtype).reshape(shape)
 
 
 class MoE(nnx.Module):

@@ -111,6 +111,35 @@ def moe_block(ctx, x, router, w_gate, w_up, w_down, *, top_k: int, capacity: int
   return jnp.einsum("te,etd->td", weights, out)
 
 
+def einsum_dispatch(x, router, w_gate, w_up, w_down, *, top_k: int, capacity_factor: float | None = None):
+  """A capacity-based einsum-dispatch MoE of ``x [..., d]`` (``programs.moe``'s semantics).
+
+  Each (token, choice) assignment takes the next free slot of its expert in token order; the dispatch tensor
+  ``[t, e, c]`` is one where a token sits in slot ``c`` of expert ``e``, and an assignment past the capacity
+  gets no slot. Dropless (``capacity_factor`` None) gives every expert ``tokens`` slots.
+  """
+  shape = x.shape
+  x = x.reshape(-1, shape[-1])
+  tokens, experts = x.shape[0], router.shape[1]
+  capacity = tokens if capacity_factor is None else min(tokens, math.ceil(capacity_factor * tokens * top_k / experts))
+  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), preferred_element_type=jnp.float32)
+  values, picked = jax.lax.top_k(logits, top_k)
+  gates = jax.nn.softmax(values, axis=-1)
+  choice = jax.nn.one_hot(picked, experts, dtype=jnp.int32)  # [t, k, e]
+  per_token = jnp.sum(choice, axis=1)
+  slot = jnp.cumsum(per_token, axis=0) - per_token  # [t, e]: earlier tokens that picked e
+  position = jax.nn.one_hot(jnp.where(per_token > 0, slot, capacity), capacity, dtype=x.dtype)  # [t, e, c]
+  dispatch = position * per_token[..., None].astype(x.dtype)
+  combine = jnp.einsum("tk,tke,tec->tec", gates, choice.astype(jnp.float32), dispatch.astype(jnp.float32))
+  xe = jnp.einsum("tec,td->ecd", dispatch, x)
+  a = jnp.einsum("ecd,edf->ecf", xe, w_gate, preferred_element_type=jnp.float32)
+  b = jnp.einsum("ecd,edf->ecf", xe, w_up, preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(a) * b).astype(x.dtype)
+  out = jnp.einsum("ecf,efd->ecd", h, w_down, preferred_element_type=jnp.float32)
+  y = jnp.einsum("tec,ecd->td", combine, out)
+  return y.astype(x.dtype).reshape(shape)
+
+
 def _workspace(itemsize: int):
   def workspace(sizes):
     e, t, f, d = sizes["e"], sizes["t"], sizes["f"], sizes["d"]
