@@ -130,7 +130,8 @@ def einsum_dispatch(x, router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
   slot = jnp.cumsum(per_token, axis=0) - per_token  # [t, e]: earlier tokens that picked e
   position = jax.nn.one_hot(jnp.where(per_token > 0, slot, capacity), capacity, dtype=x.dtype)  # [t, e, c]
   dispatch = position * per_token[..., None].astype(x.dtype)
-  combine = jnp.einsum("tk,tke,tec->tec", gates, choice.astype(jnp.float32), dispatch.astype(jnp.float32))
+  weights = jnp.einsum("tk,tke->te", gates, choice.astype(jnp.float32))
+  combine = weights[..., None] * dispatch.astype(jnp.float32)
   xe = jnp.einsum("tec,td->ecd", dispatch, x)
   a = jnp.einsum("ecd,edf->ecf", xe, w_gate, preferred_element_type=jnp.float32)
   b = jnp.einsum("ecd,edf->ecf", xe, w_up, preferred_element_type=jnp.float32)
