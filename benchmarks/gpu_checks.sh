@@ -23,6 +23,10 @@
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
+#   one-gpu-attention  never slower, one GPU: attention GQA S 16K 32K causal and not, forward and training step
+#   one-gpu-gemm     never slower, one GPU: Llama-3 8B layers at M 8K, and `python -m jaxmercury.tune` on a GEMM
+#                    8192^3 (calibrating, then again with the calibration stored)
+#   model            the models/ Llama (2 layers, 8B widths, 4K tokens) decorated against undecorated, training step
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -69,6 +73,17 @@ for stage in "$@"; do
     tuner) suite "$stage" 570 --suite tuner ;;
     llama-4096|llama-16384|llama-32768) suite "$stage" 570 --suite llama --seqs "${stage#llama-}" --measure_iters 5 \
         --iters 10 ;;
+    one-gpu-attention)
+      suite "$stage-forward" 280 --suite attention --mesh 1 --batches 1 --variants GQA --seqs 16K 32K --causal both
+      suite "$stage-training" 290 --suite training --mesh 1 --ops attention --seqs 16K 32K --causal both ;;
+    one-gpu-gemm)
+      suite "$stage" 330 --suite gemm --mesh 1 --gemm_m 8K --models 8B --no_windowed
+      for run in calibrating stored; do
+        timeout 120 python3 -m jaxmercury.tune matmul --m 8192 --n 8192 --k 8192 --dtype bfloat16 --db "$W/cli.db" \
+          --retune --json "$W/$stage-cli-$run.json" > "$W/$stage-cli-$run.log" 2>&1
+        echo "$stage-cli-$run rc=$?" | tee -a "$W/stages.txt"
+      done ;;
+    model) suite "$stage" 570 --suite model ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

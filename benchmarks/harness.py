@@ -249,8 +249,11 @@ def floor_record(*, compute_ms: float | None, compute_how: str, comm_bytes: floa
 
 
 def commit() -> str | None:
-  """The git commit the code was run at (``-dirty`` with uncommitted changes), or ``$JAXMERCURY_COMMIT`` where
-  the checkout has no git metadata (a copy of the working tree on a GPU machine); None when neither says."""
+  """``$JAXMERCURY_COMMIT`` where set (a copy of the working tree on a GPU machine, whose git metadata, if any, may
+  be stale), else the git commit the code was run at (``-dirty`` with uncommitted changes); None when neither
+  says."""
+  if os.environ.get("JAXMERCURY_COMMIT"):
+    return os.environ["JAXMERCURY_COMMIT"]
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
@@ -259,7 +262,7 @@ def commit() -> str | None:
       return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
   except (OSError, subprocess.SubprocessError):
     pass
-  return os.environ.get("JAXMERCURY_COMMIT") or None
+  return None
 
 
 def header(suite: str, argv: list[str], **fields) -> dict:

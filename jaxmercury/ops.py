@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 
 import jax
@@ -45,7 +46,7 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
   if found is not None:
     return found
   if tune:
-    result = autotune(program, mesh, database=db, **tune_options)
+    result = _outside_traces(lambda: autotune(program, mesh, database=db, **tune_options))
     if result.best is not None:
       return result.best.schedule
   near = db.nearest(program, mesh, objective=objective)
@@ -55,6 +56,27 @@ def schedule_for(program, mesh, *, database=None, tune: bool = False, **tune_opt
   schedule = next((lib[n] for n in DEFAULTS.get(program.pattern, ()) if n in lib), None) or Schedule(program, mesh)
   kernel = registry.default_kernel(program, mesh)
   return schedule.patch(kernel) if kernel else schedule
+
+
+def _outside_traces(fn):
+  """``fn()``; while a model is being traced (under ``jax.jit``), in a thread of its own: JAX's trace state is per
+  thread, so that the tuner's arrays are real arrays there, not the trace's."""
+  if not isinstance(jnp.zeros(()), jax.core.Tracer):
+    return fn()
+  outcome = {}
+
+  def run():
+    try:
+      outcome["value"] = fn()
+    except BaseException as e:  # re-raised in the caller's thread
+      outcome["error"] = e
+
+  thread = threading.Thread(target=run, name="jaxmercury-tune", daemon=True)
+  thread.start()
+  thread.join()
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,3 +95,23 @@ def test_default_schedule_patches_the_preferred_kernel_that_applies(tmp_path, mo
     assert s.kernel == "pallas_attention"
     xs = prog.random_inputs(fresh_key())
     assert rel_err(s.compile()(*xs), prog.reference(*xs)) < 1e-4
+
+
+def test_tuning_while_a_jitted_function_is_traced(tmp_path):
+  """A model tuned on its first call under jax.jit (the usual training loop): the tuner measures real arrays in a
+  thread of its own, not the trace's tracers, and the traced function gets the winner; a second call of the same
+  operator in the trace finds it in the database (which the tuner's thread wrote)."""
+  mesh, db = make_mesh("8"), jm.Database(tmp_path / "t.db")
+  prog = jm.programs.matmul(64, 32, 48)
+  a, b = prog.random_inputs(fresh_key())
+  lines = []
+
+  def product(a, b):
+    return jm.ops.matmul(a, b, mesh=mesh, database=db, tune=True, space=0, top_k=1, iters=2, log=lines.append)
+
+  out = jax.jit(lambda a, b: product(a, b) - 0.5 * product(a, b))(a, b)
+  assert rel_err(out, 0.5 * prog.reference(a, b)) < 1e-5
+  assert sum(line.startswith("== done") for line in lines) == 1, lines
+  timed = [line for line in lines if line.lstrip().startswith("[")]
+  assert timed and all(" ok " in line for line in timed), lines
+  assert lines[-1].startswith("== done in") and "winner" in lines[-1]

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sqlite3
+import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -99,6 +100,16 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
       "program": program.fingerprint(), "params": {k: str(v) for k, v in program.params.items()},
       "mesh": [[n, s] for n, s in mesh.shape.items()], "device": _device_kind(mesh),
       "layouts": None if layouts is None else str(layouts), **extra, **_versions()}, sort_keys=True)
+
+
+def machine_key(program, mesh) -> str:
+  """The key of cost-model figures: once per machine (device kind and mesh), operator pattern and element types,
+  whatever the sizes: figures measured at one size rank the candidates of the others."""
+  return json.dumps({
+      "machine": program.pattern or program.fingerprint(),
+      "dtypes": [str(b.dtype) for b in (*program.reads, program.writes)],
+      "causal": str(program.params.get("causal")), "mesh": [[n, s] for n, s in mesh.shape.items()],
+      "device": _device_kind(mesh), **_versions()}, sort_keys=True)
 
 
 class Near(NamedTuple):
@@ -165,6 +176,7 @@ class Database:
     self.path = path or default_path()
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     self.set_aside: str | None = None  # where a corrupted file was moved, if one was
+    self._lock = threading.RLock()
     try:
       self._conn = self._connect()
     except sqlite3.DatabaseError as e:
@@ -180,7 +192,9 @@ class Database:
   def _connect(self) -> sqlite3.Connection:
     path = os.fspath(self.path)
     self._inode = _inode(path)
-    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
+    # one connection for every thread (a tune started while a model is traced runs in a thread of its own),
+    # each statement under the lock
+    conn = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
     try:
       conn.execute("PRAGMA journal_mode=WAL")
       check = conn.execute("PRAGMA quick_check").fetchone()
@@ -214,17 +228,19 @@ class Database:
 
   def _write(self, sql: str, params: tuple):
     """One statement in one ``BEGIN IMMEDIATE`` transaction (waits for other writers)."""
-    self._conn.execute("BEGIN IMMEDIATE")
-    try:
-      self._conn.execute(sql, params)
-    except BaseException:
-      self._conn.execute("ROLLBACK")
-      raise
-    self._conn.execute("COMMIT")
+    with self._lock:
+      self._conn.execute("BEGIN IMMEDIATE")
+      try:
+        self._conn.execute(sql, params)
+      except BaseException:
+        self._conn.execute("ROLLBACK")
+        raise
+      self._conn.execute("COMMIT")
 
   def _read(self, sql: str, params: tuple) -> list:
     try:
-      return self._conn.execute(sql, params).fetchall()
+      with self._lock:
+        return self._conn.execute(sql, params).fetchall()
     except sqlite3.DatabaseError as e:
       warnings.warn(f"tuning database {os.fspath(self.path)} could not be read ({e}); treating it as empty",
                     RuntimeWarning, stacklevel=3)
@@ -365,8 +381,8 @@ class Database:
 
   # ------------------------------------------------------------ machines
   def machine(self, program, mesh):
-    """Stored cost-model figures for this machine and program, or None."""
-    rows = self._read("SELECT figures FROM machines WHERE key = ?", (record_key(program, mesh),))
+    """Stored cost-model figures for this machine and program's pattern and types (``machine_key``), or None."""
+    rows = self._read("SELECT figures FROM machines WHERE key = ?", (machine_key(program, mesh),))
     if not rows:
       return None
     try:
@@ -378,7 +394,7 @@ class Database:
 
   def store_machine(self, program, mesh, machine):
     self._write("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
-                (record_key(program, mesh), json.dumps(machine.to_dict()), _now()))
+                (machine_key(program, mesh), json.dumps(machine.to_dict()), _now()))
 
   def __len__(self):
     rows = self._read("SELECT COUNT(*) FROM winners", ())
