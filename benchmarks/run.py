@@ -1,6 +1,6 @@
 """One command for every benchmark suite, and for the results README.
 
-  python -m benchmarks.run --suite attention|gemm|fused|training|llama|kernels|tuner|model [--smoke] [--out FILE] ...
+  python -m benchmarks.run --suite attention|gemm|fused|training|llama|kernels|tuner|model|moe [--smoke] [--out F] ...
   python -m benchmarks.run readme [--check]      # benchmarks/results/README.md and README.md's results table
   python -m benchmarks.run report FILE           # the tables of one results file
 
@@ -15,6 +15,8 @@ Suites (``--help`` lists every flag; each suite's module says what it times):
   (``benchmarks.tuner``).
 * ``model``: the ``models/`` Llama decorated by ``jm.distribute`` against the same model undecorated, one training
   step (``benchmarks.model``).
+* ``moe``: the mixture-of-experts layer at Mixtral-8x7B sizes on one GPU against a plain-JAX einsum-dispatch MoE,
+  and ``ragged_dot`` against a padded grouped GEMM (``benchmarks.moe``).
 
 Every suite times GPUs; ``--smoke`` runs it at tiny shapes on a simulated 8-device CPU mesh instead, checking every
 contestant numerically (its times mean nothing). The results file is rewritten after every case; a case is not
@@ -37,7 +39,7 @@ import traceback
 from benchmarks import cases, readme
 from benchmarks.baselines import WINDOWED_EINSUM_FLAGS
 
-SUITES = ("attention", "gemm", "fused", "training", "llama", "kernels", "tuner", "model")
+SUITES = ("attention", "gemm", "fused", "training", "llama", "kernels", "tuner", "model", "moe")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -76,7 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   g.add_argument("--no_windowed", action="store_true", help="gemm: no XLA windowed-einsum child process")
   g.add_argument("--windowed_child", action="store_true", help=argparse.SUPPRESS)
   g = p.add_argument_group("suite options")
-  g.add_argument("--training", action="store_true", help="fused, kernels: time training steps")
+  g.add_argument("--training", action="store_true", help="fused, kernels, moe: time training steps")
   g.add_argument("--configs", action="store_true", help="kernels: every configuration of every kernel")
   g.add_argument("--config", default="llama3_8b", help="llama, model: the sizes (models.CONFIGS)")
   g.add_argument("--machines", choices=("calibrated", "reference"), help="llama: cost-model figures measured on "
@@ -149,6 +151,9 @@ def _suite(name: str):
   if name == "model":
     from benchmarks import model  # JAX starts here
     return model
+  if name == "moe":
+    from benchmarks import moe  # JAX starts here
+    return moe
   from benchmarks import tuner  # JAX starts here
   return tuner
 

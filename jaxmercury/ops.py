@@ -1,6 +1,6 @@
 """Distributed operators that use the tuned schedule for their shapes and mesh.
 
-``attention`` and ``matmul`` build the program for their inputs, take the
+``attention``, ``matmul`` and ``moe`` build the program for their inputs, take the
 winner stored in the tuning database, tune on a miss when ``tune=True``, and
 otherwise take the winner tuned for the nearest other sizes of the same
 operator on the same mesh (``Database.nearest``: each size within a factor
@@ -31,7 +31,8 @@ from jaxmercury.tuner.autotuner import autotune
 from jaxmercury.tuner.database import FORWARD, TRAINING, Database
 from jaxmercury.tuner.plain import PlainProgram, is_plain, runnable_from_json
 
-DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter")}
+DEFAULTS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul", "matmul_reducescatter"),
+            "moe": ("expert_parallel",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,22 @@ def attention_program(shape_q, shape_k, dtype, causal, window=None, segment_ids=
 @functools.lru_cache(maxsize=256)
 def matmul_program(shape_a, shape_b, dtype):
   return programs.matmul(shape_a[0], shape_b[1], shape_a[1], dtype=dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def moe_program(tokens, d_model, d_ff, experts, top_k, capacity_factor, dtype):
+  return programs.moe(tokens, d_model, d_ff, experts, top_k, capacity_factor=capacity_factor, dtype=dtype)
+
+
+def moe(x, router, w_gate, w_up, w_down, *, mesh, top_k: int, capacity_factor: float | None = None,
+        database=None, tune: bool = False, **tune_options):
+  """A mixture-of-experts layer (``programs.moe``) of x [tokens, d] on ``mesh``: the tuned schedule, else
+  ``expert_parallel`` where the mesh's innermost level divides the experts, else the whole layer on every
+  device."""
+  prog = moe_program(x.shape[0], x.shape[1], w_gate.shape[2], router.shape[1], int(top_k), capacity_factor,
+                     str(x.dtype))
+  out = _run(prog, mesh, (x, router, w_gate, w_up, w_down), database, tune, tune_options)
+  return types.like(out, mesh, jax.eval_shape(lambda a: a, x), free_dims=(0,))
 
 
 def attention(q, k, v, *, mesh, causal: bool = False, window=None, q_segment_ids=None, kv_segment_ids=None,

@@ -231,3 +231,20 @@ def test_suites_say_they_need_gpus(tmp_path, suite):
   assert proc.stderr.strip().splitlines() == [f"benchmarks.run --suite {suite} times GPUs; this machine has only CPU "
                                               "devices: run it with --smoke for a check on a simulated CPU mesh"]
   assert not (tmp_path / "x.json").exists()
+
+
+def test_moe_suite(tmp_path):
+  """The MoE layer (jaxmercury's dispatched schedules against the plain-JAX einsum dispatch, both checked against the
+  dense reference) and ragged_dot against the padded grouped GEMM."""
+  results = _smoke(tmp_path, "moe")
+  kinds = [case["config"]["kind"] for case in results["cases"]]
+  assert kinds.count("layer") == 2 and kinds.count("grouped_gemm") == 1
+  for case in results["cases"]:
+    recs = _by_name(case)
+    if case["config"]["kind"] == "layer":
+      timed = [n for n in recs if n != "dense_reference"]
+      assert {"einsum_dispatch", "expert_parallel[ragged_dot]", "expert_parallel[dense]"} <= set(timed)
+      _check(case, timed, reference="dense_reference")
+    else:
+      assert case["reference"] == "padded_einsum" and case["agree"] and recs["ragged_dot"]["median_ms"] > 0 and sum(case["group_sizes"]) == 512
+    assert all(r["tflops_per_device"] > 0 for r in recs.values() if "median_ms" in r)

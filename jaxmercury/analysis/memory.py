@@ -5,13 +5,16 @@ the nest needs another layout, its gathered copy; a second block per ring
 buffer (the one in flight); the output's float32 partial state and its stored
 block; whole arrays put in or out of zigzag order; and the workspace of one
 body call (the patched kernel's, else the program's). A fused lowering holds
-its stored blocks, the A shards it receives and copies padded to its tiles.
+its stored blocks, the A shards it receives and copies padded to its tiles. A dispatched schedule
+(``Schedule.dispatch``) holds its stored blocks, its slot buffers and its grouped GEMM's activations
+(``analysis.dispatch.memory_bytes``).
 """
 
 from __future__ import annotations
 
 import math
 
+from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.ir.loops import VECTOR
 from jaxmercury.kernels import registry
@@ -39,6 +42,9 @@ def memory_per_device(schedule) -> int:
   """Estimated peak bytes one device holds while running the schedule."""
   if schedule.lowering is not None:
     return placements.memory_bytes(schedule)
+  routed = dispatches.of(schedule)
+  if routed is not None:
+    return dispatches.memory_bytes(schedule, routed)
   plan = schedule.plan()
   prog = schedule.program
   ring_buffers = {b for r in plan.rings.values() for b in r.buffers}

@@ -240,6 +240,7 @@ def make_plan(schedule) -> Plan:
     storage[out.name] = from_spec(schedule.out_sharding, out)
 
   for b in prog.reads + (out,):
+    local_factors[b.name] = {}  # a buffer of block axes only (a router) has none
     for a, n in local_factor_names(schedule, b, resident[b.name], loops).items():
       local_factors.setdefault(b.name, {})[a] = n
       split = [f for f in schedule.factors[a] if f not in n]

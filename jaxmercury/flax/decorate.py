@@ -22,13 +22,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmercury.flax import rewrite
 from jaxmercury.flax.report import Report
-from jaxmercury.flax.routes import AttentionFn, DotGeneral, Routing
+from jaxmercury.flax.routes import AttentionFn, DotGeneral, MoeFn, Routing
 
 LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
 
 
 def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, attention: bool = True,
-               linear: bool = True, **tune_options):
+               linear: bool = True, moe: bool = True, **tune_options):
   """Runs the attention and GEMMs of a Flax NNX module or a JAX function as jaxmercury operators on ``mesh``.
 
   The target's program is traced (``jax.make_jaxpr``) at each call's shapes;
@@ -46,7 +46,11 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   bias, dtypes, sizes the mesh does not divide) run as traced; which calls
   were routed, with which schedule, and why the others were not, is logged
   (absl, INFO) and returned by ``jaxmercury.explain``. Gradients flow
-  through the operators' own backward.
+  through the operators' own backward. A module's submodules with a
+  ``moe_fn`` attribute (a mixture-of-experts layer such as
+  ``models.mixtral.MoE``) get a ``jaxmercury.flax.MoeFn``: their experts run
+  as ``jaxmercury.ops.moe`` (expert parallel, tokens exchanged by a routed
+  all-to-all).
 
   Usage::
 
@@ -65,6 +69,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     tune: tune operators missing from the database.
     attention: route attention.
     linear: route GEMMs (linear layers, einsum projections).
+    moe: route mixture-of-experts layers (``moe_fn``).
     **tune_options: passed to ``jaxmercury.autotune`` when tuning;
       ``training=True`` (for a model being trained) uses, and tunes, the
       schedules of the fastest training step rather than of the forward.
@@ -79,10 +84,12 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     if isinstance(obj, type):
       if not issubclass(obj, nnx.Module):
         raise TypeError(f"distribute: {obj.__name__} is not a flax.nnx.Module subclass")
-      return _subclass(obj, routing)
+      return _subclass(obj, routing, moe)
     if isinstance(obj, nnx.Module):
       base = getattr(type(obj), "jaxmercury_base", type(obj))
-      obj.__class__ = _subclass(base, routing)
+      obj.__class__ = _subclass(base, routing, moe)
+      if moe:
+        rewire(obj, routing, attention=False, linear=False, moe=True)
       return obj
     if callable(obj):
       return rewrite.route(getattr(obj, "jaxmercury_original", obj), routing)
@@ -93,11 +100,17 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   return apply if target is None else apply(target)
 
 
-def _subclass(cls, routing: Routing):
-  key = (cls, routing)
+def _subclass(cls, routing: Routing, moe: bool = True):
+  key = (cls, routing, moe)
   if key in _SUBCLASSES:
     return _SUBCLASSES[key]
-  original_call = cls.__call__
+  original_call, original_init = cls.__call__, cls.__init__
+
+  @functools.wraps(original_init)
+  def __init__(self, *args, **kwargs):
+    original_init(self, *args, **kwargs)
+    if moe:  # its MoE layers' hooks: the rewrite finds no MoE pattern in a traced program
+      rewire(self, routing, attention=False, linear=False, moe=True)
 
   @functools.wraps(original_call)
   def __call__(self, *args, **kwargs):
@@ -107,7 +120,7 @@ def _subclass(cls, routing: Routing):
     return out
 
   distributed = type(cls.__name__, (cls,), {
-      "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+      "__init__": __init__, "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
       "__doc__": cls.__doc__, "jaxmercury_routing": routing, "jaxmercury_base": cls})
   _SUBCLASSES[key] = distributed
   return distributed
@@ -156,7 +169,7 @@ def explain(target, *args, mesh=None, database=None, tune: bool = False, **kwarg
   return rewrite.explain_function(fn, routing, args, kwargs)
 
 
-def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = True) -> int:
+def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = True, moe: bool = True) -> int:
   """Installs jaxmercury routes on ``module`` and its submodules, in place.
 
   A route already installed is replaced (its original is kept as fallback).
@@ -169,6 +182,9 @@ def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = T
     if attention and callable(getattr(sub, "attention_fn", None)):
       sub.attention_fn = AttentionFn(routing, _original(sub.attention_fn))
       count += 1
+    if moe and callable(getattr(sub, "moe_fn", None)):
+      sub.moe_fn = MoeFn(routing, _original(sub.moe_fn))
+      count += 1
     if linear and isinstance(sub, LINEAR_TYPES) and getattr(sub, "dot_general_cls", None) is None:
       fallback = _original(sub.dot_general) if sub.dot_general is not None else None
       sub.dot_general = DotGeneral(routing, fallback) if fallback is not None else DotGeneral(routing)
@@ -177,7 +193,7 @@ def rewire(module, routing: Routing, *, attention: bool = True, linear: bool = T
 
 
 def _original(fn):
-  return fn.fallback if isinstance(fn, (AttentionFn, DotGeneral)) else fn
+  return fn.fallback if isinstance(fn, (AttentionFn, DotGeneral, MoeFn)) else fn
 
 
 def replicate_state(module, mesh):

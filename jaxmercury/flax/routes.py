@@ -198,3 +198,40 @@ class DotGeneral:
     b = types.flatten(rhs, r.mesh, [contracted, rhs.ndim - contracted], op.input_specs[1])
     y = types.unflatten(op.fn(a, b), r.mesh, out_shape, [batch, rhs.ndim - contracted], op.output_spec)
     return types.like(y, r.mesh, jax.eval_shape(original), free_dims=range(batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeFn:
+  """``moe_fn(x, router, w_gate, w_up, w_down, *, top_k, capacity_factor=None)`` through ``jaxmercury.ops.moe``.
+
+  The convention of a mixture-of-experts layer that keeps its expert computation in a ``moe_fn`` attribute
+  (``models.mixtral.MoE``): ``x [..., d]`` (leading dimensions are tokens), ``router [d, experts]``,
+  ``w_gate``/``w_up [experts, d, f]``, ``w_down [experts, f, d]``; the semantics of ``programs.moe``. Covered:
+  one floating dtype for all five; anything else goes to ``fallback``.
+
+  Attributes:
+    routing: where the operator runs.
+    fallback: the function replaced.
+  """
+
+  routing: Routing
+  fallback: Callable
+
+  def covers(self, x, router, w_gate, w_up, w_down) -> bool:
+    arrays = (x, router, w_gate, w_up, w_down)
+    if x.ndim < 2 or len({a.dtype for a in arrays}) != 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+      return False
+    d, (experts, f) = x.shape[-1], (router.shape[-1], w_gate.shape[-1])
+    return (router.shape == (d, experts) and w_gate.shape == (experts, d, f) and w_up.shape == w_gate.shape
+            and w_down.shape == (experts, f, d) and math.prod(x.shape[:-1]) > 0)
+
+  def __call__(self, x, router, w_gate, w_up, w_down, *, top_k, capacity_factor=None, **kwargs):
+    if kwargs or not self.covers(x, router, w_gate, w_up, w_down):
+      return self.fallback(x, router, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor, **kwargs)
+    r = self.routing
+    expected = jax.eval_shape(lambda a: a, x)
+    flat = types.flatten(x, r.mesh, [x.ndim - 1, 1]) if x.ndim > 2 else x
+    y = ops.moe(flat, router, w_gate, w_up, w_down, mesh=r.mesh, top_k=top_k, capacity_factor=capacity_factor,
+                database=r.database, tune=r.tune, **r.options())
+    y = types.unflatten(y, r.mesh, x.shape, [x.ndim - 1, 1]) if x.ndim > 2 else y
+    return types.like(y, r.mesh, expected, free_dims=range(x.ndim - 1))

@@ -25,6 +25,7 @@ import numpy as np
 from jaxmercury.errors import ProgramError
 from jaxmercury.ir.program import Program
 from jaxmercury.ir.reductions import Reduction
+from jaxmercury.ir.routing import Routing
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
@@ -124,7 +125,7 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
          body: Callable, reduction: Reduction | None = None, name: str = "program",
          pattern: str | None = None, statement: str | None = None,
          params: dict | None = None, flops: float | None = None,
-         workspace: Callable | None = None) -> Program:
+         workspace: Callable | None = None, routing: Routing | None = None) -> Program:
   """Declares a compute grid: the loop nest of an operator.
 
   Args:
@@ -148,6 +149,8 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
       model; default two per point of the loop nest.
     workspace: ``workspace(sizes) -> bytes``, the temporary memory one body
       call needs for blocks of the given per-axis sizes (memory estimate).
+    routing: for a routed reduction (a mixture of experts), which loop a
+      router picks from and how (``ir.routing.Routing``); None: dense.
 
   Returns:
     The ``Program``.
@@ -167,11 +170,13 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
   if reduction is not None and not isinstance(reduction, Reduction):
     raise ProgramError(f"grid: reduction must be a jaxmercury Reduction such as Sum() or LogSumExp(), "
                        f"got {reduction!r}")
+  if routing is not None and not isinstance(routing, Routing):
+    raise ProgramError(f"grid: routing must be a jaxmercury.ir.Routing, got {type(routing).__name__}")
   program = Program(name=name, loops=loops, kinds=dict(zip([a.name for a in loops], kinds)),
                     reads=reads, writes=writes, body=body, reduction=reduction,
                     pattern=pattern, statement=statement, params=dict(params or {}),
                     flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)),
-                    workspace=workspace)
+                    workspace=workspace, routing=routing)
   if not callable(body):  # after the structure, whose errors say more
     raise ProgramError(f"{name}: body must be callable as body(ctx, *blocks), got {type(body).__name__}")
   return program

@@ -15,6 +15,7 @@ import numpy as np
 from jaxmercury.errors import InputError, ProgramError, UnknownNameError
 from jaxmercury.ir.orders import true_positions
 from jaxmercury.ir.reductions import Reduction
+from jaxmercury.ir.routing import Routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Program:
   params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   flops: float = 0.0
   workspace: Callable | None = None
+  routing: Routing | None = None  # a routed reduction (mixture of experts): ``ir.routing``
 
   def fingerprint(self) -> str:
     """A structural hash: loops, kinds, buffers, dtypes, reduction, body and parameters."""
@@ -120,6 +122,8 @@ class Program:
     if "r" in self.kinds.values() and self.reduction is None:
       raise ProgramError(f"{self.name}: reduction loops need a reduction (e.g. jaxmercury.Sum())")
     object.__setattr__(self, "axes", axes)
+    if self.routing is not None:
+      self.routing.check(self)
 
   @property
   def buffers(self):

@@ -9,15 +9,19 @@ layer sits above the schedules.
 from jaxmercury.lowering.differentiate import differentiable as with_backward
 from jaxmercury.lowering.fused import compile_fused
 from jaxmercury.lowering.lower import lower
+from jaxmercury.lowering.routed import check_dense, routed_per_device
 from jaxmercury.schedules.schedule import register_compiler
 
 
 def compile_schedule(schedule, *, differentiable: bool = True):
   """``f(*inputs) -> output``: the schedule's ``shard_map`` program (its fused kernel's, if lowered with one) and,
   where the program has backward programs and ``differentiable``, its dual backward (always for a fused kernel,
-  which has no autodiff)."""
+  which has no autodiff); a dispatched schedule's routed exchange (``lowering.routed``), differentiated by JAX."""
   if schedule.lowering is not None:
     return compile_fused(schedule)
+  if schedule.dispatched is not None:  # the routed exchange; gradients: JAX's through it
+    return lower(schedule, per_device=routed_per_device(schedule, schedule.plan()))
+  check_dense(schedule)
   forward = lower(schedule)
   return with_backward(schedule, forward) if differentiable else forward
 

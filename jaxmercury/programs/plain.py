@@ -10,6 +10,8 @@ whole arrays with the program's own shapes and dtypes.
 - attention: ``jax.nn.dot_product_attention``, with cuDNN on GPUs for
   half-precision inputs (causal masks and causal windows), with XLA otherwise
   (a window, segment ids or a mask array passed as one boolean mask);
+- moe: ``programs.moe.einsum_dispatch`` (capacity-based one-hot dispatch and combine einsums, as Flax's and
+  MaxText's MoE layers write it) where its dispatch tensor fits 1 GiB, and the program's dense reference;
 - any other program: its ``reference`` (the loop nest run whole).
 """
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmercury.programs.masks import mask_of
+from jaxmercury.programs.moe import einsum_dispatch, expert_capacity
 
 XLA, CUDNN = "xla", "cudnn"
 IMPLEMENTATION_LABELS = {XLA: "XLA", CUDNN: "cuDNN"}
@@ -99,11 +102,29 @@ def _reference(program):
 
 REFERENCE = Plain("reference", XLA, _reference)
 
+EINSUM_DISPATCH_LIMIT = 1 << 30  # bytes of the one-hot dispatch tensor above which the einsum dispatch is not offered
+
+
+def _einsum_dispatch(program):
+  top_k, factor = program.params["top_k"], program.params["capacity_factor"]
+  return lambda *inputs: einsum_dispatch(*inputs, top_k=top_k, capacity_factor=factor)
+
+
+def _einsum_dispatch_why_not(program, platform: str) -> str | None:
+  p = program.params
+  capacity = expert_capacity(p["tokens"], p["experts"], p["top_k"], p["capacity_factor"]) or p["tokens"]
+  size = p["tokens"] * p["experts"] * min(capacity, p["tokens"]) * program.writes.dtype.itemsize
+  if size > EINSUM_DISPATCH_LIMIT:
+    return f"its [tokens, experts, capacity] dispatch tensor would take {size / 2 ** 30:.1f} GiB"
+  return None
+
 # By pattern: the plain programs, in the order a tune offers them.
 PLAIN = {
     "matmul": (Plain("jnp.dot", XLA, _dot),),
     "attention": (Plain("dot_product_attention", CUDNN, _attention(CUDNN), _cudnn_why_not),
                   Plain("dot_product_attention", XLA, _attention(XLA), _xla_attention_why_not)),
+    # a mixture of experts as Flax's and MaxText's layers write it, and the dense form (every expert, masked)
+    "moe": (Plain("einsum_dispatch", XLA, _einsum_dispatch, _einsum_dispatch_why_not), REFERENCE),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.errors import ScheduleError
@@ -190,6 +191,70 @@ def matmul_library(program, mesh) -> dict[str, Schedule]:
   return out
 
 
+def moe_library(program, mesh) -> dict[str, Schedule]:
+  """Mixture of experts (a routed program): the experts spread, tokens exchanged by a routed all-to-all."""
+  levels = list(mesh.axis_names)
+  routing = program.routing
+  out = {}
+
+  def expert_level(level):
+    size, experts = mesh.shape[level], program.axes[routing.experts].extent
+    if experts % size:
+      raise ScheduleError(f"expert_parallel: the {experts} experts do not divide over mesh level {level!r} of "
+                          f"size {size}")
+
+  def expert_parallel(chunks: int = 1, exchange: str = "padded"):
+    ep = levels[-1]  # the innermost level: the all-to-all is the heaviest exchange
+    expert_level(ep)
+    s = Schedule(program, mesh)
+    _pad_to_mesh(s, routing.tokens)
+    data = split(s, routing.tokens, levels[:-1])  # the other levels: data parallel
+    (e,) = split(s, routing.experts, [ep])
+    s.dispatch(e, exchange=exchange)
+    if chunks > 1:
+      local = f"{routing.tokens}_in" if data else routing.tokens
+      per_device = s.padded[routing.tokens] // math.prod(s.levels.values())
+      if per_device % chunks:
+        raise ScheduleError(f"expert_parallel_pipelined: {per_device} tokens per device do not split into "
+                            f"{chunks} chunks")
+      s.tile(local, chunks, names=(f"{routing.tokens}_chunk", f"{routing.tokens}_row"))
+    return s
+
+  def expert_tensor_parallel():
+    if len(levels) != 2:
+      raise ScheduleError("expert_tensor_parallel needs a mesh of two levels")
+    ep, tp = levels
+    expert_level(ep)
+    s = Schedule(program, mesh)
+    _pad_to_mesh(s, routing.tokens)
+    (e,) = split(s, routing.experts, [ep])
+    hidden = next(a.name for a in program.loops if a.name not in (routing.tokens, routing.experts))
+    (f,) = split(s, hidden, [tp])  # each expert's hidden width
+    s.dispatch(e)
+    for name in (program.writes.name,) + routing.routed:  # tokens split over both levels, the experts' major
+      s.shard(name, f, axis=routing.tokens)
+    return s
+
+  def ragged():
+    if _platform(mesh) != "gpu":
+      raise ScheduleError("expert_parallel_ragged: ragged_all_to_all runs on GPUs (XLA:CPU does not run it)")
+    return expert_parallel(exchange="ragged")
+
+  for name, build in (("expert_parallel", expert_parallel),
+                      ("expert_parallel_pipelined", lambda: expert_parallel(2)),
+                      ("expert_parallel_ragged", ragged),
+                      ("expert_tensor_parallel", expert_tensor_parallel)):
+    _try(out, name, build)
+  return out
+
+
+def _platform(mesh) -> str:
+  """The platform of the mesh's devices (an abstract mesh's abstract device's)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None) or "unknown"
+  return mesh.devices.flat[0].platform
+
+
 def _pad_to_mesh(s: Schedule, axis: str):
   total = math.prod(s.levels.values())
   if s.padded[axis] % total:
@@ -231,7 +296,7 @@ def _try(out, name, build):
     pass  # the strategy does not apply to this program or mesh
 
 
-_BY_PATTERN = {"attention": attention_library, "matmul": matmul_library}
+_BY_PATTERN = {"attention": attention_library, "matmul": matmul_library, "moe": moe_library}
 
 
 def library(program, mesh) -> dict[str, Schedule]:
@@ -246,7 +311,14 @@ def library(program, mesh) -> dict[str, Schedule]:
   ring overlapped with the GEMM), ``async_tp_reducescatter`` (partial outputs
   passed around the ring), ``data_parallel`` (rows spread, B replicated: no
   communication for callers whose rows are split, as in a sequence-parallel
-  block with replicated weights). Other programs get ``parallel_<loop>`` and
+  block with replicated weights). moe: ``expert_parallel`` (experts over the
+  innermost level, tokens over every level, a routed all-to-all over the
+  experts' level: ``Schedule.dispatch``), ``expert_parallel_pipelined`` (the
+  same, each device's tokens dispatched in two chunks), ``expert_parallel_ragged``
+  (GPU meshes: ``ragged_all_to_all`` of the kept rows only), and on two-level
+  meshes ``expert_tensor_parallel`` (experts over the outer level, each
+  expert's hidden width over the inner one); each is left out where the
+  experts do not divide over its level. Other programs get ``parallel_<loop>`` and
   ``ring_<loop>_over_<loop>`` strategies.
   """
   build = _BY_PATTERN.get(program.pattern, generic_library)

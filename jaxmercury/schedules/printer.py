@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
+from jaxmercury.errors import ScheduleError
 from jaxmercury.ir.loops import PARALLEL, VECTOR
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
@@ -50,7 +52,32 @@ def communication(schedule, plan) -> list[str]:
       lines.append(f"Ring(partial {out.name} over {ring.level} at loop {ring.loop}, to its owner{steps})")
   lines += [collective_text(out, c, red) for c in cl.reductions(plan.resident[out.name], plan.result)]
   lines += [collective_text(out, c) for c in cl.steps(plan.result, plan.storage[out.name])]
-  return lines
+  try:
+    d = dispatches.of(schedule, plan)
+  except ScheduleError as e:
+    return lines + [f"(dense: the dispatch is not complete yet: {e})"]
+  return lines if d is None else routed_communication(schedule, d, lines)
+
+
+def routed_communication(schedule, d, dense: list[str]) -> list[str]:
+  """A dispatched schedule's lines: the dense plan's gather of the tokens and scatter of the output over the
+  experts' level replaced by the routed exchange (``analysis.dispatch``)."""
+  routing = schedule.program.routing
+  moved = {f"AllGather({name} over {d.level} along {routing.tokens})" for name in routing.routed}
+  moved.add(f"ReduceScatter({schedule.program.writes.name} over {d.level} along {routing.tokens}, sum)")
+  kept = [line for line in dense if line not in moved]
+  split = next((k for k, line in enumerate(kept) if line.startswith(("ReduceScatter", "AllReduce"))), len(kept))
+  routed = ", ".join(routing.routed)
+  lines = []
+  if routing.capacity is not None:  # first: the devices route their own tokens
+    lines.append(f"AllGather(expert counts over {'*'.join(d.token_levels)}: capacity {routing.capacity} "
+                 f"in token order)")
+  lines += kept[:split]
+  chunks = f", {d.chunks} chunks" if d.chunks > 1 else ""
+  lines.append(f"AllToAll({routed} rows over {d.level}: dispatch to the top-{routing.top_k} experts' devices, "
+               f"{d.exchange}{chunks})")
+  lines.append(f"AllToAll(expert outputs over {d.level}: combine at their tokens{chunks})")
+  return lines + kept[split:]
 
 
 def fused_summary(schedule) -> str:
@@ -114,6 +141,8 @@ def render(schedule) -> str:
     out.append(f"{line:<64}# {tag}" if len(line) < 64 else f"{line}  # {tag}")
     depth += 1
   kernel = configs.label(schedule.kernel, schedule.kernel_config) if schedule.kernel else "xla"
+  if schedule.dispatched:
+    kernel = f"routed rows, grouped by expert: {schedule.dispatched['gemm']}"
   block = " ".join(vector) or "scalar"
   out.append("  " * depth + f"block {block}: {prog.statement or prog.name}  [kernel {kernel}]")
   if schedule.lowering is not None:

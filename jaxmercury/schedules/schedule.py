@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.analysis import plan as plans
 from jaxmercury.errors import PreconditionError, ProgramError, ScheduleError, UnknownNameError
@@ -76,6 +77,7 @@ class Schedule:
     self.placements: dict[tuple[str, str], tuple] = {}
     self._kernel: KernelChoice | None = None
     self._lowering: KernelChoice | None = None  # a fused kernel (``lower_with``); None: the loop nest
+    self._dispatched: dict | None = None  # a routed exchange (``dispatch``): its loop and options
     self.in_shardings, self.out_sharding = checks.check_layouts(program, self.levels, in_shardings, out_sharding)
     self._trace: list[dict] = []
     self._plan = None  # derived once per change (``plan``)
@@ -100,6 +102,11 @@ class Schedule:
   def lowering(self) -> str | None:
     """The fused kernel ``lower_with`` runs the whole nest as (None: the loop nest)."""
     return self._lowering.name if self._lowering else None
+
+  @property
+  def dispatched(self) -> dict | None:
+    """``dispatch``'s loop and options (``{"loop", "exchange", "gemm"}``), or None: no routed exchange."""
+    return dict(self._dispatched) if self._dispatched else None
 
   @property
   def lowering_config(self):
@@ -565,6 +572,73 @@ class Schedule:
     self._commit(saved, "replicate", buffer, parallel_loop)
     return self
 
+  def dispatch(self, parallel_loop: str, *, exchange: str = "padded", gemm: str = "ragged_dot") -> "Schedule":
+    """Exchanges only the routed rows over a parallel experts loop's level: a data-dependent all-to-all.
+
+    For a routed program (``ir.routing.Routing``: a mixture of experts). The
+    routed inputs (the tokens) and the output are stored split along the
+    tokens over the loop's level ``L``, as ``shard(x, loop, axis=tokens)`` and
+    ``shard(y, loop)`` would store them; instead of the all-gather of the
+    tokens and the reduce-scatter of the output that the dense nest would
+    then run over ``L``, each device sends each of its token rows only to the
+    devices holding an expert the router picked for it (an all-to-all whose
+    counts the router decides), computes only the rows it received, grouped
+    by expert (``gemm``), and a second all-to-all brings the results back to
+    their tokens, where they are summed with the gate weights. Capacity
+    (``Routing.capacity``) is counted in global token order across devices.
+    Other levels keep their meaning: one that splits the experts' hidden
+    width all-gathers the tokens before the exchange and reduce-scatters the
+    partial outputs after it (expert tensor parallelism); one that splits
+    only the tokens is data parallel; serial loops over the tokens make the
+    exchange run chunk by chunk (pipelined). ``analysis.dispatch`` derives
+    all of it from the plan.
+
+    Preconditions: the program is routed; ``parallel_loop`` is parallel and iterates its experts axis, unpadded
+    (the level divides the experts); no loop is shifted and no axis zigzagged; the buffers are split only as
+    above.
+
+    Before / after (``dispatch("e0")`` after ``tile("e", 8).parallelize("e0", "x")``)::
+
+      parallel e0 in 8 @ x:                  parallel e0 in 8 @ x:
+        AllGather(x over x along t)            AllToAll(x's routed rows over x, counts from the router)
+        block: y[t] += g[t,e] ffn_e(x[t])      grouped GEMM of the received rows by local expert
+        ReduceScatter(y over x along t)        AllToAll(expert outputs back over x), y[t] = sum g * out
+
+    Args:
+      parallel_loop: the parallel loop over the experts.
+      exchange: ``"padded"``: ``all_to_all`` of fixed-size slot buffers, every device sending each peer as many
+        rows as could ever go there (``analysis.dispatch.Dispatch.slots``; with a capacity, at most the
+        capacity per expert); ``"ragged"``: ``ragged_all_to_all`` of the kept rows only, packed into a receive
+        buffer of the same bound (XLA:CPU does not run it).
+      gemm: the grouped expert GEMM: ``"ragged_dot"`` (``jax.lax.ragged_dot`` over the rows sorted by
+        expert) or ``"dense"`` (every local expert on every received row, masked: for tiny expert counts).
+    """
+    routing = self.program.routing
+    where = f"dispatch({parallel_loop!r})"
+    if routing is None:
+      raise PreconditionError(f"{where}: {self.program.name} is not a routed program (no ir.Routing): there is "
+                              f"nothing data-dependent to exchange")
+    par = self._parallel(parallel_loop, "dispatch")
+    if par.axis != routing.experts:
+      raise PreconditionError(f"{where}: the loop iterates {par.axis!r}, not the experts axis {routing.experts!r}")
+    experts, size = self.program.axes[routing.experts].extent, self.levels[par.level]
+    if self.padded[routing.experts] != experts:
+      raise PreconditionError(f"{where}: the {experts} experts do not divide over mesh level {par.level!r} of size "
+                              f"{size}; spread them over a level whose size divides {experts}")
+    if exchange not in dispatches.EXCHANGES:
+      raise PreconditionError(f"{where}: exchange={exchange!r}; choose one of {dispatches.EXCHANGES}")
+    if gemm not in dispatches.GEMMS:
+      raise PreconditionError(f"{where}: gemm={gemm!r}; choose one of {dispatches.GEMMS}")
+    if self._dispatched is not None:
+      raise PreconditionError(f"{where}: the schedule already dispatches over loop {self._dispatched['loop']!r}")
+    saved = self.copy()
+    for name in routing.routed + (self.program.writes.name,):
+      self.placements[(name, par.level)] = (SHARD, routing.tokens)
+    self._dispatched = {"loop": parallel_loop, "exchange": exchange, "gemm": gemm}
+    self._commit(saved, "dispatch", parallel_loop, exchange=None if exchange == "padded" else exchange,
+                 gemm=None if gemm == "ragged_dot" else gemm)
+    return self
+
   def _default_shard_axis(self, buf, par) -> str:
     size = self.levels[par.level]
     for a in buf.axes:
@@ -577,7 +651,9 @@ class Schedule:
   # ------------------------------------------------------------ inspection
   def validate(self):
     """Checks the whole schedule; raises ``ScheduleError`` naming the problem; returns its plan."""
-    return self.plan()
+    plan = self.plan()
+    dispatches.of(self, plan, complete=False)
+    return plan
 
   def plan(self) -> plans.Plan:
     """The communication plan the lowering follows, derived once per change of the schedule."""

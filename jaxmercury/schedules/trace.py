@@ -15,7 +15,7 @@ from jaxmercury.errors import TraceError
 
 FORMAT = 2
 PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate",
-              "lower_with")
+              "lower_with", "dispatch")
 
 
 def _spec_to_data(spec):

@@ -41,6 +41,7 @@ resumes; under ``jax.distributed`` process 0 decides and broadcasts
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import sqlite3
@@ -48,6 +49,7 @@ import time
 
 import jax
 
+from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.analysis.memory import memory_per_device
 from jaxmercury.errors import ScheduleError
@@ -220,6 +222,9 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       k if isinstance(k, registry.KernelChoice) else registry.KernelChoice(k) for k in kernels]
   out, kernels_seen = [], set()
   for n, (name, origin, s, pruned) in enumerate(base):
+    if s.dispatched is not None:  # its local kernel is its grouped GEMM, a parameter of the dispatch
+      out += [Candidate(name, v, math.nan, 0, result=pruned, origin=origin) for v in grouped_gemm_variants(s)]
+      continue
     for k in kernels:
       patched = s.copy() if k.name == "xla" else s.copy().patch(k)
       out.append(Candidate(name, patched, math.nan, 0, result=pruned, origin=origin))
@@ -229,6 +234,20 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       if n < strategies or key not in kernels_seen:
         kernels_seen.add(key)
         out.append(Candidate(name, lowered, math.nan, 0, result=pruned, origin=origin))
+  return out
+
+
+def grouped_gemm_variants(schedule) -> list:
+  """A dispatched schedule with each grouped GEMM (``analysis.dispatch.GEMMS``), its own first, rebuilt through
+  the primitives from its trace."""
+  data = json.loads(schedule.to_json())
+  step = next(st for st in data["steps"] if st["primitive"] == "dispatch")
+  own = step["kwargs"].get("gemm", "ragged_dot")
+  out = [schedule.copy()]
+  for gemm in dispatches.GEMMS:
+    if gemm != own:
+      step["kwargs"]["gemm"] = gemm
+      out.append(Schedule.from_json(schedule.program, schedule.mesh, json.dumps(data)))
   return out
 
 

@@ -121,6 +121,9 @@ class Candidate:
       out += f" [{configs.label(self.kernel, self.kernel_config)}]"
     if self.lowering is not None:
       out += f" {{{configs.label(self.lowering, self.lowering_config)}}}"
+    dispatched = getattr(self.schedule, "dispatched", None)  # a plain program has none
+    if dispatched is not None and dispatched["gemm"] != "ragged_dot":
+      out += f" [grouped GEMM {dispatched['gemm']}]"
     if self.tuned_at:
       out += " (tuned at " + ", ".join(f"{k}={v}" for k, v in self.tuned_at.items()) + ")"
     return out

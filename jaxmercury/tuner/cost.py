@@ -21,7 +21,9 @@ fully, plus one latency (``fused_seconds``); where calibration ran the fused
 GEMM on the mesh (``calibrate.fused_gemm_rates``), its measured rate, ring
 included, prices it instead. A schedule's backward pass
 (``backward_seconds``) is its transposed collectives and the block products
-of the gradients, for training objectives.
+of the gradients, for training objectives. A dispatched schedule (a mixture of
+experts' routed exchange) costs its all-to-alls, its grouped GEMM and its
+router (``routed_seconds``).
 The computation is static: no tracing.
 """
 
@@ -34,6 +36,7 @@ import jax
 import numpy as np
 
 from jaxmercury.analysis import collectives as cl
+from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.analysis.memory import block_sizes, local_elements
 from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR
@@ -127,7 +130,50 @@ def predict(schedule, machine: Machine) -> float:
   """Predicted seconds for one call of the schedule on ``machine``."""
   if schedule.lowering is not None:
     return fused_seconds(schedule, machine)
+  if schedule.dispatched is not None:
+    return routed_seconds(schedule, machine)
   return _nest_seconds(schedule, machine)
+
+
+def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
+  """A dispatched schedule (``Schedule.dispatch``): routing, the exchange both ways and the grouped GEMM.
+
+  Per chunk: two all-to-alls of the slot buffers over the experts' level (each sends
+  ``(size - 1) * slots * d`` elements; a ragged exchange only the kept rows, plus the all-gather of the
+  counts), and the expert FFN (``6 d f`` flops per row) on the rows a balanced
+  router sends each device (``ragged_dot``), or on every slot for every local expert (``dense``), at the
+  ``xla`` rate. Chunks pipeline: one chunk's exchange hides under another's GEMMs up to ``overlap``. Before and
+  after: the router's GEMM, the all-gather of the tokens and the reduce-scatter (or all-reduce) of the float32
+  partial outputs over the hidden-width levels. ``work`` scales the compute (a backward: 2, its exchanges the
+  same all-to-alls reversed).
+  """
+  d = dispatches.of(schedule)
+  w = dispatches.work(schedule, d)
+  routing = schedule.program.routing
+  rate = machine.rate("xla")
+  rows = w["routed"] if d.gemm == "ragged_dot" else w["rows"] * d.local_experts
+  gemm = work * 6.0 * rows * w["model"] * w["width"] / rate
+  sent = w["exchanged"]
+  if d.exchange == "ragged":  # only the kept rows, a balanced router's share for the other devices
+    sent = w["routed"] * (d.size - 1) / d.size * w["model"] * schedule.program.writes.dtype.itemsize
+  exchange = 2 * (machine.gather_factor * sent / machine.bandwidth(d.level) + 2 * machine.latency_s)
+  pipelined = max(gemm, exchange) + (1.0 - machine.overlap) * min(gemm, exchange)
+  per_chunk = gemm + exchange if d.chunks == 1 else pipelined
+  tokens = w["tokens"] * d.chunks
+  experts = schedule.program.axes[routing.experts].extent
+  total = d.chunks * per_chunk + (d.chunks - 1) * machine.call_overhead_s
+  total += work * 2.0 * tokens * w["model"] * experts / rate
+  if routing.capacity is not None:
+    total += machine.latency_s  # the per-expert counts, all-gathered
+  itemsize = schedule.program.writes.dtype.itemsize
+  for lv in d.hidden_levels:
+    n = schedule.levels[lv]
+    if lv in d.gathered:
+      total += machine.gather_factor * tokens * w["model"] * (itemsize + 4) * (n - 1) / n / machine.bandwidth(lv)
+    else:
+      total += machine.gather_factor * 2 * tokens * w["model"] * 4 * (n - 1) / n / machine.bandwidth(lv)
+    total += machine.latency_s
+  return total
 
 
 def backward_seconds(schedule, machine: Machine) -> float:
@@ -147,6 +193,8 @@ def backward_seconds(schedule, machine: Machine) -> float:
   (``DualPrograms``: the kernel keeps its residuals); a fused GEMM's is
   its dual fused GEMM and one local GEMM (``fused_gemm_backward_seconds``).
   """
+  if schedule.dispatched is not None:
+    return routed_seconds(schedule, machine.backward(), work=2.0)
   if schedule.lowering is None:
     work = BACKWARD_WORK.get(schedule.program.pattern, 2.0)
     return _nest_seconds(backward_schedule(schedule), machine.backward(), work=work, reductions=TRANSPOSED)
@@ -270,7 +318,9 @@ def _sm_count(mesh, default: int = 132) -> int:
 
 def dense_flops(program) -> float:
   """The program's flops with every loop point computed (programs count a causal mask's half only, a sliding
-  window's pairs)."""
+  window's pairs; a routed program, its top-k experts per token: its dense body computes every expert)."""
+  if program.routing is not None:
+    return program.flops * program.axes[program.routing.experts].extent / program.routing.top_k
   p = program.params
   return program.flops / (mask_of(p).kept_share(p["q_len"], p["kv_len"]) if "q_len" in p else 1.0)
 

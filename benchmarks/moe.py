@@ -1,0 +1,164 @@
+"""Mixture of experts on one GPU (issue 31): the MoE layer against a plain-JAX einsum-dispatch MoE; grouped GEMMs.
+
+Cases, at Mixtral-8x7B layer sizes (d_model 4096, d_ff 14336, 8 experts, top-2, 8K tokens, bf16):
+
+* ``layer``: ``programs.moe`` as jaxmercury runs it, ``expert_parallel`` (and ``_pipelined``, and
+  ``_ragged``: ``ragged_all_to_all``) on a one-device mesh (the routed
+  exchange is then local: route, slot buffers, ``ragged_dot`` grouped GEMM, combine) with its ``ragged_dot``
+  and its dense grouped GEMM, against ``models.mixtral.einsum_moe`` (the capacity-based einsum dispatch of Flax's
+  and MaxText's MoE layers: one-hot ``[tokens, experts, capacity]`` dispatch and combine tensors), at capacity
+  factor 1.25 and dropless (the einsum dispatch then gives every expert ``tokens`` slots). The dense
+  reference (every expert on every token, masked) checks both and is not timed. TFLOP/s count the routed work.
+  ``--training`` times forward and backward.
+* ``grouped_gemm``: one projection of the routed rows (``[tokens * top_k, d] @ [experts, d, f]``, rows sorted
+  by expert, group sizes from a top-2 routing of random tokens): ``jax.lax.ragged_dot`` against the
+  capacity-padded batched einsum (rows scattered into ``[experts, largest group, d]``). A Pallas Mosaic GPU
+  grouped GEMM is not written yet.
+
+``--smoke`` runs tiny versions on the simulated CPU mesh (one device; one case on 8, experts spread), the
+dispatched schedules also with their dense grouped GEMM (every local expert on every slot: not timed on GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxmercury as jm
+from benchmarks import harness, operators
+from jaxmercury.tuner import measure
+from models.mixtral import einsum_moe
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECase:
+  """One case: ``kind`` ``"layer"`` or ``"grouped_gemm"``; sizes; ``mesh`` as ``harness.make_mesh`` reads it."""
+
+  kind: str
+  tokens: int
+  d_model: int
+  d_ff: int
+  experts: int
+  top_k: int
+  capacity_factor: float | None
+  mesh: str = "1"
+  dtype: str = "bfloat16"
+  op: str = "moe"
+
+  @property
+  def name(self) -> str:
+    cap = "dropless" if self.capacity_factor is None else f"cf{self.capacity_factor}"
+    return (f"moe.{self.kind} t{self.tokens} d{self.d_model} f{self.d_ff} e{self.experts} k{self.top_k} {cap} "
+            f"mesh{self.mesh}")
+
+  @property
+  def flops(self) -> float:
+    routed = 2.0 * self.tokens * self.top_k * self.d_model * self.d_ff
+    return routed if self.kind == "grouped_gemm" else 3 * routed + 2.0 * self.tokens * self.d_model * self.experts
+
+
+MIXTRAL = dict(tokens=8192, d_model=4096, d_ff=14336, experts=8, top_k=2)
+
+
+def plan(args) -> list:
+  if args.smoke:
+    tiny = dict(tokens=256, d_model=64, d_ff=128, experts=8, top_k=2)
+    return [MoECase("layer", capacity_factor=1.25, **tiny), MoECase("layer", capacity_factor=None, mesh="8", **tiny),
+            MoECase("grouped_gemm", capacity_factor=None, **tiny)]
+  return [MoECase("grouped_gemm", capacity_factor=None, **MIXTRAL), MoECase("layer", capacity_factor=1.25, **MIXTRAL),
+          MoECase("layer", capacity_factor=None, **MIXTRAL)]
+
+
+class Env:
+  def __init__(self, args, results: dict, deadline: float):
+    self.args, self.results, self.deadline = args, results, deadline
+
+
+def run_case(env, case: MoECase) -> dict:
+  return (_layer if case.kind == "layer" else _grouped_gemm)(env, case)
+
+
+def _inputs(case: MoECase, seed: int, mesh):
+  """The layer's five inputs, weights scaled by their fan-in (activations stay O(1) in bf16), replicated."""
+  t, d, f, e = case.tokens, case.d_model, case.d_ff, case.experts
+  keys = jax.random.split(operators.case_key(seed, case.name), 5)
+  whole = NamedSharding(mesh, P())
+  shapes = [((t, d), 1.0), ((d, e), d ** -0.5), ((e, d, f), d ** -0.5), ((e, d, f), d ** -0.5), ((e, f, d), f ** -0.5)]
+  return [jax.jit(lambda k, s=s, c=c: (c * jax.random.normal(k, s, jnp.float32)).astype(case.dtype),
+                  out_shardings=whole)(key) for key, (s, c) in zip(keys, shapes)]
+
+
+def _layer(env, case: MoECase) -> dict:
+  args = env.args
+  mesh = harness.make_mesh(case.mesh)
+  prog = jm.programs.moe(case.tokens, case.d_model, case.d_ff, case.experts, case.top_k,
+                         capacity_factor=case.capacity_factor, dtype=case.dtype)
+  inputs = _inputs(case, args.seed, mesh)
+  if args.training:
+    inputs.append(jax.random.normal(operators.case_key(args.seed + 1, case.name), prog.writes.shape,
+                                    jnp.float32).astype(case.dtype))
+  wrap = measure.training_step if args.training else jax.jit
+  plain = lambda *a: einsum_moe(*a, top_k=case.top_k, capacity_factor=case.capacity_factor)
+  lib = jm.library(prog, mesh)
+  contestants = [harness.Contestant("dense_reference", "reference", lambda: wrap(prog.reference),
+                                    "every expert on every token, masked (programs.moe's reference)")]
+  contestants.append(harness.Contestant(
+      "einsum_dispatch", "baseline", lambda: wrap(plain),
+      "plain JAX: one-hot [tokens, experts, capacity] dispatch and combine einsums (Flax / MaxText style)"))
+  for name in ("expert_parallel", "expert_parallel_pipelined", "expert_parallel_ragged"):
+    if name not in lib:
+      continue
+    for gemm in ("ragged_dot", "dense") if args.smoke else ("ragged_dot",):  # dense: every expert on every slot
+      if gemm == "dense" and name != "expert_parallel":
+        continue
+      schedule = lib[name].without("dispatch")
+      schedule = schedule.dispatch(lib[name].dispatched["loop"], gemm=gemm, exchange=lib[name].dispatched["exchange"])
+      contestants.append(harness.Contestant(
+          f"{name}[{gemm}]", "jaxmercury", lambda s=schedule: wrap(s.compile()),
+          f"jaxmercury {name}, grouped GEMM {gemm}", record={"strategy": name, "gemm": gemm}))
+  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
+                              measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE)
+  records, ref = harness.run_contestants(contestants, inputs, settings)
+  rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": args.training,
+         "group": "training" if args.training else "forward"}
+  devices = np.prod(list(mesh.shape.values()))
+  return harness.finish(rec, records, ref, flops_per_device=case.flops * (3.0 if args.training else 1.0) / devices)
+
+
+def _grouped_gemm(env, case: MoECase) -> dict:
+  """``ragged_dot`` against the capacity-padded batched einsum, on rows grouped by a top-2 routing."""
+  args = env.args
+  mesh = harness.make_mesh("1")
+  x, router, w, _, _ = _inputs(case, args.seed, mesh)
+  _, picked = jax.lax.top_k(jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32)), case.top_k)
+  experts = np.sort(np.asarray(picked).ravel())
+  sizes = np.bincount(experts, minlength=case.experts).astype(np.int32)
+  rows = jnp.repeat(x, case.top_k, axis=0)  # [tokens * top_k, d], taken as sorted by expert
+  largest = int(sizes.max())
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  slot = np.arange(len(experts)) - starts[experts]  # each row's place in its group
+
+  def ragged(rows, w, sizes):
+    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32).astype(rows.dtype)
+
+  def padded(rows, w, sizes):
+    del sizes  # static here: the groups' layout is folded into the scatter and gather indices
+    grouped = jnp.zeros((case.experts, largest, rows.shape[1]), rows.dtype).at[experts, slot].set(rows)
+    out = jnp.einsum("ecd,edf->ecf", grouped, w, preferred_element_type=jnp.float32).astype(rows.dtype)
+    return out[experts, slot]
+
+  inputs = [rows, w, jnp.asarray(sizes)]
+  contestants = [harness.Contestant("padded_einsum", "baseline", lambda: jax.jit(padded),
+                                    f"rows scattered into [experts, {largest}, d], one batched einsum"),
+                 harness.Contestant("ragged_dot", "jaxmercury", lambda: jax.jit(ragged),
+                                    "jax.lax.ragged_dot (the dispatched schedules' grouped GEMM)")]
+  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline, harness.BF16_TOLERANCE)
+  records, ref = harness.run_contestants(contestants, inputs, settings)
+  rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": False,
+         "group": "forward", "largest_group": largest, "group_sizes": sizes.tolist()}
+  return harness.finish(rec, records, ref, flops_per_device=case.flops)
