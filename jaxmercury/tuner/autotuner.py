@@ -12,7 +12,7 @@ cuDNN where it runs), in the caller's layouts.
 
 Candidates that lower to the same program (``candidates.program_key``) are
 merged first: one is kept, the others are pruned ("same program as ...").
-The cost model (calibrated once per machine and program, then read from the
+The cost model (calibrated once per machine, pattern and dtype, then read from the
 database) ranks them; candidates over the memory budget (default on GPUs:
 90% of device memory) are pruned before compiling. Each library strategy is
 timed once, with the kernel the cost model predicts fastest for it (its
