@@ -258,21 +258,18 @@ def make_plan(schedule) -> Plan:
 ATTENTION_PATTERNS = ("attention", "attention_dq", "attention_dkv")
 
 
-def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
-  """For each ring whose steps an attention program's positional mask hides from every rank, the distances
-  ``(visited block - rank) % size`` that some rank computes (``Ring.distances``).
+def body_calls(schedule, rings, axes) -> tuple:
+  """Every body call of the nest on every device, enumerated over the mesh levels and the serial loops on ``axes``
+  (device-major: the calls of one device are consecutive).
 
-  Every body call on every device is enumerated over the loops that move the query and key positions (the
-  mesh levels, the serial loops on ``i`` and ``j``), as the nest computes them; a call is hidden when the band
-  keeps none of its pairs (``kernels.work.Block.band_case``).
+  Returns:
+    ``(index, rank, starts)``: ``index(loop)``, the block each call visits on ``loop`` (a ring's rank ``r``
+    visits ``(t + r + offset) % size`` at step ``t``); ``rank``, each call's coordinate per mesh level; ``starts``,
+    per axis of ``axes``, each call's first stored position on it, as the nest computes it.
   """
-  prog = schedule.program
-  mask = mask_of(prog.params)
-  if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.positional or not {"i", "j"} <= set(prog.kinds):
-    return {}
-  masked = ("i", "j")
   level_names = list(schedule.levels)
-  serial = [lp for lp in schedule.loops if lp.role == SERIAL and lp.axis in masked]
+  loops = {lp.name: lp for lp in schedule.loops}
+  serial = [lp for lp in schedule.loops if lp.role == SERIAL and lp.axis in axes]
   shape = [schedule.levels[lv] for lv in level_names] + [lp.extent for lp in serial]
   grid = np.indices(shape).reshape(len(shape), -1)
   rank = dict(zip(level_names, grid))
@@ -286,8 +283,8 @@ def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
       return (step[lp.name] + rank[ring.level] + ring.offset) % lp.extent
     return step[lp.name]
 
-  starts, sizes = [], {}
-  for a in masked:
+  starts = []
+  for a in axes:
     start, stride = np.zeros(grid.shape[1], np.int64), 1
     for f in reversed(schedule.factors[a]):
       lp = loops[f]
@@ -295,7 +292,24 @@ def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
         start = start + index(lp) * stride
       stride *= lp.extent
     starts.append(start)
-    sizes[a] = math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR)
+  return index, rank, starts
+
+
+def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
+  """For each ring whose steps an attention program's positional mask hides from every rank, the distances
+  ``(visited block - rank) % size`` that some rank computes (``Ring.distances``).
+
+  Every body call on every device is enumerated over the loops that move the query and key positions (the
+  mesh levels, the serial loops on ``i`` and ``j``), as the nest computes them; a call is hidden when the band
+  keeps none of its pairs (``kernels.work.Block.band_case``).
+  """
+  prog = schedule.program
+  mask = mask_of(prog.params)
+  if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.positional or not {"i", "j"} <= set(prog.kinds):
+    return {}
+  masked = ("i", "j")
+  index, rank, starts = body_calls(schedule, rings, masked)
+  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in masked}
   extents = {a: prog.axes[a].extent for a in masked}
   pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
   shown = np.array([Block(sizes, extents, dict(zip(masked, map(int, col))), schedule.zigzags,

@@ -39,7 +39,8 @@ from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.analysis.memory import block_sizes, local_elements
-from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR
+from jaxmercury.analysis.plan import body_calls
+from jaxmercury.ir.loops import SERIAL
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import fused_common, registry
 from jaxmercury.kernels.placements import ALLGATHER
@@ -362,32 +363,10 @@ def compute_seconds(schedule, machine: Machine, plan=None) -> float:
   repeat = math.prod(lp.extent for lp in serial if lp not in kept)  # loops whose blocks all cost the same
   if not masked:
     return seconds({}) * repeat
-  level_names = list(schedule.levels)
-  shape = [schedule.levels[lv] for lv in level_names] + [lp.extent for lp in kept]
-  grid = np.indices(shape).reshape(len(shape), -1)
-  rank = dict(zip(level_names, grid))
-  step = {lp.name: grid[len(level_names) + n] for n, lp in enumerate(kept)}
-
-  def index(lp):
-    if lp.role == PARALLEL:
-      return rank[lp.level]
-    if lp.shifted_by:  # as the nest's ring: rank r visits (t + r + offset) % size
-      ring = plan.rings[lp.name]
-      return (step[lp.name] + rank[ring.level] + ring.offset) % lp.extent
-    return step[lp.name]
-
-  starts = []
-  for a in masked:  # each call's first stored position, as the nest computes it
-    start, stride = np.zeros(grid.shape[1], np.int64), 1
-    for f in reversed(schedule.factors[a]):
-      lp = schedule.loop(f)
-      if lp.role != VECTOR:
-        start = start + index(lp) * stride
-      stride *= lp.extent
-    starts.append(start)
+  _, _, starts = body_calls(schedule, plan.rings, masked)  # each call's first stored position
   pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
   cost = np.array([seconds(dict(zip(masked, map(int, col)))) for col in pairs.T])
-  per_device = cost[np.reshape(inverse, -1)].reshape(math.prod(shape[:len(level_names)]), -1).sum(axis=1)
+  per_device = cost[np.reshape(inverse, -1)].reshape(math.prod(schedule.levels.values()), -1).sum(axis=1)
   return repeat * float(per_device.max())
 
 
