@@ -75,14 +75,21 @@ class Contestant:
 @dataclasses.dataclass
 class Settings:
   """How contestants are timed: ``iters`` timed runs (fewer for slow ones, as many as fit ``max_timing_s``, at
-  least 3) after ``warmup`` runs; nothing starts after ``deadline`` (``time.time()``); outputs must agree within
-  ``tolerance``."""
+  least 3; more for fast ones, as many as fill ``min_timing_s``, so that a millisecond case's median is not one
+  of a few noisy runs) after ``warmup`` runs; nothing starts after ``deadline`` (``time.time()``); outputs must
+  agree within ``tolerance``."""
 
   iters: int = 20
   warmup: int = 3
   max_timing_s: float = 10.0
   deadline: float | None = None
   tolerance: float = BF16_TOLERANCE
+  min_timing_s: float = 0.0  # benchmarks.run: 0.5 s on GPUs
+
+  def runs(self, first_s: float) -> int:
+    """Timed runs of a contestant whose first run took ``first_s``."""
+    first_s = max(first_s, 1e-6)
+    return max(3, min(max(self.iters, int(self.min_timing_s / first_s)), int(self.max_timing_s / first_s)))
 
 
 @jax.jit
@@ -139,8 +146,7 @@ def run_contestants(contestants: list[Contestant], inputs, settings: Settings) -
         continue
       for _ in range((settings.warmup if first < 1.0 else 1) - 1):
         jax.block_until_ready(compiled(*args))
-      ready[c.name] = (functools.partial(compiled, *args), max(3, min(settings.iters,
-                                                                       int(settings.max_timing_s / max(first, 1e-6)))))
+      ready[c.name] = (functools.partial(compiled, *args), settings.runs(first))
       log(f"  ready {c.name} (compile {rec['compile_s']:.2f} s, first run {first * 1e3:.2f} ms, rel err "
           f"{rec['rel_err']:.1e}{'' if rec['numerics_ok'] else ' DISAGREES'})")
     except Exception as exc:  # a contestant's failure is data

@@ -122,7 +122,8 @@ def _layer(env, case: MoECase) -> dict:
           f"{name}[{gemm}]", "jaxmercury", lambda s=schedule: wrap(s.compile()),
           f"jaxmercury {name}, grouped GEMM {gemm}", record={"strategy": name, "gemm": gemm}))
   settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
-                              measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE)
+                              measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE,
+                              min_timing_s=args.min_timing_s)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": args.training,
          "group": "training" if args.training else "forward"}
@@ -157,7 +158,8 @@ def _grouped_gemm(env, case: MoECase) -> dict:
                                     f"rows scattered into [experts, {largest}, d], one batched einsum"),
                  harness.Contestant("ragged_dot", "jaxmercury", lambda: jax.jit(ragged),
                                     "jax.lax.ragged_dot (the dispatched schedules' grouped GEMM)")]
-  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline, harness.BF16_TOLERANCE)
+  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline, harness.BF16_TOLERANCE,
+                              min_timing_s=args.min_timing_s)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": False,
          "group": "forward", "largest_group": largest, "group_sizes": sizes.tolist()}

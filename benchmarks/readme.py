@@ -36,8 +36,10 @@ HEADLINES = (
     ("fused ring attention", "2026-11-23-s10-fused_attention-2xH200.json"),
     ("training step with the fused ring attention", "2026-11-24-s12-fused_attention_training-32k-H200.json"),
     ("local attention kernels against cuDNN", "2026-11-22-local_kernels-H200-iters40.json"),
-    ("one GPU: attention training step, tuned", "2026-11-25-one_gpu_training_S32K-H100.json"),
-    ("one GPU: Llama (2 layers, 8B widths) decorated vs not", "2026-11-25-model_llama2L-routing-H100.json"),
+    ("one GPU: attention forward, tuned", "2026-11-25-one_gpu_attention-H200.json"),
+    ("one GPU: attention training step, tuned", "2026-11-25-one_gpu_training-H200.json"),
+    ("one GPU: Llama-3 8B GEMMs at M 8192, tuned", "2026-11-25-one_gpu_gemm-H200.json"),
+    ("one GPU: Llama (2 layers, 8B widths) decorated vs not", "2026-11-25-model_llama2L-H200.json"),
     ("Llama-3 8B block, 32K tokens: graph plan against XLA", "2026-11-24-s11-llama_block-32768-2xH200.json"),
 )
 

@@ -55,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--iters", type=int, help="timed runs per contestant (default 20; smoke 3)")
   p.add_argument("--warmup", type=int, help="warm-up runs (default 3; smoke 1)")
   p.add_argument("--max_timing_s", type=float, help="timed seconds per contestant, at least 3 runs (default 10)")
+  p.add_argument("--min_timing_s", type=float,
+                 help="timed seconds per contestant at least: a fast one runs more than --iters times (default 0.5; "
+                      "smoke 0)")
   p.add_argument("--mesh", help="N (one level) or AxB (levels node x gpu); default one level over every device")
   size = cases.parse_size
   g = p.add_argument_group("cases (defaults: the suite's, benchmarks.cases.SUITE_DEFAULTS)")
@@ -89,8 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "timed with the current cost model (CPU; nothing runs)")
   args = p.parse_args(argv)
   fast = args.smoke or args.windowed_child
-  for key, gpu, smoke in (("iters", 20, 3), ("warmup", 3, 1), ("max_timing_s", 10.0, 2.0), ("top_k", 4, 0),
-                          ("space", 8, 0), ("tune_iters", 5, 2)):
+  for key, gpu, smoke in (("iters", 20, 3), ("warmup", 3, 1), ("max_timing_s", 10.0, 2.0), ("min_timing_s", 0.5, 0.0),
+                          ("top_k", 4, 0), ("space", 8, 0), ("tune_iters", 5, 2)):
     if getattr(args, key) is None:
       setattr(args, key, smoke if fast else gpu)
   if args.out is None:
@@ -195,8 +198,8 @@ def run(suite, args, argv, previous: dict, start: float, windowed: dict) -> int:
   """The suite's cases in order, each checked and timed; the results file rewritten after each."""
   from benchmarks import harness  # after the windowed-einsum child: harness starts JAX
   deadline = start + args.time_budget
-  settings = {k: getattr(args, k) for k in ("iters", "warmup", "max_timing_s", "time_budget", "mesh", "top_k",
-                                            "space", "tune_iters", "tune_max_tflop", "training", "configs")}
+  settings = {k: getattr(args, k) for k in ("iters", "warmup", "max_timing_s", "min_timing_s", "time_budget", "mesh",
+                                            "top_k", "space", "tune_iters", "tune_max_tflop", "training", "configs")}
   results = harness.header(args.suite, argv, smoke=args.smoke, seed=args.seed, settings=settings)
   results.update(links=previous.get("links", {}), machines=previous.get("machines", {}))
   if windowed:

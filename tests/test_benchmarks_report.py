@@ -21,6 +21,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------ the harness
 
 
+def test_harness_runs_fill_the_minimum_and_stop_at_the_maximum():
+  """``iters`` runs; more for a fast contestant, as many as fill ``min_timing_s``; fewer for a slow one, as many as
+  fit ``max_timing_s``; never under 3."""
+  s = harness.Settings(iters=20, max_timing_s=10.0, min_timing_s=0.5)
+  assert s.runs(0.1) == 20  # 2 s: iters
+  assert s.runs(0.004) == 125  # 20 runs would be 80 ms: 0.5 s of runs
+  assert s.runs(2.0) == 5 and s.runs(20.0) == 3
+  assert harness.Settings(iters=20, min_timing_s=0.0).runs(1e-4) == 20
+
+
 def test_harness_checks_times_and_ranks():
   """The reference is checked against and not timed; a wrong output is flagged and keeps its time; an error and a
   skip are recorded; past the deadline nothing starts; ranks follow the medians."""
