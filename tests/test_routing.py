@@ -41,7 +41,9 @@ MODELS = {
               [(True, "sliding_window"), (True, "causal")], 13),
     "decoder": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (), [(True, "causal")], 7),
     "packed": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
-               [(False, "segment_ids")], 7),
+               [(True, "causal+segment_ids")], 7),
+    "gemma_masked": (lambda: rm.Gemma(2, nnx.Rngs(0)), lambda t: (rm.causal_padding_mask((16, 13), t.shape[1] - 1),),
+                     [(True, "band+array"), (True, "array")], 13),
 }
 
 
@@ -63,7 +65,8 @@ def _train(model, tokens, extra, mesh=None):
 
 
 @pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("decoder", "explicit"),
-                                         ("packed", "auto")])
+                                         ("packed", "auto"), ("packed", "explicit-set_mesh"),
+                                         ("gemma_masked", "auto"), ("gemma_masked", "explicit")])
 def test_models_route_as_undecorated(model, place, tmp_path):
   build, extra_of, attention, matmuls = MODELS[model]
   mesh, where = _place(place)
@@ -79,9 +82,7 @@ def test_models_route_as_undecorated(model, place, tmp_path):
     for e in report:
       assert e.where.startswith("tests/routing_models.py:") and e.reason
       assert (e.schedule is not None) == e.routed
-    fallen = report.fallen_back
-    assert all(e.reason.startswith({"sliding_window": "sliding-window mask (window=4)",
-                                    "segment_ids": "segment-id mask"}[e.mask]) for e in fallen)
+    assert all(e.schedule for e in report.of_kind("attention") if e.routed)
     assert str(report).splitlines()[-1].startswith(f"{len(report.routed)} of {len(report)} routed")
 
     forward = nnx.jit(lambda m, t, *x: m(t, *x))
@@ -188,10 +189,57 @@ def test_masks_classified_and_hooked():
   assert masks.classify_matrix(np.ones((8, 8), bool)).kind == "none"
   assert masks.classify_matrix(j <= i).kind == "causal"
   assert masks.classify_matrix((j <= i) & (i - j < 3)) == masks.MaskInfo("sliding_window", (("window", 3),))
-  assert masks.classify_matrix(j >= i).kind == "array"
+  assert masks.classify_matrix((i + j) % 2 == 0).kind == "array"
   assert masks.route(masks.MaskInfo("causal")) == {"causal": True}
   assert masks.route(masks.MaskInfo("sliding_window", (("window", 3),))) == {"causal": True, "window": (2, 0)}
-  assert masks.route(masks.MaskInfo("segment_ids")) is None
+  assert masks.classify_matrix(np.abs(i - j) < 3) == masks.MaskInfo("band", (("left", 2), ("right", 2)))
+  assert masks.route(masks.MaskInfo("band", (("left", 2), ("right", 1)))) == {"causal": False, "window": (2, 1)}
+  assert masks.route(masks.MaskInfo("unknown")) is None
+
+
+def _segment_mask(q, k, v, seg):
+  return jax.nn.dot_product_attention(q, k, v, mask=seg[:, None, :, None] == seg[:, None, None, :], is_causal=True)
+
+
+def _per_head_mask(q, k, v, m):
+  return jax.nn.dot_product_attention(q, k, v, mask=m)
+
+
+def _negated_mask(q, k, v, m):  # masked where the caller's array is False, written as where(~m, fill, logits)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(q.shape[-1])
+  s = jnp.where(~m[:, None], -1e30, s)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v, 2, axis=2))
+
+
+def _top_k(q, k, v, m):  # each query keeps its 4 largest scores: a mask computed from the scores themselves
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2))
+  s = jnp.where(s >= jnp.sort(s, axis=-1)[..., -4:-3], s, -1e30)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v, 2, axis=2))
+
+
+@pytest.mark.parametrize("place", ["explicit-set_mesh"])
+def test_data_masks_are_routed(place):
+  """Segment ids and mask arrays computed from the inputs reach the operator as its arrays; a mask computed
+  from the scores falls back, saying so."""
+  mesh, where = _place(place)
+  q = jax.random.normal(fresh_key(), (2, 16, 4, 8))
+  k, v = (jax.random.normal(fresh_key(), (2, 16, 2, 8)) for _ in range(2))
+  seg = _packed(2, 16)
+  per_head = jax.random.bernoulli(fresh_key(), 0.6, (2, 4, 16, 16)) | jnp.eye(16, dtype=bool)
+  pad = rm.causal_padding_mask((16, 12), 16)
+  cases = [(_segment_mask, seg, "causal+segment_ids"), (_per_head_mask, per_head, "array"),
+           (_negated_mask, pad, "array")]
+  with where:
+    for fn, extra, kind in cases:
+      routed = jm.distribute(fn, mesh=mesh)
+      [e] = jm.explain(routed, q, k, v, extra)
+      assert (e.routed, e.mask) == (True, kind) and e.schedule
+      assert rel_err(jax.jit(routed)(q, k, v, extra), fn(q, k, v, extra)) < 1e-5
+      grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, extra))), argnums=(0, 1, 2))
+      for got, want in zip(jax.jit(grad(routed))(q, k, v), grad(fn)(q, k, v)):
+        assert rel_err(got, want) < 1e-4
+    [e] = jm.explain(_top_k, q, k, v, pad, mesh=mesh)
+  assert (e.routed, e.mask, e.reason) == (False, "unknown", "mask: computed from the attention's own scores")
 
 
 def test_distribute_logs_its_report(caplog):

@@ -61,18 +61,21 @@ def _decide(view, match, routing) -> Decision:
   m = match
   common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
   if m.kind == "attention":
-    mask = m.mask.kind if m.mask is not None else ""
+    mask = m.mask.name if m.mask is not None else ""
     if m.layout:
       nb1, ng, nd = m.layout["groups"]
       q_shape, k_shape, v_shape = m.shapes
       q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
       k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
       common["shapes"] = (q_std, k_std, _std_shape(v_shape, m.layout["v"], (1, 1, nb1, 1)))
-    reason = m.reason or _inside_custom(view, m) or ("" if routing.attention else "attention not routed (asked)")
+    reason = m.reason or _inside_custom(view, m) or _mask_scope(view, m) or (
+        "" if routing.attention else "attention not routed (asked)")
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
     operator = masks.route(m.mask)
-    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator)
+    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator,
+                                    segment_ids=masks.has_segments(m.mask),
+                                    mask_axes=masks.mask_axes(m.mask, m.layout["roles"]))
   else:
     reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
     if not reason:
@@ -102,6 +105,19 @@ def _inside_custom(view, m) -> str:
   return ""
 
 
+def _mask_scope(view, m) -> str:
+  """Why a mask's arrays cannot be read where the operator runs: computed inside a checkpoint the attention is
+  not inside (its values exist only in the checkpoint's own trace)."""
+  for term in m.mask.terms if m.mask is not None else ():
+    for ref in term.refs:
+      scope = () if isinstance(ref, Lit) else ref[0]
+      for n in range(1, len(scope) + 1):
+        call = view.calls.get(scope[:n])
+        if call is not None and call.primitive in REMAT and m.anchor.path[:n] != scope[:n]:
+          return f"its {term.kind} mask is computed inside a checkpoint the attention is not in"
+  return ""
+
+
 def plan(view: View, routing: Routing) -> list[Decision]:
   """Each attention and contraction of ``view``'s program, with what routing does with it."""
   return [_decide(view, m, routing) for m in patterns.find(view)]
@@ -120,7 +136,43 @@ def _to_std(x, order, groups, mesh):
   return types.flatten(x, mesh, groups)
 
 
-def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
+def _canonical(x, dims, canon):
+  """``x`` (its dims on the logits dims ``dims``) on the logits dims ``canon``, in that order, size 1 where it
+  does not vary."""
+  kept = [(p, d) for p, d in enumerate(dims) if x.shape[p] != 1]
+  x = jnp.reshape(x, [x.shape[p] for p, _ in kept])
+  order = sorted(range(len(kept)), key=lambda i: canon.index(kept[i][1]))
+  if order != list(range(len(kept))):
+    x = jnp.transpose(x, order)
+  present = {d for _, d in kept}
+  sizes = {d: x.shape[i] for i, d in enumerate(sorted(present, key=canon.index))}
+  return jnp.reshape(x, [sizes.get(d, 1) for d in canon])
+
+
+def _mask_arguments(m, vals) -> dict:
+  """``ops.attention``'s segment-id and mask-array arguments from the values of the mask's terms."""
+  lay, out, arrays = m.layout, {}, []
+  shape, heads, roles = lay["logits"], lay["heads"], lay["roles"]
+  b, i, j = (next(d for d, r in roles.items() if r == a) for a in ("b", "i", "j"))
+  for term, xs in zip(m.mask.terms, vals):
+    if term.kind == "segment_ids":
+      for name, x, dims, seq in (("q", xs[0], term.dims[0], i), ("kv", xs[1], term.dims[1], j)):
+        ids = _canonical(x, dims, [b, seq])
+        out[f"{name}_segment_ids"] = jnp.broadcast_to(ids, (shape[b], shape[seq]))
+    else:
+      arrays.append(_canonical(xs[0], term.dims[0], [b, *heads, i, j]))
+  if arrays:
+    axes = masks.mask_axes(m.mask, roles)
+    full = functools.reduce(jnp.logical_and, arrays)
+    if "h" in axes:
+      full = jnp.broadcast_to(full, [full.shape[0], *(shape[h] for h in heads), *full.shape[-2:]])
+    sizes = {"b": full.shape[0], "h": math.prod(full.shape[1:-2]), "i": full.shape[-2], "j": full.shape[-1]}
+    out["mask"] = jnp.reshape(full, [sizes[a] for a in axes])
+    out["mask_axes"] = axes
+  return out
+
+
+def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   m, lay, mesh = d.match, d.match.layout, routing.mesh
   nb1, ng, nd = lay["groups"]
   heads = nb1 + ng
@@ -131,7 +183,7 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
   if abs(factor - 1.0) > 1e-9:
     qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
   out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune,
-                      **d.operator, **routing.options())
+                      **d.operator, **_mask_arguments(m, extras), **routing.options())
   q_order = lay["q"]
   head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
   shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
@@ -165,6 +217,7 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
   anchors = {id(d.match.anchor): d for d in routed}
   skipped = {id(s) for d in routed for s in d.match.inner}
   opened = {s.path[:n] for d in routed for s in (d.match.anchor, *d.match.inner) for n in range(1, len(s.path))}
+  opened |= {r[0][:n] for d in routed for r in _term_refs(d.match) for n in range(1, len(r[0]) + 1)}
   env = {}
 
   def read(ref):
@@ -197,7 +250,8 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
         vals = [read(r) for r in d.match.operands]
         aval = View.aval(site.outs[0])
         if d.match.kind == "attention":
-          out = _attention(d, routing, *vals, aval)
+          extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
+          out = _attention(d, routing, *vals, aval, extras)
         else:
           out = _matmul(d, routing, *vals, site.params)
         write(site.outs, [out])
@@ -215,6 +269,12 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
   write(view.inputs, args)
   run(view.closed.jaxpr, (), view.closed.consts)
   return [read(r) for r in view.outputs]
+
+
+def _term_refs(m) -> list:
+  """The program values a match's mask terms read (not literals)."""
+  terms = m.mask.terms if m.kind == "attention" and m.mask is not None else ()
+  return [r for t in terms for r in t.refs if not isinstance(r, Lit)]
 
 
 # ------------------------------------------------------------------ tracing a function
