@@ -156,6 +156,20 @@ def test_attention_forms_are_found():
   assert [(e.routed, e.reason) for e in report] == [(False, "adds a bias to the logits")]
 
 
+def test_cudnn_attention_is_reported():
+  """On a machine without cuDNN, JAX's cuDNN attention does not trace: explain says so, at the call's line."""
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  shape = jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.bfloat16)
+  try:
+    jax.make_jaxpr(f)(shape, shape, shape)
+  except RuntimeError:
+    [e] = jm.explain(f, shape, shape, shape, mesh=make_mesh("8"))
+    assert (e.kind, e.routed) == ("attention", False) and "implementation='cudnn'" in e.reason
+    assert e.where.startswith("tests/test_routing.py:")
+  else:
+    pytest.skip("cuDNN present: the call traces")
+
+
 def test_attention_weights_used_elsewhere_fall_back():
   def weights_too(q, k, v):
     p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)

@@ -265,3 +265,18 @@ def source_line(eqn) -> str:
     shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
     return f"{shown}:{frame.line_num} ({frame.function_name})"
   return source_info_util.summarize(info)
+
+
+def raised_at(error: BaseException) -> str:
+  """``file:line (function)`` of the innermost frame of the user's code in ``error``'s traceback; empty when
+  none."""
+  import traceback  # only for the rare error a trace raises
+
+  skip = _library_dirs()
+  for frame in reversed(traceback.extract_tb(error.__traceback__)):
+    name = os.path.abspath(frame.filename)
+    if name.startswith(skip) or frame.filename.startswith("<frozen"):
+      continue
+    shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
+    return f"{shown}:{frame.lineno} ({frame.name})"
+  return ""

@@ -30,7 +30,7 @@ from absl import logging
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import masks, patterns
-from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner
+from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
@@ -330,6 +330,17 @@ def route(fn, routing: Routing):
   return routed
 
 
+CUDNN_UNTRACEABLE = (
+    "jax.nn.dot_product_attention(implementation='cudnn') does not trace without cuDNN (JAX checks for it while "
+    "tracing), so nothing of this program can be inspected here; on a GPU its fused cuDNN call is one opaque "
+    "primitive, which the rewrite does not replace: use implementation=None or 'xla' to have it routed")
+
+
 def explain_function(fn, routing: Routing, args, kwargs) -> Report:
-  view, _, _ = trace(fn, args, kwargs)
+  try:
+    view, _, _ = trace(fn, args, kwargs)
+  except RuntimeError as e:
+    if "cuDNN" not in str(e):
+      raise
+    return Report([Entry("attention", raised_at(e), (), False, None, CUDNN_UNTRACEABLE)])
   return report(plan(view, routing))
