@@ -9,7 +9,8 @@ padding, computed by the caller) it masks by that array, its local layers cut to
 a two-sided window. ``Decoder``: MaxText's structure (``nnx.Einsum``
 projections, ``jax.nn.dot_product_attention(..., is_causal=True)`` with
 grouped heads, an ``nnx.Linear`` MLP); with ``segment_ids`` it attends
-within the packed sequences (a mask computed from them). ``plain_attention``:
+within the packed sequences (a mask computed from them). ``ScannedDecoder``:
+the same layers stacked and applied by ``nnx.scan``. ``plain_attention``:
 a function of a parameter dict, no Flax.
 """
 
@@ -115,6 +116,40 @@ class Decoder(nnx.Module):
       x = x + attn(x, segment_ids)
       x = x + down(jax.nn.silu(up(x)))
     return self.head(self.norm(x))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = DecoderAttention(rngs)
+    self.up = nnx.Linear(DIM, HIDDEN, rngs=rngs)
+    self.down = nnx.Linear(HIDDEN, DIM, rngs=rngs)
+
+  def __call__(self, x, segment_ids=None):
+    x = x + self.attn(x, segment_ids)
+    return x + self.down(jax.nn.silu(self.up(x)))
+
+
+class ScannedDecoder(nnx.Module):
+  """MaxText's scanned layers: the layers' parameters stacked (``nnx.vmap``), applied by ``nnx.scan``."""
+
+  def __init__(self, layers: int, rngs):
+    self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+      return DecoderLayer(rngs)
+
+    self.layers = stack(rngs)
+    self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+    self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens, segment_ids=None):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def layers(x, layer):
+      return layer(x, segment_ids)
+
+    return self.head(self.norm(layers(self.embed(tokens), self.layers)))
 
 
 def causal_padding_mask(lengths, t):

@@ -44,6 +44,8 @@ MODELS = {
                [(True, "causal+segment_ids")], 7),
     "gemma_masked": (lambda: rm.Gemma(2, nnx.Rngs(0)), lambda t: (rm.causal_padding_mask((16, 13), t.shape[1] - 1),),
                      [(True, "band+array"), (True, "array")], 13),
+    "scanned": (lambda: rm.ScannedDecoder(2, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
+                [(True, "causal+segment_ids")], 7),
 }
 
 
@@ -64,9 +66,10 @@ def _train(model, tokens, extra, mesh=None):
   return [float(step(model, optimizer, tokens, *extra)) for _ in range(3)]
 
 
-@pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("decoder", "explicit"),
-                                         ("packed", "auto"), ("packed", "explicit-set_mesh"),
-                                         ("gemma_masked", "auto"), ("gemma_masked", "explicit")])
+@pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("packed", "auto"),
+                                         ("packed", "explicit"), ("gemma_masked", "auto"),
+                                         ("gemma_masked", "explicit-set_mesh"), ("scanned", "auto"),
+                                         ("scanned", "explicit-set_mesh")])
 def test_models_route_as_undecorated(model, place, tmp_path):
   build, extra_of, attention, matmuls = MODELS[model]
   mesh, where = _place(place)
@@ -271,13 +274,30 @@ def test_explain_needs_a_mesh_or_a_routed_target():
     jm.explain(rm.Decoder, jnp.ones((2, 8), jnp.int32), mesh=make_mesh("8"))
 
 
-def test_contractions_in_loop_bodies_are_listed():
+def test_loop_and_branch_bodies_are_rewritten():
+  """GEMMs in the bodies of a scan, a while loop and a cond are routed: the loop is rebuilt around its rewritten
+  body (gradients through the scan and the cond)."""
   def scanned(x, ws):
-    return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
 
-  report = _explain(scanned, (16, 16), (3, 16, 16))
-  assert [(e.kind, e.routed, e.reason, e.shapes) for e in report] == [
-      ("matmul", False, "inside a scan body (not rewritten)", ((16, 16), (16, 16)))]
+  def looped(x, ws):
+    return jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (jnp.tanh(c[0] @ ws[c[1]]), c[1] + 1), (x, 0))[0]
+
+  def branched(x, ws):
+    return jax.lax.cond(jnp.sum(x) > 0, lambda: x @ ws[0], lambda: jnp.tanh(x @ ws[1]))
+
+  mesh = make_mesh("8")
+  x, ws = jax.random.normal(fresh_key(), (16, 16)), jax.random.normal(fresh_key(), (3, 16, 16)) * 0.3
+  for fn, count in ((scanned, 1), (looped, 1), (branched, 2)):
+    report = _explain(fn, (16, 16), (3, 16, 16), mesh=mesh)
+    assert [(e.kind, e.routed, e.shapes) for e in report] == [("matmul", True, ((16, 16), (16, 16)))] * count
+    routed = jm.distribute(fn, mesh=mesh)
+    assert "all_gather" in jax.jit(routed).lower(x, ws).as_text()
+    assert rel_err(jax.jit(routed)(x, ws), fn(x, ws)) < 1e-5
+    if fn is not looped:
+      grad = lambda f: jax.grad(lambda x, ws: jnp.sum(jnp.sin(f(x, ws))), argnums=(0, 1))
+      for got, want in zip(jax.jit(grad(routed))(x, ws), grad(fn)(x, ws)):
+        assert rel_err(got, want) < 1e-4
 
 
 def test_bfloat16_attention_is_routed():

@@ -84,32 +84,8 @@ def find(view: View) -> list[Match]:
   for site in view.sites:
     if site.primitive == "dot_general" and id(site) not in taken:
       found.append(_matmul(view, site))
-  for site in view.sites:
-    for name, eqn in _hidden_contractions(site.eqn):
-      found.append(Match("matmul", site, (), source_line(eqn), f"inside a {name} body (not rewritten)", (),
-                         {"shapes": tuple(tuple(v.aval.shape) for v in eqn.invars[:2])}))
   order = {id(s): i for i, s in enumerate(view.sites)}
   return sorted(found, key=lambda m: order[id(m.anchor)])
-
-
-LOOPS = frozenset({"scan", "while", "cond"})
-
-
-def _hidden_contractions(eqn, depth: int = 0):
-  """``(primitive, dot_general equation)`` for each contraction in the bodies of a loop or branch equation
-  (which the view keeps opaque)."""
-  if depth > 8 or (depth == 0 and eqn.primitive.name not in LOOPS):
-    return
-  for value in eqn.params.values():
-    for body in value if isinstance(value, (tuple, list)) else (value,):
-      jaxpr = getattr(body, "jaxpr", body)
-      if not hasattr(jaxpr, "eqns"):
-        continue
-      for inner_eqn in jaxpr.eqns:
-        if inner_eqn.primitive.name == "dot_general":
-          yield eqn.primitive.name, inner_eqn
-        else:
-          yield from ((eqn.primitive.name, e) for _, e in _hidden_contractions(inner_eqn, depth + 1))
 
 
 # ------------------------------------------------------------------ attention

@@ -29,7 +29,7 @@ from absl import logging
 
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
-from jaxmercury.flax import masks, patterns
+from jaxmercury.flax import loops, masks, patterns
 from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
@@ -118,9 +118,50 @@ def _mask_scope(view, m) -> str:
   return ""
 
 
-def plan(view: View, routing: Routing) -> list[Decision]:
-  """Each attention and contraction of ``view``'s program, with what routing does with it."""
-  return [_decide(view, m, routing) for m in patterns.find(view)]
+@dataclasses.dataclass(eq=False)
+class Plan:
+  """What routing does with one program: its matches' decisions, and the plans of its loops' bodies.
+
+  Attributes:
+    view: the program.
+    decisions: one per attention and contraction of the program itself.
+    bodies: for each loop or branch equation (``scan``, ``while``, ``cond``) by ``id`` of its site, the
+      ``(view, plan)`` of each of its bodies (``loops.bodies`` order).
+  """
+
+  view: View
+  decisions: list
+  bodies: dict
+
+  @property
+  def rewrites(self) -> bool:
+    """Whether anything in the program or its bodies is routed."""
+    return any(d.entry.routed for d in self.decisions) or any(
+        p.rewrites for subs in self.bodies.values() for _, p in subs)
+
+  def entries(self) -> list[Entry]:
+    """The report's entries in program order, a loop's bodies' where the loop is."""
+    at = {}
+    for d in self.decisions:
+      at.setdefault(id(d.match.anchor), []).append(d.entry)
+    out = []
+    for site in self.view.sites:
+      out += at.get(id(site), [])
+      for _, sub in self.bodies.get(id(site), ()):
+        out += sub.entries()
+    return out
+
+
+def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
+  """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
+  with it."""
+  bodies = {}
+  if depth < 8:
+    for site in view.sites:
+      subs = loops.bodies(site.eqn)
+      if subs:
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in (View(b) for b in subs)]
+  return Plan(view, [_decide(view, m, routing) for m in patterns.find(view)], bodies)
 
 
 # ------------------------------------------------------------------ the operators on matched operands
@@ -211,9 +252,11 @@ def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
 
 
 # ------------------------------------------------------------------ the interpreter
-def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
-  """``view``'s program on ``args`` with the routed decisions' operators in place of their equations."""
-  routed = [d for d in decisions if d.entry.routed]
+def evaluate(program: Plan, routing: Routing, args):
+  """The planned program on ``args`` with the routed decisions' operators in place of their equations (and
+  its loops rebuilt around their rewritten bodies)."""
+  view = program.view
+  routed = [d for d in program.decisions if d.entry.routed]
   anchors = {id(d.match.anchor): d for d in routed}
   skipped = {id(s) for d in routed for s in d.match.inner}
   opened = {s.path[:n] for d in routed for s in (d.match.anchor, *d.match.inner) for n in range(1, len(s.path))}
@@ -245,6 +288,9 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
       elif id(site) in skipped:
         continue
+      elif id(site) in program.bodies and any(p.rewrites for _, p in program.bodies[id(site)]):
+        run_body = [functools.partial(evaluate, p, routing) for _, p in program.bodies[id(site)]]
+        write(site.outs, loops.rebuild(eqn, [read(r) for r in site.ins], run_body))
       elif id(site) in anchors:
         d = anchors[id(site)]
         vals = [read(r) for r in d.match.operands]
@@ -304,8 +350,8 @@ def trace(fn, args, kwargs):
   return View(closed), dyn, jax.tree.structure(shape)
 
 
-def report(decisions) -> Report:
-  return Report(d.entry for d in decisions)
+def report(program: Plan) -> Report:
+  return Report(program.entries())
 
 
 def route(fn, routing: Routing):
@@ -320,7 +366,7 @@ def route(fn, routing: Routing):
     logging.info("jaxmercury routing of %s:\n%s", getattr(fn, "__qualname__", fn), report(decisions))
     token = _ROUTING.set(True)
     try:
-      outs = evaluate(view, decisions, routing, dyn)
+      outs = evaluate(decisions, routing, dyn)
     finally:
       _ROUTING.reset(token)
     return jax.tree.unflatten(out_tree, outs)
