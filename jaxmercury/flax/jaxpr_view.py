@@ -7,7 +7,8 @@ softmax; ``checkpoint``). Patterns such as attention span those boundaries.
 equations around it, then its own) and gives each value one canonical
 reference, whatever call it crosses, so that a pattern can follow values
 from producer to consumer through calls. Loops (``scan``, ``while``,
-``cond``) and ``shard_map`` stay single, opaque equations.
+``cond``) and ``shard_map`` stay single, opaque equations here (the
+rewriter views a loop's bodies as programs of their own).
 """
 
 from __future__ import annotations

@@ -8,11 +8,16 @@ as it was, except the equations a match replaces: its anchor runs the
 operator on the match's operands, its other equations are skipped. Calls
 (``jit``) that hold a replaced equation are evaluated inline, a
 ``checkpoint`` as a checkpoint of its rewritten body; every other call is
-bound whole. The operators are differentiable, so gradients flow through
-the rewritten program as through the original.
+bound whole. A loop or branch (``scan``, ``while``, ``cond``) whose bodies
+hold a routed call is rebuilt around its rewritten bodies
+(``jaxmercury.flax.loops``), each body planned as a program of its own. A
+mask's data parts (segment ids, mask arrays) are read from the program's
+values and passed to the operator. The operators are differentiable, so
+gradients flow through the rewritten program as through the original.
 
-``plan(view, routing)`` decides for each match: routed with the schedule
-``ops.choose`` picks, or not, with the reason. ``explain`` reports it.
+``plan(view, routing)`` decides for each match, in the program and in its
+loops' bodies: routed with the schedule ``ops.choose`` picks, or not, with
+the reason. ``explain`` reports it.
 """
 
 from __future__ import annotations
