@@ -300,6 +300,37 @@ def test_loop_and_branch_bodies_are_rewritten():
         assert rel_err(got, want) < 1e-4
 
 
+def test_checkpointed_scan_layers_with_a_mask_built_outside():
+  """Layers under jax.checkpoint and lax.scan (MaxText's remat-ed scanned layers) whose causal mask is built
+  outside the scan and their segment ids closed over: the mask still reads as causal plus segment ids; inputs
+  on no mesh under an Explicit jax.set_mesh keep their types."""
+  mesh, where = _place("explicit-set_mesh")
+  x = jax.random.normal(fresh_key(), (2, 16, 32))
+  ws = jax.random.normal(fresh_key(), (2, 32, 32)) * 0.2
+  seg = _packed(2, 16)
+
+  def layers(x, ws, seg):
+    causal = jnp.tril(jnp.ones((16, 16), bool))
+
+    @jax.checkpoint
+    def layer(h, w):
+      q = (h @ w).reshape(2, 16, 4, 8)
+      keep = (seg[:, None, :, None] == seg[:, None, None, :]) & causal
+      return h + jax.nn.dot_product_attention(q, q, q, mask=keep).reshape(2, 16, 32), None
+
+    return jax.lax.scan(layer, x, ws)[0]
+
+  with where:
+    routed = jm.distribute(layers, mesh=mesh)
+    report = jm.explain(routed, x, ws, seg)
+    assert [(e.kind, e.routed, e.mask) for e in report] == [("matmul", True, ""),
+                                                            ("attention", True, "causal+segment_ids")]
+    assert rel_err(jax.jit(routed)(x, ws, seg), layers(x, ws, seg)) < 1e-5
+    grad = lambda f: jax.grad(lambda x, ws: jnp.sum(jnp.sin(f(x, ws, seg))), argnums=(0, 1))
+    for got, want in zip(jax.jit(grad(routed))(x, ws), grad(layers)(x, ws)):
+      assert rel_err(got, want) < 1e-4
+
+
 def test_bfloat16_attention_is_routed():
   f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # logits cast to float32 inside
   q = jax.random.normal(fresh_key(), (2, 16, 4, 8), jnp.bfloat16)

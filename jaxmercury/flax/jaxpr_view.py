@@ -91,7 +91,9 @@ class View:
     consts: the values of the constants (closed-over arrays), by reference.
   """
 
-  def __init__(self, closed):
+  def __init__(self, closed, known: dict | None = None):
+    """``known``: values of some inputs (by index) known before running, which ``evaluate`` may use (a loop
+    body's constants computed outside it)."""
     self.closed = closed
     self.sites: list[Site] = []
     self.calls: dict[tuple, Site] = {}
@@ -101,6 +103,8 @@ class View:
     self._consumers: dict = {}
     jaxpr = closed.jaxpr
     self.inputs = [((), v) for v in jaxpr.invars]
+    for i, value in (known or {}).items():
+      self.consts[self.inputs[i]] = value
     self.outputs = self._visit(jaxpr, (), self.inputs, tuple(closed.consts))
     self._output_set = {r for r in self.outputs if not isinstance(r, Lit)}
 

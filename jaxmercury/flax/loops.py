@@ -31,6 +31,21 @@ def bodies(eqn) -> list:
   return []
 
 
+def invariants(eqn) -> list[dict[int, int]]:
+  """For each body (``bodies`` order), ``{body input index: equation operand index}`` of the inputs that are
+  the same at every iteration (a scan's and a while loop's constants, a branch's operands)."""
+  name, p = eqn.primitive.name, eqn.params
+  if name == "scan":
+    nc = p["num_consts"] if "num_consts" in p else len(list(p["ft_in"].unpack()[0]))
+    return [{i: i for i in range(nc)}]
+  if name == "while":
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    return [{i: i for i in range(nc)}, {i: nc + i for i in range(nb)}]
+  if name == "cond":
+    return [{i: i + 1 for i in range(len(eqn.invars) - 1)} for _ in p["branches"]]
+  return []
+
+
 def rebuild(eqn, vals: Sequence, run: Sequence[Callable]) -> list:
   """``eqn``'s results on ``vals``, each body ``i`` computed by ``run[i]`` (a list of values to a list)."""
   name, p = eqn.primitive.name, eqn.params

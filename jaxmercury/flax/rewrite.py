@@ -35,7 +35,7 @@ from absl import logging
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import loops, masks, patterns
-from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner, raised_at
+from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
@@ -157,6 +157,24 @@ class Plan:
     return out
 
 
+def _known(view: View, site, invariant: dict) -> dict:
+  """The values of a loop body's inputs known at trace time: its loop-invariant boolean and integer operands
+  computed from no input of the program (a causal mask built outside a scan of layers)."""
+  out = {}
+  for i, j in invariant.items():
+    ref = site.ins[j]
+    aval = View.aval(ref)
+    if aval.dtype != np.bool_ and not np.issubdtype(aval.dtype, np.integer):
+      continue
+    if math.prod(aval.shape) > masks.LARGEST_EVALUATED:
+      continue
+    try:
+      out[i] = view.evaluate(ref, limit=masks.LARGEST_EVALUATED)
+    except DependsOnInputs:
+      pass
+  return out
+
+
 def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
   """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
   with it."""
@@ -165,7 +183,8 @@ def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
     for site in view.sites:
       subs = loops.bodies(site.eqn)
       if subs:
-        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in (View(b) for b in subs)]
+        views = [View(b, _known(view, site, inv)) for b, inv in zip(subs, loops.invariants(site.eqn))]
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in views]
   return Plan(view, [_decide(view, m, routing) for m in patterns.find(view)], bodies)
 
 
@@ -243,7 +262,7 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   return types.like(y, mesh, anchor_aval, free_dims=free)
 
 
-def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
+def _matmul(d: Decision, routing: Routing, lhs, rhs, params, anchor_aval):
   lay = d.match.layout
   if tuple(lay["lhs"]) != tuple(range(lhs.ndim)):
     lhs = jnp.transpose(lhs, lay["lhs"])
@@ -252,8 +271,10 @@ def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
   nl, k = lay["free"][0], lay["k"]
   dn = ((tuple(range(nl, nl + k)), tuple(range(k))), ((), ()))
   extra = {"out_sharding": params["out_sharding"]} if params.get("out_sharding") is not None else {}
-  return DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
-                             preferred_element_type=params.get("preferred_element_type"), **extra)
+  y = DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
+                         preferred_element_type=params.get("preferred_element_type"), **extra)
+  # the traced result's sharding type (what the original equation gave; a traced call's shape may lack it)
+  return types.like(y, routing.mesh, anchor_aval, free_dims=range(lay["free"][0]))
 
 
 # ------------------------------------------------------------------ the interpreter
@@ -304,7 +325,7 @@ def evaluate(program: Plan, routing: Routing, args):
           extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
           out = _attention(d, routing, *vals, aval, extras)
         else:
-          out = _matmul(d, routing, *vals, site.params)
+          out = _matmul(d, routing, *vals, site.params, aval)
         write(site.outs, [out])
       else:
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
