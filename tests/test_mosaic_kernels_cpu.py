@@ -197,6 +197,18 @@ def test_matmul_variants_lower():
     assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, choice
 
 
+def test_matmul_gradients_lower_to_three_kernels():
+  """Both GEMM kernels differentiate, the backward's two GEMMs through the kernel (lowered for an H100)."""
+  s = jax.ShapeDtypeStruct
+  a, b, d = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16), s((512, 512), jnp.float32)
+  (choice, *_) = registry.kernel("jax_mosaic_matmul").variants()
+  gemms = [functools.partial(mm.mosaic_gemm, tiles=mm.Tiles()),
+           functools.partial(mm.jax_gemm, **dataclasses.asdict(choice.config))]
+  for gemm in gemms:
+    step = jax.value_and_grad(lambda a, b, d: jnp.vdot(gemm(a, b), d), (0, 1))
+    assert mosaic_kernels(_lower(step, a, b, d)) == 3
+
+
 def _spec(*shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 

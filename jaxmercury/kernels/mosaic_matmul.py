@@ -181,10 +181,11 @@ def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
   (m, k), n = a.shape, b.shape[1]
   if not tiles.divides(m, n, k):
     raise ValueError(f"mosaic_gemm: shape m={m} n={n} k={k} is not a multiple of {tiles}")
-  return _gemm(a, b, tiles, interpret)
+  kernel = functools.partial(_kernel_gemm, tiles=tiles, interpret=interpret)
+  return differentiable(kernel, tiles.divides)(a, b)
 
 
-def _kernel_gemm(a, b, tiles: Tiles, interpret: bool):
+def _kernel_gemm(a, b, *, tiles: Tiles, interpret: bool):
   (m, _), n = a.shape, b.shape[1]
   out_smem = plgpu.SMEM((tiles.tile_m, tiles.tile_n), jnp.float32, transforms=_swizzled(tiles.tile_n, jnp.float32))
   kernel = plgpu.kernel(
@@ -196,31 +197,26 @@ def _kernel_gemm(a, b, tiles: Tiles, interpret: bool):
   return kernel(a, b)
 
 
-def _gemm_or_dot(a, b, tiles: Tiles, interpret: bool):
-  (m, k), n = a.shape, b.shape[1]
-  if tiles.divides(m, n, k):
-    return _gemm(a, b, tiles, interpret)
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+def differentiable(kernel, divides):
+  """``kernel`` (``kernel(a, b) -> [m, n] float32``) with a custom VJP whose two GEMMs, ``dC b^T`` and ``a^T dC``,
+  run through ``kernel`` where ``divides(m, n, k)`` holds for them and through XLA otherwise (Mosaic GPU kernels
+  have no differentiation rule of their own)."""
 
+  def through(a, b):
+    (m, k), n = a.shape, b.shape[1]
+    return gemm(a, b) if divides(m, n, k) else jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _gemm(a, b, tiles: Tiles, interpret: bool):
-  return _kernel_gemm(a, b, tiles, interpret)
+  @jax.custom_vjp
+  def gemm(a, b):
+    return kernel(a, b)
 
+  def backward(saved, d_out):
+    a, b = saved
+    d_out = d_out.astype(a.dtype)
+    return through(d_out, b.T).astype(a.dtype), through(a.T, d_out).astype(b.dtype)
 
-def _gemm_forward(a, b, tiles, interpret):
-  return _kernel_gemm(a, b, tiles, interpret), (a, b)
-
-
-def _gemm_backward(tiles, interpret, saved, d_out):
-  a, b = saved
-  d_out = d_out.astype(a.dtype)
-  da = _gemm_or_dot(d_out, b.T, tiles, interpret)
-  db = _gemm_or_dot(a.T, d_out, tiles, interpret)
-  return da.astype(a.dtype), db.astype(b.dtype)
-
-
-_gemm.defvjp(_gemm_forward, _gemm_backward)
+  gemm.defvjp(lambda a, b: (kernel(a, b), (a, b)), backward)
+  return gemm
 
 
 def mosaic_matmul_block(ctx, a, b, *, tiles: Tiles, interpret: bool, fallback):
@@ -265,13 +261,15 @@ MOSAIC_MATMUL = Kernel(
 
 
 def jax_gemm(a, b, *, tile_m: int, tile_n: int, tile_k: int, max_concurrent_steps: int):
-  """``a @ b`` through ``hopper_matmul_mgpu.matmul``, widened to float32.
+  """``a @ b`` through ``hopper_matmul_mgpu.matmul``, widened to float32, differentiable (``differentiable``).
 
   Its CTA tile is ``tile_m x 2 tile_n`` (two compute warpgroups side by side
   along n); its result is in the input dtype.
   """
-  config = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=max_concurrent_steps)
-  return hm.matmul(a, b, None, config).astype(jnp.float32)
+  params = dict(tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=max_concurrent_steps)
+  config = hm.TuningConfig(**params)
+  kernel = lambda a, b: hm.matmul(a, b, None, config).astype(jnp.float32)
+  return differentiable(kernel, lambda m, n, k: _jax_divides(m, n, k, params))(a, b)
 
 
 def _jax_divides(m, n, k, params) -> bool:

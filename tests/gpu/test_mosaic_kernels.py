@@ -271,6 +271,24 @@ def test_jax_gemm_every_variant(dtype):
 
 
 @pytest.mark.parametrize("kernel", ["mosaic_matmul", "jax_mosaic_matmul"])
+def test_matmul_kernels_differentiate(kernel):
+  """Both GEMM kernels' gradients (their backward GEMMs through the kernel) against XLA's, with the backward's
+  GEMMs reaching the kernel."""
+  prog = jm.programs.matmul(1024, 1536, 2048, jnp.bfloat16)
+  sizes = {"m": 1024, "n": 1536, "k": 2048}
+  block = registry.kernel(kernel).make(prog)
+  ctx = _ctx({}, sizes, sizes)
+  a, b, d = _normal((1024, 2048), jnp.bfloat16), _normal((2048, 1536), jnp.bfloat16), _normal((1024, 1536),
+                                                                                                jnp.float32)
+  step = lambda f: jax.value_and_grad(lambda a, b: jnp.vdot(f(a, b), d), (0, 1))
+  want = step(lambda a, b: jnp.dot(*_f32(a, b), precision="highest"))(a, b)[1]
+  assert _count_kernels(step(lambda *x: block(ctx, *x)), a, b) == 3  # the forward and both backward GEMMs
+  got = jax.jit(step(lambda *x: block(ctx, *x)))(a, b)[1]
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.bfloat16 and _rel(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("kernel", ["mosaic_matmul", "jax_mosaic_matmul"])
 @pytest.mark.parametrize("shape", [(1024, 1024, 1024), (1000, 1024, 1024), (1024, 1000, 1024), (1024, 1024, 1000)])
 def test_matmul_blocks_on_and_off_the_tiles(kernel, shape):
   m, n, k = shape
