@@ -4,10 +4,13 @@
 of stacked heads, grouped key-value heads, the query scaled before an
 einsum -> mask -> softmax (float32) -> einsum attention, alternating global
 (causal) and local (sliding-window) layers, a gated MLP of ``nnx.Einsum``s,
-logits from the embedding table). ``Decoder``: MaxText's structure (``nnx.Einsum``
+logits from the embedding table); with ``attn_mask`` [batch, q, kv] (causal and
+padding, computed by the caller) it masks by that array, its local layers cut to
+a two-sided window. ``Decoder``: MaxText's structure (``nnx.Einsum``
 projections, ``jax.nn.dot_product_attention(..., is_causal=True)`` with
 grouped heads, an ``nnx.Linear`` MLP); with ``segment_ids`` it attends
-within the packed sequences (a mask computed from them). ``plain_attention``:
+within the packed sequences (a mask computed from them). ``ScannedDecoder``:
+the same layers stacked and applied by ``nnx.scan``. ``plain_attention``:
 a function of a parameter dict, no Flax.
 """
 
@@ -34,17 +37,21 @@ class GemmaAttention(nnx.Module):
     self.v_einsum = nnx.Einsum("BSD,DKH->BSKH", (DIM, KV_HEADS, HEAD_DIM), rngs=rngs)
     self.attn_vec_einsum = nnx.Einsum("BTNH,NHD->BTD", (HEADS, HEAD_DIM, DIM), rngs=rngs)
 
-  def __call__(self, x):
+  def __call__(self, x, attn_mask=None):
     b, t, _ = x.shape
     query = self.q_einsum(x) * HEAD_DIM ** -0.5  # query_pre_attn_scalar
     key, value = self.k_einsum(x), self.v_einsum(x)
     query = query.reshape(b, t, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
     logits = jnp.einsum("BTKGH,BSKH->BTKGS", query, key).astype(jnp.float32)
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    mask = j <= i
-    if self.local:
-      mask = mask & (i - j < WINDOW)
-    logits = jnp.where(mask[None, :, None, None, :], logits, -2.3819763e38)
+    if attn_mask is None:
+      mask = j <= i
+      if self.local:
+        mask = mask & (i - j < WINDOW)
+      mask = mask[None]
+    else:  # the caller's [batch, q, kv] mask; a local layer cuts it to a two-sided window, as Gemma does
+      mask = attn_mask & ((i - j < WINDOW) & (j - i < WINDOW))[None] if self.local else attn_mask
+    logits = jnp.where(mask[:, :, None, None, :], logits, -2.3819763e38)
     probs = jax.nn.softmax(logits, axis=-1).astype(key.dtype)
     encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, value).reshape(b, t, HEADS, HEAD_DIM)
     return self.attn_vec_einsum(encoded)
@@ -58,8 +65,8 @@ class GemmaBlock(nnx.Module):
     self.gating_einsum = nnx.Einsum("BTD,GDF->GBTF", (2, DIM, HIDDEN), rngs=rngs)
     self.linear = nnx.Einsum("BTF,FD->BTD", (HIDDEN, DIM), rngs=rngs)
 
-  def __call__(self, x):
-    x = x + self.attn(rms_norm(x, self.pre_attention_norm[...]))
+  def __call__(self, x, attn_mask=None):
+    x = x + self.attn(rms_norm(x, self.pre_attention_norm[...]), attn_mask)
     gate, up = self.gating_einsum(rms_norm(x, self.pre_ffw_norm[...]))
     return x + self.linear(jax.nn.gelu(gate) * up)
 
@@ -70,10 +77,10 @@ class Gemma(nnx.Module):
     self.layers = nnx.List([GemmaBlock(local=i % 2 == 0, rngs=rngs) for i in range(layers)])
     self.final_norm = nnx.Param(jnp.zeros((DIM,)))
 
-  def __call__(self, tokens):
+  def __call__(self, tokens, attn_mask=None):
     x = self.embedder[...][tokens] * DIM ** 0.5
     for layer in self.layers:
-      x = layer(x)
+      x = layer(x, attn_mask)
     return rms_norm(x, self.final_norm[...]) @ self.embedder[...].T
 
 
@@ -109,6 +116,46 @@ class Decoder(nnx.Module):
       x = x + attn(x, segment_ids)
       x = x + down(jax.nn.silu(up(x)))
     return self.head(self.norm(x))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = DecoderAttention(rngs)
+    self.up = nnx.Linear(DIM, HIDDEN, rngs=rngs)
+    self.down = nnx.Linear(HIDDEN, DIM, rngs=rngs)
+
+  def __call__(self, x, segment_ids=None):
+    x = x + self.attn(x, segment_ids)
+    return x + self.down(jax.nn.silu(self.up(x)))
+
+
+class ScannedDecoder(nnx.Module):
+  """MaxText's scanned layers: the layers' parameters stacked (``nnx.vmap``), applied by ``nnx.scan``."""
+
+  def __init__(self, layers: int, rngs):
+    self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+      return DecoderLayer(rngs)
+
+    self.layers = stack(rngs)
+    self.norm = nnx.RMSNorm(DIM, rngs=rngs)
+    self.head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens, segment_ids=None):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def layers(x, layer):
+      return layer(x, segment_ids)
+
+    return self.head(self.norm(layers(self.embed(tokens), self.layers)))
+
+
+def causal_padding_mask(lengths, t):
+  """Gemma's attention mask [batch, t, t]: causal, and no key past each row's length (right padding)."""
+  i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  return (j <= i)[None] & (j[None] < jnp.asarray(lengths)[:, None, None])
 
 
 def plain_params(key):

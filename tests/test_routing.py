@@ -41,7 +41,11 @@ MODELS = {
               [(True, "sliding_window"), (True, "causal")], 13),
     "decoder": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (), [(True, "causal")], 7),
     "packed": (lambda: rm.Decoder(1, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
-               [(False, "segment_ids")], 7),
+               [(True, "causal+segment_ids")], 7),
+    "gemma_masked": (lambda: rm.Gemma(2, nnx.Rngs(0)), lambda t: (rm.causal_padding_mask((16, 13), t.shape[1] - 1),),
+                     [(True, "band+array"), (True, "array")], 13),
+    "scanned": (lambda: rm.ScannedDecoder(2, nnx.Rngs(0)), lambda t: (_packed(t.shape[0], t.shape[1] - 1),),
+                [(True, "causal+segment_ids")], 7),
 }
 
 
@@ -62,8 +66,10 @@ def _train(model, tokens, extra, mesh=None):
   return [float(step(model, optimizer, tokens, *extra)) for _ in range(3)]
 
 
-@pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("decoder", "explicit"),
-                                         ("packed", "auto")])
+@pytest.mark.parametrize("model,place", [("gemma", "explicit-set_mesh"), ("decoder", "auto"), ("packed", "auto"),
+                                         ("packed", "explicit"), ("gemma_masked", "auto"),
+                                         ("gemma_masked", "explicit-set_mesh"), ("scanned", "auto"),
+                                         ("scanned", "explicit-set_mesh")])
 def test_models_route_as_undecorated(model, place, tmp_path):
   build, extra_of, attention, matmuls = MODELS[model]
   mesh, where = _place(place)
@@ -79,9 +85,7 @@ def test_models_route_as_undecorated(model, place, tmp_path):
     for e in report:
       assert e.where.startswith("tests/routing_models.py:") and e.reason
       assert (e.schedule is not None) == e.routed
-    fallen = report.fallen_back
-    assert all(e.reason.startswith({"sliding_window": "sliding-window mask (window=4)",
-                                    "segment_ids": "segment-id mask"}[e.mask]) for e in fallen)
+    assert all(e.schedule for e in report.of_kind("attention") if e.routed)
     assert str(report).splitlines()[-1].startswith(f"{len(report.routed)} of {len(report)} routed")
 
     forward = nnx.jit(lambda m, t, *x: m(t, *x))
@@ -155,6 +159,20 @@ def test_attention_forms_are_found():
   assert [(e.routed, e.reason) for e in report] == [(False, "adds a bias to the logits")]
 
 
+def test_cudnn_attention_is_reported():
+  """On a machine without cuDNN, JAX's cuDNN attention does not trace: explain says so, at the call's line."""
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  shape = jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.bfloat16)
+  try:
+    jax.make_jaxpr(f)(shape, shape, shape)
+  except RuntimeError:
+    [e] = jm.explain(f, shape, shape, shape, mesh=make_mesh("8"))
+    assert (e.kind, e.routed) == ("attention", False) and "implementation='cudnn'" in e.reason
+    assert e.where.startswith("tests/test_routing.py:")
+  else:
+    pytest.skip("cuDNN present: the call traces")
+
+
 def test_attention_weights_used_elsewhere_fall_back():
   def weights_too(q, k, v):
     p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
@@ -188,10 +206,57 @@ def test_masks_classified_and_hooked():
   assert masks.classify_matrix(np.ones((8, 8), bool)).kind == "none"
   assert masks.classify_matrix(j <= i).kind == "causal"
   assert masks.classify_matrix((j <= i) & (i - j < 3)) == masks.MaskInfo("sliding_window", (("window", 3),))
-  assert masks.classify_matrix(j >= i).kind == "array"
+  assert masks.classify_matrix((i + j) % 2 == 0).kind == "array"
   assert masks.route(masks.MaskInfo("causal")) == {"causal": True}
   assert masks.route(masks.MaskInfo("sliding_window", (("window", 3),))) == {"causal": True, "window": (2, 0)}
-  assert masks.route(masks.MaskInfo("segment_ids")) is None
+  assert masks.classify_matrix(np.abs(i - j) < 3) == masks.MaskInfo("band", (("left", 2), ("right", 2)))
+  assert masks.route(masks.MaskInfo("band", (("left", 2), ("right", 1)))) == {"causal": False, "window": (2, 1)}
+  assert masks.route(masks.MaskInfo("unknown")) is None
+
+
+def _segment_mask(q, k, v, seg):
+  return jax.nn.dot_product_attention(q, k, v, mask=seg[:, None, :, None] == seg[:, None, None, :], is_causal=True)
+
+
+def _per_head_mask(q, k, v, m):
+  return jax.nn.dot_product_attention(q, k, v, mask=m)
+
+
+def _negated_mask(q, k, v, m):  # masked where the caller's array is False, written as where(~m, fill, logits)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(q.shape[-1])
+  s = jnp.where(~m[:, None], -1e30, s)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v, 2, axis=2))
+
+
+def _top_k(q, k, v, m):  # each query keeps its 4 largest scores: a mask computed from the scores themselves
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2))
+  s = jnp.where(s >= jnp.sort(s, axis=-1)[..., -4:-3], s, -1e30)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v, 2, axis=2))
+
+
+@pytest.mark.parametrize("place", ["explicit-set_mesh"])
+def test_data_masks_are_routed(place):
+  """Segment ids and mask arrays computed from the inputs reach the operator as its arrays; a mask computed
+  from the scores falls back, saying so."""
+  mesh, where = _place(place)
+  q = jax.random.normal(fresh_key(), (2, 16, 4, 8))
+  k, v = (jax.random.normal(fresh_key(), (2, 16, 2, 8)) for _ in range(2))
+  per_head = jax.random.bernoulli(fresh_key(), 0.6, (2, 4, 16, 16)) | jnp.eye(16, dtype=bool)
+  pad = rm.causal_padding_mask((16, 12), 16)
+  [e] = jm.explain(_segment_mask, q, k, v, _packed(2, 16), mesh=mesh)  # run by the packed models' tests
+  assert (e.routed, e.mask) == (True, "causal+segment_ids") and e.schedule
+  with where:
+    for fn, extra, kind in [(_per_head_mask, per_head, "array"), (_negated_mask, pad, "array")]:
+      routed = jm.distribute(fn, mesh=mesh)
+      [e] = jm.explain(routed, q, k, v, extra)
+      assert (e.routed, e.mask) == (True, kind) and e.schedule
+      assert rel_err(jax.jit(routed)(q, k, v, extra), fn(q, k, v, extra)) < 1e-5
+    grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, per_head))), argnums=(0, 1, 2))
+    routed = jm.distribute(_per_head_mask, mesh=mesh)
+    for got, want in zip(jax.jit(grad(routed))(q, k, v), grad(_per_head_mask)(q, k, v)):
+      assert rel_err(got, want) < 1e-4
+    [e] = jm.explain(_top_k, q, k, v, pad, mesh=mesh)
+  assert (e.routed, e.mask, e.reason) == (False, "unknown", "mask: computed from the attention's own scores")
 
 
 def test_distribute_logs_its_report(caplog):
@@ -209,13 +274,61 @@ def test_explain_needs_a_mesh_or_a_routed_target():
     jm.explain(rm.Decoder, jnp.ones((2, 8), jnp.int32), mesh=make_mesh("8"))
 
 
-def test_contractions_in_loop_bodies_are_listed():
+def test_loop_and_branch_bodies_are_rewritten():
+  """GEMMs in the bodies of a scan, a while loop and a cond are routed: the loop is rebuilt around its rewritten
+  body (gradients through the scan and the cond)."""
   def scanned(x, ws):
-    return jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
 
-  report = _explain(scanned, (16, 16), (3, 16, 16))
-  assert [(e.kind, e.routed, e.reason, e.shapes) for e in report] == [
-      ("matmul", False, "inside a scan body (not rewritten)", ((16, 16), (16, 16)))]
+  def looped(x, ws):
+    return jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (jnp.tanh(c[0] @ ws[c[1]]), c[1] + 1), (x, 0))[0]
+
+  def branched(x, ws):
+    return jax.lax.cond(jnp.sum(x) > 0, lambda: x @ ws[0], lambda: jnp.tanh(x @ ws[1]))
+
+  mesh = make_mesh("8")
+  x, ws = jax.random.normal(fresh_key(), (16, 16)), jax.random.normal(fresh_key(), (3, 16, 16)) * 0.3
+  for fn, count in ((scanned, 1), (looped, 1), (branched, 2)):
+    report = _explain(fn, (16, 16), (3, 16, 16), mesh=mesh)
+    assert [(e.kind, e.routed, e.shapes) for e in report] == [("matmul", True, ((16, 16), (16, 16)))] * count
+    routed = jm.distribute(fn, mesh=mesh)
+    assert "all_gather" in jax.jit(routed).lower(x, ws).as_text()
+    assert rel_err(jax.jit(routed)(x, ws), fn(x, ws)) < 1e-5
+    if fn is not looped:
+      grad = lambda f: jax.grad(lambda x, ws: jnp.sum(jnp.sin(f(x, ws))), argnums=(0, 1))
+      for got, want in zip(jax.jit(grad(routed))(x, ws), grad(fn)(x, ws)):
+        assert rel_err(got, want) < 1e-4
+
+
+def test_checkpointed_scan_layers_with_a_mask_built_outside():
+  """Layers under jax.checkpoint and lax.scan (MaxText's remat-ed scanned layers) whose causal mask is built
+  outside the scan and their segment ids closed over: the mask still reads as causal plus segment ids; inputs
+  on no mesh under an Explicit jax.set_mesh keep their types."""
+  mesh, where = _place("explicit-set_mesh")
+  x = jax.random.normal(fresh_key(), (2, 16, 32))
+  ws = jax.random.normal(fresh_key(), (2, 32, 32)) * 0.2
+  seg = _packed(2, 16)
+
+  def layers(x, ws, seg):
+    causal = jnp.tril(jnp.ones((16, 16), bool))
+
+    @jax.checkpoint
+    def layer(h, w):
+      q = (h @ w).reshape(2, 16, 4, 8)
+      keep = (seg[:, None, :, None] == seg[:, None, None, :]) & causal
+      return h + jax.nn.dot_product_attention(q, q, q, mask=keep).reshape(2, 16, 32), None
+
+    return jax.lax.scan(layer, x, ws)[0]
+
+  with where:
+    routed = jm.distribute(layers, mesh=mesh)
+    report = jm.explain(routed, x, ws, seg)
+    assert [(e.kind, e.routed, e.mask) for e in report] == [("matmul", True, ""),
+                                                            ("attention", True, "causal+segment_ids")]
+    assert rel_err(jax.jit(routed)(x, ws, seg), layers(x, ws, seg)) < 1e-5
+    grad = lambda f: jax.grad(lambda x, ws: jnp.sum(jnp.sin(f(x, ws, seg))), argnums=(0, 1))
+    for got, want in zip(jax.jit(grad(routed))(x, ws), grad(layers)(x, ws)):
+      assert rel_err(got, want) < 1e-4
 
 
 def test_bfloat16_attention_is_routed():

@@ -42,8 +42,14 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   stored in the tuning database for its shapes and mesh; on a miss it is
   tuned when ``tune`` is set (and the winner stored), else the winner tuned
   for the nearest other sizes runs (``Database.nearest``), else a library
-  default. Calls an operator does not compute (masks other than causal, a
-  bias, dtypes, sizes the mesh does not divide) run as traced; which calls
+  default. Masks reach the operator as its arguments: causal, sliding
+  windows and bands; segment ids (an ``eq`` of integer arrays) as
+  ``q_segment_ids``/``kv_segment_ids``; any other boolean computed from the
+  inputs as ``mask`` (that array itself). Attention and GEMMs in the bodies
+  of ``lax.scan`` (``nnx.scan``-ned layers), ``while_loop`` and ``cond`` are
+  routed too, the loop rebuilt around its rewritten body. Calls an operator
+  does not compute (a mask computed from the scores, a bias, dtypes, sizes
+  the mesh does not divide) run as traced; which calls
   were routed, with which schedule, and why the others were not, is logged
   (absl, INFO) and returned by ``jaxmercury.explain``. Gradients flow
   through the operators' own backward. A module's submodules with a

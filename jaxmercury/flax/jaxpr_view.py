@@ -7,7 +7,8 @@ softmax; ``checkpoint``). Patterns such as attention span those boundaries.
 equations around it, then its own) and gives each value one canonical
 reference, whatever call it crosses, so that a pattern can follow values
 from producer to consumer through calls. Loops (``scan``, ``while``,
-``cond``) and ``shard_map`` stay single, opaque equations.
+``cond``) and ``shard_map`` stay single, opaque equations here (the
+rewriter views a loop's bodies as programs of their own).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class View:
     consts: the values of the constants (closed-over arrays), by reference.
   """
 
-  def __init__(self, closed):
+  def __init__(self, closed, known: dict | None = None):
+    """``known``: values of some inputs (by index) known before running, which ``evaluate`` may use (a loop
+    body's constants computed outside it)."""
     self.closed = closed
     self.sites: list[Site] = []
     self.calls: dict[tuple, Site] = {}
@@ -100,6 +103,8 @@ class View:
     self._consumers: dict = {}
     jaxpr = closed.jaxpr
     self.inputs = [((), v) for v in jaxpr.invars]
+    for i, value in (known or {}).items():
+      self.consts[self.inputs[i]] = value
     self.outputs = self._visit(jaxpr, (), self.inputs, tuple(closed.consts))
     self._output_set = {r for r in self.outputs if not isinstance(r, Lit)}
 
@@ -265,3 +270,18 @@ def source_line(eqn) -> str:
     shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
     return f"{shown}:{frame.line_num} ({frame.function_name})"
   return source_info_util.summarize(info)
+
+
+def raised_at(error: BaseException) -> str:
+  """``file:line (function)`` of the innermost frame of the user's code in ``error``'s traceback; empty when
+  none."""
+  import traceback  # only for the rare error a trace raises
+
+  skip = _library_dirs()
+  for frame in reversed(traceback.extract_tb(error.__traceback__)):
+    name = os.path.abspath(frame.filename)
+    if name.startswith(skip) or frame.filename.startswith("<frozen"):
+      continue
+    shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
+    return f"{shown}:{frame.lineno} ({frame.name})"
+  return ""

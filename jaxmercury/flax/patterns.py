@@ -31,7 +31,7 @@ from jaxmercury.flax import masks
 from jaxmercury.flax.jaxpr_view import Site, View, source_line
 
 NEGATIVE_FILL = -1e4  # a masked logit's fill is at most this
-_PASS = ("convert_element_type", "copy", "reduce_precision")
+_PASS = ("convert_element_type", "copy", "reduce_precision", "reshard", "sharding_constraint")
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,32 +84,8 @@ def find(view: View) -> list[Match]:
   for site in view.sites:
     if site.primitive == "dot_general" and id(site) not in taken:
       found.append(_matmul(view, site))
-  for site in view.sites:
-    for name, eqn in _hidden_contractions(site.eqn):
-      found.append(Match("matmul", site, (), source_line(eqn), f"inside a {name} body (not rewritten)", (),
-                         {"shapes": tuple(tuple(v.aval.shape) for v in eqn.invars[:2])}))
   order = {id(s): i for i, s in enumerate(view.sites)}
   return sorted(found, key=lambda m: order[id(m.anchor)])
-
-
-LOOPS = frozenset({"scan", "while", "cond"})
-
-
-def _hidden_contractions(eqn, depth: int = 0):
-  """``(primitive, dot_general equation)`` for each contraction in the bodies of a loop or branch equation
-  (which the view keeps opaque)."""
-  if depth > 8 or (depth == 0 and eqn.primitive.name not in LOOPS):
-    return
-  for value in eqn.params.values():
-    for body in value if isinstance(value, (tuple, list)) else (value,):
-      jaxpr = getattr(body, "jaxpr", body)
-      if not hasattr(jaxpr, "eqns"):
-        continue
-      for inner_eqn in jaxpr.eqns:
-        if inner_eqn.primitive.name == "dot_general":
-          yield eqn.primitive.name, inner_eqn
-        else:
-          yield from ((eqn.primitive.name, e) for _, e in _hidden_contractions(inner_eqn, depth + 1))
 
 
 # ------------------------------------------------------------------ attention
@@ -293,10 +269,14 @@ def _attention(view, exp) -> Match | None:
     return _closed(view, Match("attention", pv, tuple(inner) + tuple(chain) + (qk, *cast), source_line(qk.eqn),
                                "no batch or head dimension", (q_ref, k_ref, v_ref), {}, scale, None))
   # the mask, and from it the query sequence dim
-  q_seq = _query_dim(view, preds, q_free, q_logit, axis, rank, View.aval(logits).shape)
-  mask = masks.classify(view, preds, q_logit[q_seq], axis, rank, tuple(View.aval(logits).shape))
+  scores = frozenset(id(s) for s in (*chain, qk))
+  logits_shape = tuple(View.aval(logits).shape)
+  q_seq = _query_dim(view, preds, q_free, q_logit, axis, rank, logits_shape, batch_logit[0], scores)
+  mask = masks.classify(view, preds, q_logit[q_seq], axis, rank, logits_shape, batch_dim=batch_logit[0],
+                        scores=scores)
   # operator order: q [b0, seq, b1.., groups.., d..], k [b0, seq, b1.., d..], v [b0, seq, b1.., dv]
   groups = [d for d in q_free if d != q_seq]
+  heads = (*batch_logit[1:], *(q_logit[g] for g in groups))  # the logits dims of the operator's heads, in order
   batch_of_v = {pb[i]: vb[i] for i in range(len(pb))}
   v_batch = [batch_of_v[batch_logit[i]] for i in range(len(qb))]
   layout = {
@@ -304,6 +284,9 @@ def _attention(view, exp) -> Match | None:
       "k": (kb[0], k_free[0], *kb[1:], *kc),
       "v": (v_batch[0], vc[0], *v_batch[1:], v_free[0]),
       "groups": (len(qb) - 1, len(groups), len(qc)),
+      # the logits: their shape, and each dim's axis of a mask array (``b``, ``h``, ``i``, ``j``)
+      "logits": logits_shape, "heads": heads,
+      "roles": {batch_logit[0]: "b", q_logit[q_seq]: "i", axis: "j", **{h: "h" for h in heads}},
   }
   # the result's dims: each labelled by the operator-order position it comes from
   out_labels = _dot_labels(pv.params["dimension_numbers"], (rank, v_rank) if pi == 0 else (v_rank, rank))
@@ -331,13 +314,16 @@ def _attention(view, exp) -> Match | None:
   return _closed(view, match)
 
 
-def _query_dim(view, preds, q_free, q_logit, axis, rank, shape):
-  """The query free dim that is the sequence: the one a causal or sliding-window mask runs along, else the
-  longest."""
+def _query_dim(view, preds, q_free, q_logit, axis, rank, shape, batch_dim, scores):
+  """The query free dim that is the sequence: the one a causal or sliding-window mask runs along, else the one
+  segment ids run along, else the longest."""
   if len(q_free) > 1 and preds:
-    for d in q_free:
-      if masks.classify(view, preds, q_logit[d], axis, rank, tuple(shape)).kind in ("causal", "sliding_window"):
-        return d
+    found = {d: masks.classify(view, preds, q_logit[d], axis, rank, tuple(shape), batch_dim=batch_dim,
+                               scores=scores) for d in q_free}
+    for test in (lambda m: m.kind in ("causal", "sliding_window", "band"), masks.has_segments):
+      for d in q_free:
+        if test(found[d]):
+          return d
   return max(q_free, key=lambda d: (shape[q_logit[d]], -d))
 
 

@@ -8,11 +8,16 @@ as it was, except the equations a match replaces: its anchor runs the
 operator on the match's operands, its other equations are skipped. Calls
 (``jit``) that hold a replaced equation are evaluated inline, a
 ``checkpoint`` as a checkpoint of its rewritten body; every other call is
-bound whole. The operators are differentiable, so gradients flow through
-the rewritten program as through the original.
+bound whole. A loop or branch (``scan``, ``while``, ``cond``) whose bodies
+hold a routed call is rebuilt around its rewritten bodies
+(``jaxmercury.flax.loops``), each body planned as a program of its own. A
+mask's data parts (segment ids, mask arrays) are read from the program's
+values and passed to the operator. The operators are differentiable, so
+gradients flow through the rewritten program as through the original.
 
-``plan(view, routing)`` decides for each match: routed with the schedule
-``ops.choose`` picks, or not, with the reason. ``explain`` reports it.
+``plan(view, routing)`` decides for each match, in the program and in its
+loops' bodies: routed with the schedule ``ops.choose`` picks, or not, with
+the reason. ``explain`` reports it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from absl import logging
 
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
-from jaxmercury.flax import masks, patterns
-from jaxmercury.flax.jaxpr_view import REMAT, Lit, View, bind, inner
+from jaxmercury.flax import loops, masks, patterns
+from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
@@ -61,18 +66,21 @@ def _decide(view, match, routing) -> Decision:
   m = match
   common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
   if m.kind == "attention":
-    mask = m.mask.kind if m.mask is not None else ""
+    mask = m.mask.name if m.mask is not None else ""
     if m.layout:
       nb1, ng, nd = m.layout["groups"]
       q_shape, k_shape, v_shape = m.shapes
       q_std = _std_shape(q_shape, m.layout["q"], (1, 1, nb1 + ng, nd))
       k_std = _std_shape(k_shape, m.layout["k"], (1, 1, nb1, nd))
       common["shapes"] = (q_std, k_std, _std_shape(v_shape, m.layout["v"], (1, 1, nb1, 1)))
-    reason = m.reason or _inside_custom(view, m) or ("" if routing.attention else "attention not routed (asked)")
+    reason = m.reason or _inside_custom(view, m) or _mask_scope(view, m) or (
+        "" if routing.attention else "attention not routed (asked)")
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
     operator = masks.route(m.mask)
-    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator)
+    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator,
+                                    segment_ids=masks.has_segments(m.mask),
+                                    mask_axes=masks.mask_axes(m.mask, m.layout["roles"]))
   else:
     reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
     if not reason:
@@ -102,9 +110,82 @@ def _inside_custom(view, m) -> str:
   return ""
 
 
-def plan(view: View, routing: Routing) -> list[Decision]:
-  """Each attention and contraction of ``view``'s program, with what routing does with it."""
-  return [_decide(view, m, routing) for m in patterns.find(view)]
+def _mask_scope(view, m) -> str:
+  """Why a mask's arrays cannot be read where the operator runs: computed inside a checkpoint the attention is
+  not inside (its values exist only in the checkpoint's own trace)."""
+  for term in m.mask.terms if m.mask is not None else ():
+    for ref in term.refs:
+      scope = () if isinstance(ref, Lit) else ref[0]
+      for n in range(1, len(scope) + 1):
+        call = view.calls.get(scope[:n])
+        if call is not None and call.primitive in REMAT and m.anchor.path[:n] != scope[:n]:
+          return f"its {term.kind} mask is computed inside a checkpoint the attention is not in"
+  return ""
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+  """What routing does with one program: its matches' decisions, and the plans of its loops' bodies.
+
+  Attributes:
+    view: the program.
+    decisions: one per attention and contraction of the program itself.
+    bodies: for each loop or branch equation (``scan``, ``while``, ``cond``) by ``id`` of its site, the
+      ``(view, plan)`` of each of its bodies (``loops.bodies`` order).
+  """
+
+  view: View
+  decisions: list
+  bodies: dict
+
+  @property
+  def rewrites(self) -> bool:
+    """Whether anything in the program or its bodies is routed."""
+    return any(d.entry.routed for d in self.decisions) or any(
+        p.rewrites for subs in self.bodies.values() for _, p in subs)
+
+  def entries(self) -> list[Entry]:
+    """The report's entries in program order, a loop's bodies' where the loop is."""
+    at = {}
+    for d in self.decisions:
+      at.setdefault(id(d.match.anchor), []).append(d.entry)
+    out = []
+    for site in self.view.sites:
+      out += at.get(id(site), [])
+      for _, sub in self.bodies.get(id(site), ()):
+        out += sub.entries()
+    return out
+
+
+def _known(view: View, site, invariant: dict) -> dict:
+  """The values of a loop body's inputs known at trace time: its loop-invariant boolean and integer operands
+  computed from no input of the program (a causal mask built outside a scan of layers)."""
+  out = {}
+  for i, j in invariant.items():
+    ref = site.ins[j]
+    aval = View.aval(ref)
+    if aval.dtype != np.bool_ and not np.issubdtype(aval.dtype, np.integer):
+      continue
+    if math.prod(aval.shape) > masks.LARGEST_EVALUATED:
+      continue
+    try:
+      out[i] = view.evaluate(ref, limit=masks.LARGEST_EVALUATED)
+    except DependsOnInputs:
+      pass
+  return out
+
+
+def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
+  """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
+  with it."""
+  bodies = {}
+  if depth < 8:
+    for site in view.sites:
+      subs = loops.bodies(site.eqn)
+      if subs:
+        views = [View(b, _known(view, site, inv)) for b, inv in zip(subs, loops.invariants(site.eqn))]
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in views]
+  return Plan(view, [_decide(view, m, routing) for m in patterns.find(view)], bodies)
 
 
 # ------------------------------------------------------------------ the operators on matched operands
@@ -120,7 +201,43 @@ def _to_std(x, order, groups, mesh):
   return types.flatten(x, mesh, groups)
 
 
-def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
+def _canonical(x, dims, canon):
+  """``x`` (its dims on the logits dims ``dims``) on the logits dims ``canon``, in that order, size 1 where it
+  does not vary."""
+  kept = [(p, d) for p, d in enumerate(dims) if x.shape[p] != 1]
+  x = jnp.reshape(x, [x.shape[p] for p, _ in kept])
+  order = sorted(range(len(kept)), key=lambda i: canon.index(kept[i][1]))
+  if order != list(range(len(kept))):
+    x = jnp.transpose(x, order)
+  present = {d for _, d in kept}
+  sizes = {d: x.shape[i] for i, d in enumerate(sorted(present, key=canon.index))}
+  return jnp.reshape(x, [sizes.get(d, 1) for d in canon])
+
+
+def _mask_arguments(m, vals) -> dict:
+  """``ops.attention``'s segment-id and mask-array arguments from the values of the mask's terms."""
+  lay, out, arrays = m.layout, {}, []
+  shape, heads, roles = lay["logits"], lay["heads"], lay["roles"]
+  b, i, j = (next(d for d, r in roles.items() if r == a) for a in ("b", "i", "j"))
+  for term, xs in zip(m.mask.terms, vals):
+    if term.kind == "segment_ids":
+      for name, x, dims, seq in (("q", xs[0], term.dims[0], i), ("kv", xs[1], term.dims[1], j)):
+        ids = _canonical(x, dims, [b, seq])
+        out[f"{name}_segment_ids"] = jnp.broadcast_to(ids, (shape[b], shape[seq]))
+    else:
+      arrays.append(_canonical(xs[0], term.dims[0], [b, *heads, i, j]))
+  if arrays:
+    axes = masks.mask_axes(m.mask, roles)
+    full = functools.reduce(jnp.logical_and, arrays)
+    if "h" in axes:
+      full = jnp.broadcast_to(full, [full.shape[0], *(shape[h] for h in heads), *full.shape[-2:]])
+    sizes = {"b": full.shape[0], "h": math.prod(full.shape[1:-2]), "i": full.shape[-2], "j": full.shape[-1]}
+    out["mask"] = jnp.reshape(full, [sizes[a] for a in axes])
+    out["mask_axes"] = axes
+  return out
+
+
+def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   m, lay, mesh = d.match, d.match.layout, routing.mesh
   nb1, ng, nd = lay["groups"]
   heads = nb1 + ng
@@ -131,7 +248,7 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
   if abs(factor - 1.0) > 1e-9:
     qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
   out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune,
-                      **d.operator, **routing.options())
+                      **d.operator, **_mask_arguments(m, extras), **routing.options())
   q_order = lay["q"]
   head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
   shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
@@ -145,7 +262,7 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval):
   return types.like(y, mesh, anchor_aval, free_dims=free)
 
 
-def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
+def _matmul(d: Decision, routing: Routing, lhs, rhs, params, anchor_aval):
   lay = d.match.layout
   if tuple(lay["lhs"]) != tuple(range(lhs.ndim)):
     lhs = jnp.transpose(lhs, lay["lhs"])
@@ -154,17 +271,22 @@ def _matmul(d: Decision, routing: Routing, lhs, rhs, params):
   nl, k = lay["free"][0], lay["k"]
   dn = ((tuple(range(nl, nl + k)), tuple(range(k))), ((), ()))
   extra = {"out_sharding": params["out_sharding"]} if params.get("out_sharding") is not None else {}
-  return DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
-                             preferred_element_type=params.get("preferred_element_type"), **extra)
+  y = DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
+                         preferred_element_type=params.get("preferred_element_type"), **extra)
+  # the traced result's sharding type (what the original equation gave; a traced call's shape may lack it)
+  return types.like(y, routing.mesh, anchor_aval, free_dims=range(lay["free"][0]))
 
 
 # ------------------------------------------------------------------ the interpreter
-def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
-  """``view``'s program on ``args`` with the routed decisions' operators in place of their equations."""
-  routed = [d for d in decisions if d.entry.routed]
+def evaluate(program: Plan, routing: Routing, args):
+  """The planned program on ``args`` with the routed decisions' operators in place of their equations (and
+  its loops rebuilt around their rewritten bodies)."""
+  view = program.view
+  routed = [d for d in program.decisions if d.entry.routed]
   anchors = {id(d.match.anchor): d for d in routed}
   skipped = {id(s) for d in routed for s in d.match.inner}
   opened = {s.path[:n] for d in routed for s in (d.match.anchor, *d.match.inner) for n in range(1, len(s.path))}
+  opened |= {r[0][:n] for d in routed for r in _term_refs(d.match) for n in range(1, len(r[0]) + 1)}
   env = {}
 
   def read(ref):
@@ -192,14 +314,18 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
       elif id(site) in skipped:
         continue
+      elif id(site) in program.bodies and any(p.rewrites for _, p in program.bodies[id(site)]):
+        run_body = [functools.partial(evaluate, p, routing) for _, p in program.bodies[id(site)]]
+        write(site.outs, loops.rebuild(eqn, [read(r) for r in site.ins], run_body))
       elif id(site) in anchors:
         d = anchors[id(site)]
         vals = [read(r) for r in d.match.operands]
         aval = View.aval(site.outs[0])
         if d.match.kind == "attention":
-          out = _attention(d, routing, *vals, aval)
+          extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
+          out = _attention(d, routing, *vals, aval, extras)
         else:
-          out = _matmul(d, routing, *vals, site.params)
+          out = _matmul(d, routing, *vals, site.params, aval)
         write(site.outs, [out])
       else:
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
@@ -215,6 +341,12 @@ def evaluate(view: View, decisions: list[Decision], routing: Routing, args):
   write(view.inputs, args)
   run(view.closed.jaxpr, (), view.closed.consts)
   return [read(r) for r in view.outputs]
+
+
+def _term_refs(m) -> list:
+  """The program values a match's mask terms read (not literals)."""
+  terms = m.mask.terms if m.kind == "attention" and m.mask is not None else ()
+  return [r for t in terms for r in t.refs if not isinstance(r, Lit)]
 
 
 # ------------------------------------------------------------------ tracing a function
@@ -244,8 +376,8 @@ def trace(fn, args, kwargs):
   return View(closed), dyn, jax.tree.structure(shape)
 
 
-def report(decisions) -> Report:
-  return Report(d.entry for d in decisions)
+def report(program: Plan) -> Report:
+  return Report(program.entries())
 
 
 def route(fn, routing: Routing):
@@ -260,7 +392,7 @@ def route(fn, routing: Routing):
     logging.info("jaxmercury routing of %s:\n%s", getattr(fn, "__qualname__", fn), report(decisions))
     token = _ROUTING.set(True)
     try:
-      outs = evaluate(view, decisions, routing, dyn)
+      outs = evaluate(decisions, routing, dyn)
     finally:
       _ROUTING.reset(token)
     return jax.tree.unflatten(out_tree, outs)
@@ -270,6 +402,17 @@ def route(fn, routing: Routing):
   return routed
 
 
+CUDNN_UNTRACEABLE = (
+    "jax.nn.dot_product_attention(implementation='cudnn') does not trace without cuDNN (JAX checks for it while "
+    "tracing), so nothing of this program can be inspected here; on a GPU its fused cuDNN call is one opaque "
+    "primitive, which the rewrite does not replace: use implementation=None or 'xla' to have it routed")
+
+
 def explain_function(fn, routing: Routing, args, kwargs) -> Report:
-  view, _, _ = trace(fn, args, kwargs)
+  try:
+    view, _, _ = trace(fn, args, kwargs)
+  except RuntimeError as e:
+    if "cuDNN" not in str(e):
+      raise
+    return Report([Entry("attention", raised_at(e), (), False, None, CUDNN_UNTRACEABLE)])
   return report(plan(view, routing))

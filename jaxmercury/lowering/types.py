@@ -204,9 +204,17 @@ def like(y, mesh, target, free_dims: Sequence[int] = ()):
     spec = PartitionSpec(*[PartitionSpec.UNCONSTRAINED if d in free_dims else None for d in range(y.ndim)])
     return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
   sharding = getattr(target, "sharding", None)
-  if sharding is None or getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
+  if sharding is None or getattr(sharding, "mesh", None) is None:
     return y
+  if sharding.mesh.empty:  # the undecorated result is on no mesh (its inputs were not): whole, as it is
+    return jax.sharding.reshard(y, NamedSharding(mesh, PartitionSpec())) if _split(y) else y
   return jax.sharding.reshard(y, sharding)
+
+
+def _split(y) -> bool:
+  """Whether ``y``'s sharding type splits a dimension."""
+  spec = getattr(getattr(jax.typeof(y), "sharding", None), "spec", None)
+  return spec is not None and any(p is not None for p in spec)
 
 
 def output_spec(schedule) -> PartitionSpec:
