@@ -9,6 +9,7 @@ GPUs, values and gradients.
 Run: ``JAX_PLATFORMS=cuda python3 -m pytest tests/gpu/test_mosaic_kernels.py -x -q``
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -118,11 +119,10 @@ def test_forward_every_variant():
   sizes = {"i": 512, "j": 512}
   ctx = _ctx({}, sizes, sizes)
   want = prog.body(ctx, *_f32(q, k, v))
-  for name in registry.kernel("mosaic_attention").variants():
-    params = registry.parse(name)[1]
-    if ma._forward_config(512, 512, 128, params) is None:
+  for choice in registry.kernel("mosaic_attention").variants():
+    if ma._forward_config(512, 512, 128, dataclasses.asdict(choice.config)) is None:
       continue
-    block = ma._make(prog, **params)
+    block = ma._make(prog, choice.config, False)
     _assert_state(jax.jit(lambda *x: block(ctx, *x))(q, k, v), want)
 
 
@@ -186,15 +186,14 @@ def test_backward_ring_offsets_and_variants(part):
   q, k, v, o, do, _ = _backward_inputs(prog, 256, 256)
   lse = _normal((2, 256, 2, 4), jnp.float32) + 6.0  # a plausible merged lse for these rows
   sizes, whole = {"i": 256, "j": 256}, {"i": 1024, "j": 1024}
-  for name in registry.kernel(f"mosaic_attention_{part}").variants():
-    params = registry.parse(name)[1]
-    block = ma._make_backward(part)(program, **params)
+  for choice in registry.kernel(f"mosaic_attention_{part}").variants():
+    block = ma._make_backward(part)(program, choice.config, False)
     run = jax.jit(lambda s, *x: block(_ctx({"i": s[0], "j": s[1]}, sizes, whole), *x))
     for qs, ks in [(512, 0), (512, 512), (256, 768)]:
       starts = jnp.array([qs, ks], jnp.int32)
       want = program.body(_ctx({"i": starts[0], "j": starts[1]}, sizes, whole), *_f32(q, k, v, o, do, lse))
       got = run(starts, q, k, v, o, do, lse)
-      assert (_rel(got, want) < TOL) if np.any(want) else not np.any(got), (name, qs, ks)
+      assert (_rel(got, want) < TOL) if np.any(want) else not np.any(got), (choice, qs, ks)
 
 
 # ------------------------------------------------------------------ attention schedules
@@ -242,10 +241,16 @@ def test_gradients_of_mosaic_schedules_run_cudnns_backward(strategy, causal):
 # ------------------------------------------------------------------ matmul
 
 
+def _block(kernel: str, prog):
+  """``kernel``'s block function for ``prog`` in its default configuration."""
+  k = registry.kernel(kernel)
+  return k.make(prog, k.variants()[0].config, False)
+
+
 def _feasible_tiles():
   out = []
-  for name in registry.kernel("mosaic_matmul").variants():
-    tiles = mm.Tiles(**registry.parse(name)[1])
+  for choice in registry.kernel("mosaic_matmul").variants():
+    tiles = choice.config.tiles()
     if tiles.problem() is None:
       out.append(tiles)
   return out
@@ -264,10 +269,9 @@ def test_mosaic_gemm_every_variant(dtype):
 def test_jax_gemm_every_variant(dtype):
   a, b = _normal((1024, 2048), dtype), _normal((2048, 1536), dtype)
   want = jnp.dot(*_f32(a, b), precision="highest")
-  for name in registry.kernel("jax_mosaic_matmul").variants():
-    params = registry.parse(name)[1]
-    got = jax.jit(functools.partial(mm.jax_gemm, **params))(a, b)
-    assert got.dtype == jnp.float32 and _rel(got, want) < 1e-2, name  # rounded to the input dtype
+  for choice in registry.kernel("jax_mosaic_matmul").variants():
+    got = jax.jit(functools.partial(mm.jax_gemm, **dataclasses.asdict(choice.config)))(a, b)
+    assert got.dtype == jnp.float32 and _rel(got, want) < 1e-2, choice  # rounded to the input dtype
 
 
 @pytest.mark.parametrize("kernel", ["mosaic_matmul", "jax_mosaic_matmul"])
@@ -276,7 +280,7 @@ def test_matmul_kernels_differentiate(kernel):
   GEMMs reaching the kernel."""
   prog = jm.programs.matmul(1024, 1536, 2048, jnp.bfloat16)
   sizes = {"m": 1024, "n": 1536, "k": 2048}
-  block = registry.kernel(kernel).make(prog)
+  block = _block(kernel, prog)
   ctx = _ctx({}, sizes, sizes)
   a, b, d = _normal((1024, 2048), jnp.bfloat16), _normal((2048, 1536), jnp.bfloat16), _normal((1024, 1536),
                                                                                                 jnp.float32)
@@ -295,7 +299,7 @@ def test_matmul_blocks_on_and_off_the_tiles(kernel, shape):
   prog = jm.programs.matmul(m, n, k, jnp.bfloat16)
   sizes = {"m": m, "n": n, "k": k}
   ctx = _ctx({}, sizes, sizes)
-  block = registry.kernel(kernel).make(prog)
+  block = _block(kernel, prog)
   a, b = _normal((m, k), jnp.bfloat16), _normal((k, n), jnp.bfloat16)
   on_tiles = shape == (1024, 1024, 1024)
   assert (_count_kernels(lambda *x: block(ctx, *x), a, b) > 0) == on_tiles
