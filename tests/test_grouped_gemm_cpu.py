@@ -244,6 +244,15 @@ def test_dispatch_forward_and_gradients(standins, mesh_shape, level, kind):
   assert {c[0] for c in standins} == {"forward", "dx", "dw"}
 
 
+def test_one_device_mesh(standins):
+  """The GPU test's schedule (experts over a one-device level) on one CPU device."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.moe(64, 128, 128, 8, 2, dtype=jnp.bfloat16)
+  xs = inputs(prog, biased=False)
+  s = jm.Schedule(prog, mesh).tile("e", 1).parallelize("e0", "x").dispatch("e0", gemm=NAME)
+  assert rel_err(jax.jit(s.compile())(*xs), dense_moe(*xs, top_k=2)) < 2e-2 and standins
+
+
 def test_library_schedules_with_the_kernel_inside_set_mesh(standins):
   mesh = make_mesh("8")
   prog = _moe()
