@@ -7,6 +7,7 @@ iterations, so the whole file runs in about a minute on two cores.
 import math
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import assert_matches, fresh_key, make_mesh
@@ -63,7 +64,7 @@ def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
   (plain,) = [c for c in ok if c.plain]
   assert plain.origin == "plain" and plain.name.startswith("plain ") and math.isnan(plain.predicted_ms)
   others = [c for c in ok if c.name not in library_names and not c.plain]
-  assert len(others) == top_k
+  _assert_top_k_timed(result, others, top_k)
   tol = measure.tolerance(prog.writes.dtype)
   for c in ok:
     assert c.result.rel_err is not None and c.result.rel_err < tol, c.name
@@ -80,10 +81,10 @@ def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
   else:
     assert result.best is plain is min(ok, key=lambda c: c.time_ms), result.decision
 
-  # Every pruned candidate has a reason: the same program as a timed one, or the cost model ranks it below every
-  # timed non-library one.
+  # Every pruned candidate has a reason: the same program as a timed one, the cost model ranks it below every
+  # timed non-library one, or predicts it several times slower than the best.
   assert pruned
-  ranked_out = [c for c in pruned if f"top {top_k}" in c.result.reason]
+  ranked_out = [c for c in pruned if f"top {top_k}" in c.result.reason or "the best prediction" in c.result.reason]
   for c in pruned:
     assert c.name not in library_names, c.name
     assert c in ranked_out or c.result.reason.startswith("same program as "), c.result.reason
@@ -100,9 +101,21 @@ def _dot_block(ctx, a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
+def _assert_top_k_timed(result, others, top_k):
+  """``top_k`` candidates besides the anchors are timed, fewer only where the rest are predicted over
+  ``PREDICTED_SLOWER`` times the best prediction (and pruned so, with the ratio)."""
+  slow = [c for c in _by_status(result, measure.PRUNED) if "the best prediction" in c.result.reason]
+  for c in slow:
+    best = min((b for b in result.candidates if c.result.reason.endswith(f"({b.name})")), key=lambda b: b.predicted_ms)
+    assert c.predicted_ms > tune_module.PREDICTED_SLOWER * best.predicted_ms, (c.name, c.predicted_ms, best.name)
+    assert f"{c.predicted_ms / best.predicted_ms:.1f}x the best prediction" in c.result.reason
+  assert len(others) == top_k or (len(others) < top_k and slow)
+
+
 def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monkeypatch):
   """With two kernels, a strategy's other kernel competes with the design space for the top_k places."""
   monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+  monkeypatch.setattr(tune_module, "PREDICTED_SLOWER", math.inf)  # the top_k rule alone
   registry.register(registry.Kernel(name="test_dot", patterns=frozenset({"matmul"}),
                                     make=lambda program, config, interpret: _dot_block))
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
@@ -137,6 +150,32 @@ def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monk
   assert any(c.origin == "library" for c in pruned)
   table = result.table()
   assert all(f"| {c.name} |" in table for c in result.candidates) and "below the top 2" in table
+
+
+@pytest.mark.parametrize("mesh_name", ["1", "8"])
+def test_candidates_predicted_several_times_slower_are_not_compiled(mesh_name, monkeypatch):
+  """A kernel with a quarter of the rate is predicted 4x slower: pruned with the ratio, not compiled. On one
+  device the library strategies' anchors too; on several the anchors are timed whatever the prediction."""
+  monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+  registry.register(registry.Kernel(name="test_dot", patterns=frozenset({"matmul"}),
+                                    make=lambda program, config, interpret: _dot_block))
+  mesh = make_mesh(mesh_name) if mesh_name != "1" else jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+  prog = PROGRAMS["matmul"]()
+  machine = cost.Machine("test CPU, a slow kernel", flops_per_s=10e9, link_bytes_per_s={"*": 1e9},
+                         latency_s=50e-6, kernel_flops_per_s={"xla": 40e9, "test_dot": 10e9})
+  compiled = []
+  original = measure.compile_ahead
+  monkeypatch.setattr(measure, "compile_ahead", lambda s, **kw: compiled.append(s) or original(s, **kw))
+  result = _tune(prog, mesh, machine=machine, top_k=8)
+  slow = [c for c in result.candidates if c.result and "the best prediction" in c.result.reason]
+  assert any("[test_dot]" in c.name for c in slow)
+  anchors = {c.strategy for c in result.candidates if c.origin == "library" and c.status == measure.OK}
+  if mesh.size == 1:
+    assert all(c.status == measure.PRUNED for c in result.candidates if "[test_dot]" in c.name)
+  else:
+    assert anchors == set(jm.library(prog, mesh))
+  assert not {id(c.schedule) for c in slow} & {id(s) for s in compiled}
+  _assert_top_k_timed(result, [c for c in result.candidates if c.status == measure.OK and c.origin == "space"], 8)
 
 
 # ------------------------------------------------------------------ the database

@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -210,3 +211,49 @@ def test_candidate_the_tuner_died_in_twice_is_failed_not_retried(tmp_path, monke
   c = next(c for c in result.candidates if c.name == pairs[0][0])
   assert c.status == measure.FAILED and "died 2 times while measuring it" in c.result.reason
   assert result.best is not None and result.best.name != pairs[0][0]
+
+
+def test_candidates_compile_on_threads_before_any_runs(monkeypatch):
+  """Every candidate compiles (on the compile threads) before the first check; a compile error is that
+  candidate's failure, with its reason, the others are timed as one at a time would."""
+  prog, mesh = _prog(), make_mesh("8")
+  pairs = list(jm.library(prog, mesh).items())
+  events = []
+  original_compile, original_check = measure.compile_ahead, measure._compile_and_check
+
+  def compile_ahead(schedule, **kw):
+    events.append(("compile", threading.current_thread().name))
+    if schedule.to_json() == pairs[0][1].to_json():
+      raise RuntimeError("a compile that fails")
+    return original_compile(schedule, **kw)
+
+  def check(*args, **kw):
+    events.append(("check", threading.current_thread().name))
+    return original_check(*args, **kw)
+
+  monkeypatch.setattr(measure, "compile_ahead", compile_ahead)
+  monkeypatch.setattr(measure, "_compile_and_check", check)
+  result = jm.autotune(prog, mesh, candidates=pairs, iters=2, machine=CPU, compile_threads=3, log=lambda s: None)
+  compiles = [e for e in events if e[0] == "compile"]
+  assert len(compiles) == len(pairs) + 1  # and the plain program
+  assert all(name.startswith("jaxmercury-compile-") for _, name in compiles)
+  assert events.index(compiles[-1]) < events.index(next(e for e in events if e[0] == "check"))
+  failed = next(c for c in result.candidates if c.name == pairs[0][0])
+  assert failed.status == measure.FAILED and "a compile that fails" in failed.result.reason
+  assert all(c.status == measure.OK for c in result.candidates if c is not failed)
+  assert result.phases["compile ahead"] > 0
+
+
+def test_after_the_tuner_died_candidates_compile_one_at_a_time(tmp_path, monkeypatch):
+  """A candidate started and never measured (the tuner died) makes the next tune compile each candidate just
+  before it runs, so that a second death is blamed on the right one."""
+  prog, mesh = _prog(), make_mesh("8")
+  pairs = list(jm.library(prog, mesh).items())
+  db = jm.Database(tmp_path / "t.db")
+  db.start_measurement(prog, mesh, Candidate(pairs[0][0], pairs[0][1], 0.0, 0))
+  ahead = []
+  monkeypatch.setattr(measure, "compile_ahead", lambda *a, **kw: ahead.append(a))
+  result = jm.autotune(prog, mesh, candidates=pairs, iters=2, machine=CPU, database=db, compile_threads=3,
+                       log=lambda s: None)
+  assert not ahead and "compile ahead" not in result.phases
+  assert all(c.status == measure.OK for c in result.candidates)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -189,12 +190,19 @@ class Program:
   def random_inputs(self, key: jax.Array, scale: float = 1.0):
     """Fresh normal random inputs with the read buffers' shapes and dtypes (boolean buffers: True with
     probability 3/4)."""
-    keys = jax.random.split(key, len(self.reads))
-    return tuple(jax.random.bernoulli(k, 0.75, b.shape) if jnp.dtype(b.dtype) == jnp.bool_ else
-                 (scale * jax.random.normal(k, b.shape, jnp.float32)).astype(b.dtype)
-                 for k, b in zip(keys, self.reads))
+    buffers = tuple((tuple(b.shape), jnp.dtype(b.dtype).name) for b in self.reads)
+    return _random_inputs(key, jnp.float32(scale), buffers=buffers)
 
   def __str__(self):
     loops = " ".join(f"{a.name}:{a.extent}{self.kinds[a.name]}" for a in self.loops)
     reads = ", ".join(str(b) for b in self.reads)
     return f"{self.name}({reads}) -> {self.writes} over [{loops}]"
+
+
+@functools.partial(jax.jit, static_argnames="buffers")
+def _random_inputs(key, scale, *, buffers):
+  """``Program.random_inputs`` as one compiled program (drawn op by op, each draw would compile on its own)."""
+  keys = jax.random.split(key, len(buffers))
+  return tuple(jax.random.bernoulli(k, 0.75, shape) if dtype == "bool" else
+               (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+               for k, (shape, dtype) in zip(keys, buffers))

@@ -166,7 +166,8 @@ def _tile_kernel(a_gmem, b_gmem, out_gmem, out_smem, *, tiles: Tiles):
 
 
 def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
-  """``a @ b`` in float32 through the Mosaic GPU kernel.
+  """``a @ b`` in float32 through the Mosaic GPU kernel, differentiable: its backward's two GEMMs
+  (``dC b^T`` and ``a^T dC``) run through the kernel too where the tiles divide them, through XLA otherwise.
 
   Args:
     a: [m, k] bf16 or fp16.
@@ -180,6 +181,11 @@ def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
   (m, k), n = a.shape, b.shape[1]
   if not tiles.divides(m, n, k):
     raise ValueError(f"mosaic_gemm: shape m={m} n={n} k={k} is not a multiple of {tiles}")
+  return _gemm(a, b, tiles, interpret)
+
+
+def _kernel_gemm(a, b, tiles: Tiles, interpret: bool):
+  (m, _), n = a.shape, b.shape[1]
   out_smem = plgpu.SMEM((tiles.tile_m, tiles.tile_n), jnp.float32, transforms=_swizzled(tiles.tile_n, jnp.float32))
   kernel = plgpu.kernel(
       functools.partial(_tile_kernel, tiles=tiles),
@@ -188,6 +194,33 @@ def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
       grid=(m // tiles.tile_m, n // tiles.tile_n), grid_names=("m", "n"),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   return kernel(a, b)
+
+
+def _gemm_or_dot(a, b, tiles: Tiles, interpret: bool):
+  (m, k), n = a.shape, b.shape[1]
+  if tiles.divides(m, n, k):
+    return _gemm(a, b, tiles, interpret)
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gemm(a, b, tiles: Tiles, interpret: bool):
+  return _kernel_gemm(a, b, tiles, interpret)
+
+
+def _gemm_forward(a, b, tiles, interpret):
+  return _kernel_gemm(a, b, tiles, interpret), (a, b)
+
+
+def _gemm_backward(tiles, interpret, saved, d_out):
+  a, b = saved
+  d_out = d_out.astype(a.dtype)
+  da = _gemm_or_dot(d_out, b.T, tiles, interpret)
+  db = _gemm_or_dot(a.T, d_out, tiles, interpret)
+  return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_gemm.defvjp(_gemm_forward, _gemm_backward)
 
 
 def mosaic_matmul_block(ctx, a, b, *, tiles: Tiles, interpret: bool, fallback):

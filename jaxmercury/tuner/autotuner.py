@@ -40,6 +40,7 @@ resumes; under ``jax.distributed`` process 0 decides and broadcasts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -58,7 +59,7 @@ from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
 from jaxmercury.schedules.trace import is_size
 from jaxmercury.schedules.validate import validate
-from jaxmercury.tuner import agree, cost, decide, measure, watchdog
+from jaxmercury.tuner import agree, ahead, cost, decide, measure, watchdog
 from jaxmercury.tuner.calibrate import calibrate
 from jaxmercury.tuner.candidates import (
   GIVEN,
@@ -92,6 +93,8 @@ class TuneResult:
     objective: what the times are of: the forward, or a training step (``database.TRAINING``).
     decision: how the winner was chosen (the final round's verdict, ties within noise named).
     tied: the candidates tied with the winner within the final round's noise.
+    phases: seconds per phase of the tune (``calibration``, ``plan``, ``reference``, ``compile and check``,
+      ``timing``, ``final round``); empty for a winner read from the database.
   """
 
   best: Candidate | None
@@ -102,6 +105,7 @@ class TuneResult:
   objective: str = FORWARD
   decision: str = ""
   tied: list = dataclasses.field(default_factory=list)
+  phases: dict = dataclasses.field(default_factory=dict)
 
   @property
   def baseline(self) -> Candidate | None:
@@ -284,7 +288,7 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
              memory_budget: int | None = None, machine: cost.Machine | None = None, iters: int = 10,
              time_limit_s: float | None = None, key=None, database=None, retune: bool = False,
              isolation: str = "thread", resume: bool = True, training: bool = False, final_budget_s: float = 3.0,
-             log=print) -> TuneResult:
+             compile_threads: int | None = None, log=print) -> TuneResult:
   """Finds the fastest correct schedule of ``program`` on ``mesh``.
 
   The program, mesh and layouts are validated first (``jaxmercury.schedules.validate``);
@@ -345,6 +349,11 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
       from the forward's (``database.TRAINING``).
     final_budget_s: seconds after which the final round starts no new
       rounds; its finalists not resolved by then are reported tied.
+    compile_threads: candidates compiled at once, all before the first is
+      run (``tuner.ahead``); default one per CPU core, 8 at most; 1 compiles
+      each just before it is checked. One at a time in any case under
+      several processes, with ``isolation='process'``, and after the tuner
+      died while measuring (so that a rerun finds the candidate to blame).
     log: progress printer.
 
   Returns:
@@ -369,16 +378,21 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   started = time.perf_counter()
   log(f"== {program}{' (training step)' if training else ''} on mesh {dict(mesh.shape)}")
   try:
+    threads = ahead.default_threads() if compile_threads is None else compile_threads
     result = _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine,
                      iters, time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log,
-                     layouts, many, objective)
+                     layouts, many, objective, threads)
   except KeyboardInterrupt:
     kept = 0 if database is None else len([m for m in database.measurements(program, mesh, layouts,
                                                                             objective=objective).values()
                                            if m.result is not None])
     raise TuneInterrupted(kept) from None
-  log(f"== done in {time.perf_counter() - started:.1f} s: {result.summary()}")
+  spent = ", ".join(f"{phase} {s:.1f}" for phase, s in result.phases.items() if s >= 0.05)
+  log(f"== done in {time.perf_counter() - started:.1f} s{f' ({spent})' if spent else ''}: {result.summary()}")
   return result
+
+
+PREDICTED_SLOWER = 2.0  # a default candidate predicted this many times the best prediction is not timed
 
 
 class TuneInterrupted(KeyboardInterrupt):
@@ -392,16 +406,19 @@ class TuneInterrupted(KeyboardInterrupt):
 
 def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine, iters,
             time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log, layouts, many,
-            objective) -> TuneResult:
+            objective, threads) -> TuneResult:
   """``autotune``'s search, once its arguments are checked (see there)."""
   found = _from_database(program, mesh, layouts, objective, database, retune, log)
   if found is not None:
     return found
-  machine = _machine(program, mesh, machine, database, log)
+  clock = _Phases()
+  with clock("calibration"):
+    machine = _machine(program, mesh, machine, database, log)
   store = _Store(database, program, mesh, layouts, log, objective)
   if agree.is_leader():
-    cands, timed, resumed = _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
-                                  memory_budget, machine, store, retune, resume, training, log)
+    with clock("plan"):
+      cands, timed, resumed = _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
+                                    memory_budget, machine, store, retune, resume, training, log)
     seed = _seed(key)
   if many:
     plan = agree.broadcast_json(_plan_data(cands, timed, seed) if agree.is_leader() else None)
@@ -411,10 +428,21 @@ def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
 
   inputs = None
   kept = _Kept()  # the compiled programs of the candidates that may reach the final round
+  todo = [cands[i] for i in timed if cands[i].result is None]
+  compiled = {}
+  if threads > 1 and len(todo) > 1 and not many and isolation == "thread" and not store.died_measuring():
+    for c in todo:
+      store.started(c)
+    log(f"  compiling {len(todo)} candidates, {min(threads, len(todo))} at a time ...")
+    with clock("compile ahead"):
+      futures = ahead.compile_all([c.schedule for c in todo], training=training, threads=threads,
+                                  time_limit_s=time_limit_s)
+    compiled = {id(c): f for c, f in zip(todo, futures)}
   for n, index in enumerate(timed):
     c = cands[index]
     if c.result is None:
-      store.started(c)
+      if id(c) not in compiled:
+        store.started(c)
       if isolation == "process":
         c.result = watchdog.measure_in_worker(c.schedule, seed, iters=iters, time_limit_s=time_limit_s,
                                               training=training)
@@ -422,18 +450,23 @@ def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
           log(f"  {c.name}: no worker can rebuild {program.name}; measuring in-process")
       if c.result is None:
         if inputs is None:
-          inputs, cotangent, reference = trial(program, seed, agree.local_device(mesh), training=training)
+          with clock("reference"):
+            inputs, cotangent, reference = trial(program, seed, agree.local_device(mesh), training=training)
+        t0 = time.perf_counter()
         c.result = measure.measure(c.schedule, inputs, reference, iters=iters, time_limit_s=time_limit_s,
                                    gather=agree.gather if many else None, cotangent=cotangent,
-                                   keep=None if many else kept.keeper(c))
+                                   keep=None if many else kept.keeper(c), compiled=compiled.pop(id(c), None))
+        compiling = c.result.compile_s or 0.0
+        clock.add("compile and check", compiling)
+        clock.add("timing", time.perf_counter() - t0 - compiling)
       store.measured(c)
-      note = ""
+      note = "" if c.result.compile_s is None else f"  (compile and check {c.result.compile_s:.1f} s)"
     else:
       note = "  (resumed)"
     shown = f"{c.time_ms:9.3f} ms" if c.time_ms is not None else c.result.reason
     predicted = "        -" if math.isnan(c.predicted_ms) else f"{c.predicted_ms:9.3f}"
     log(f"  [{n + 1}/{len(timed)}] {c.name:<40} predicted {predicted} ms  {c.status:<6} {shown}{note}")
-    if not note and isolation == "thread" and c.result.reason.startswith("time-out"):
+    if "resumed" not in note and isolation == "thread" and c.result.reason.startswith("time-out"):
       log("  warning: an abandoned candidate may still occupy the devices and delay the next ones; "
           "isolation='process' kills it instead")
     kept.trim([c for c in cands if c.status == measure.OK])
@@ -444,7 +477,8 @@ def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
     if inputs is None:
       inputs = program.random_inputs(jax.random.key(seed))
     step_key = jax.random.fold_in(jax.random.key(seed), 1) if training else None
-    best, decision, tied = _final_round(ok, kept, inputs, iters, final_budget_s, log, step_key)
+    with clock("final round"):
+      best, decision, tied = _final_round(ok, kept, inputs, iters, final_budget_s, log, step_key)
   elif ok:
     best, decision = _own_times_winner(ok)
   if many:
@@ -461,7 +495,28 @@ def _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding,
   if best is not None:
     store.winner(best, cands)
   return TuneResult(best, cands, machine=machine, resumed=resumed, objective=objective, decision=decision,
-                    tied=tied)
+                    tied=tied, phases=clock.seconds())
+
+
+class _Phases:
+  """Seconds spent per phase of a tune (``TuneResult.phases``), in the order the phases began."""
+
+  def __init__(self):
+    self._seconds = {}
+
+  def add(self, phase: str, seconds: float):
+    self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+
+  @contextlib.contextmanager
+  def __call__(self, phase: str):
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.add(phase, time.perf_counter() - t0)
+
+  def seconds(self) -> dict[str, float]:
+    return dict(self._seconds)
 
 
 class _Kept:
@@ -686,6 +741,9 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
     fits.append(c)
   fits.sort(key=lambda c: c.predicted_ms)
   anchors = _anchors(fits, set(library(program, mesh)))
+  if candidates is None:  # anchors too on one device, where every candidate is local compute the model knows
+    fits = _prune_predicted_slow(fits, keep=() if mesh.size == 1 else anchors.values())
+    anchors = {k: c for k, c in anchors.items() if c.result is None}
   anchor_ids = {id(c) for c in anchors.values()}
   ranked = [c for c in fits if id(c) not in anchor_ids]
   for c in ranked[top_k:]:
@@ -714,6 +772,21 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   if resumed:
     log(f"resuming: {resumed} of {len(fits)} measurements read from {store.path}")
   return cands, [cands.index(c) for c in fits], resumed
+
+
+def _prune_predicted_slow(fits: list, keep=()) -> list:
+  """``fits`` (best predicted first) less the candidates predicted over ``PREDICTED_SLOWER`` times the best
+  prediction, pruned with the reason: the cost model's errors, once calibrated, are well under that factor, and
+  compiling them is most of a tune's time. Those in ``keep`` stay."""
+  if not fits or not fits[0].predicted_ms > 0:
+    return fits
+  best, kept = fits[0], {id(c) for c in keep}
+  for c in fits[1:]:
+    ratio = c.predicted_ms / best.predicted_ms
+    if ratio > PREDICTED_SLOWER and id(c) not in kept:
+      c.result = measure.Measurement(measure.PRUNED, reason=f"predicted {c.predicted_ms:.3g} ms, {ratio:.1f}x the "
+                                                            f"best prediction ({best.name})")
+  return [c for c in fits if c.result is None]
 
 
 def _time_nearest(near, cands, fits: list, ranked_out, memory_budget, score, programs, log):
@@ -805,6 +878,10 @@ class _Store:
 
   def clear(self):
     self._do("clear measurements", "clear_measurements", self.layouts)
+
+  def died_measuring(self) -> bool:
+    """Whether a stored candidate of this key was started and never measured (the tuner died measuring it)."""
+    return any(row.result is None and row.attempts for row in self.measurements().values())
 
   def measurements(self) -> dict:
     return self._do("read measurements", "measurements", self.layouts) or {}

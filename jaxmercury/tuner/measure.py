@@ -53,6 +53,7 @@ class Measurement:
   reason: str = ""
   compiled_bytes: int | None = None  # from compiled.memory_analysis(), where available
   cause: str = ""
+  compile_s: float | None = None  # seconds of the compile, first run and check
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -101,19 +102,26 @@ def local_error(y, ref) -> tuple[bool, float, float]:
 
   Each element counts once (replica 0 of every shard), so the sums of all
   processes give the error of the whole output; one process needs only the
-  shards it can address.
+  shards it can address. The sums are taken on each shard's device, in float32 (copying a large output to the
+  host and summing it there took seconds per candidate).
   """
-  ref = np.asarray(jax.device_get(ref), np.float64)
+  ref = ref if isinstance(ref, jax.Array) else jnp.asarray(ref)
   finite, diff, norm = True, 0.0, 0.0
   for shard in y.addressable_shards:
     if shard.replica_id != 0:
       continue
-    part = np.asarray(shard.data, np.float64)
-    r = ref[shard.index]
-    finite = finite and bool(np.all(np.isfinite(part)))
-    diff += float(np.sum((part - r) ** 2)) if finite else 0.0
-    norm += float(np.sum(r ** 2))
+    sums = _error_sums(shard.data, jax.device_put(ref[shard.index], shard.device))
+    ok, d, n = (float(v) for v in jax.device_get(sums))
+    finite = finite and bool(ok)
+    diff += d if finite else 0.0
+    norm += n
   return finite, diff, norm
+
+
+@jax.jit
+def _error_sums(part, ref):
+  part, ref = part.astype(jnp.float32), ref.astype(jnp.float32)
+  return jnp.all(jnp.isfinite(part)).astype(jnp.float32), jnp.sum((part - ref) ** 2), jnp.sum(ref ** 2)
 
 
 _SOURCE_LINE = re.compile(r'^(File ".*", line \d+|\S+\.py:\d+)')
@@ -222,13 +230,35 @@ class _Checked:
     return np.array([self.code, float(self.finite), *diffs, *norms], np.float64)
 
 
-def _compile_and_check(schedule, inputs, reference, cotangent=None) -> _Checked:
+def _abstract(runnable, buffer: str, shape, dtype) -> jax.ShapeDtypeStruct:
+  """What ``_placed`` makes of an array of ``shape`` and ``dtype``, without the array."""
+  spec = _divisible(stored_spec(runnable, buffer) or PartitionSpec(), shape, runnable.mesh)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(runnable.mesh, spec))
+
+
+def compile_ahead(schedule, *, training: bool = False):
+  """The compiled program ``measure`` would compile for ``schedule`` (``training``: its training step), from the
+  buffers' shapes alone, so that several candidates can compile at once before any is run (``measure``'s
+  ``compiled``). Single-process meshes only."""
+  prog = schedule.program
+  fn = schedule.compile()
+  args = [_abstract(schedule, b.name, b.shape, b.dtype) for b in prog.reads]
+  if training:
+    fn = training_step(fn)
+    args.append(_abstract(schedule, prog.writes.name, prog.writes.shape, prog.writes.dtype))
+  return fn.lower(*args).compile()
+
+
+def _compile_and_check(schedule, inputs, reference, cotangent=None, compiled=None) -> _Checked:
   try:
     inputs = place_inputs(schedule, inputs)
-    fn = schedule.compile()
     if cotangent is not None:
-      fn, inputs = training_step(fn), [*inputs, place_output(schedule, cotangent)]
-    compiled = fn.lower(*inputs).compile()
+      inputs = [*inputs, place_output(schedule, cotangent)]
+    if compiled is not None:
+      compiled = compiled.result()
+    else:
+      fn = schedule.compile() if cotangent is None else training_step(schedule.compile())
+      compiled = fn.lower(*inputs).compile()
     t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*inputs))
     run_s = time.perf_counter() - t0
@@ -329,7 +359,8 @@ def interleaved(schedules: dict, inputs, *, iters: int = 10, cotangent_key=None)
 
 def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
             time_limit_s: float | None = None, gather: Callable | None = None,
-            on_checked: Callable | None = None, cotangent=None, keep: Callable | None = None) -> Measurement:
+            on_checked: Callable | None = None, cotangent=None, keep: Callable | None = None,
+            compiled=None) -> Measurement:
   """Compiles ``schedule``, checks it against ``reference``, then times it.
 
   A candidate that fails to compile or run, or whose compile and first run
@@ -360,6 +391,8 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
       checked too (``gradient_tolerance``). ``rel_err`` is the output's.
     keep: called, once the candidate is timed, with a call of no arguments that runs its compiled program on the
       placed inputs again (to time it side by side later without compiling it again).
+    compiled: a ``concurrent.futures.Future`` of the compiled program (``compile_ahead``), waited for within the
+      time limit, instead of compiling here.
 
   Returns:
     The ``Measurement``.
@@ -368,7 +401,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
   prog = schedule.program
   names = ["output"] + ([f"d{b.name}" for b in prog.reads] if cotangent is not None else [])
   start = time.perf_counter()
-  checked, timed_out = run_limited(lambda: _compile_and_check(schedule, inputs, reference, cotangent),
+  checked, timed_out = run_limited(lambda: _compile_and_check(schedule, inputs, reference, cotangent, compiled),
                                    time_limit_s)
   if timed_out or (time_limit_s is not None and checked.code == _PASSED
                    and time.perf_counter() - start > time_limit_s):
@@ -377,15 +410,18 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
                        compiled_bytes=nbytes)
   rows = gather(checked.row(len(names)))
   nbytes = checked.compiled_bytes
+  compile_s = time.perf_counter() - start
   failed = [int(c) for c in rows[:, 0]]
   if any(failed):
     if checked.code:
-      return Measurement(FAILED, reason=checked.reason, compiled_bytes=nbytes)
+      return Measurement(FAILED, reason=checked.reason, compiled_bytes=nbytes, compile_s=compile_s)
     process, code = next((p, c) for p, c in enumerate(failed) if c)
-    return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes)
+    return Measurement(FAILED, reason=f"{_CODE_TEXT[code]} on process {process}", compiled_bytes=nbytes,
+                       compile_s=compile_s)
   if not np.all(rows[:, 1]):
     what = "output or a gradient" if cotangent is not None else "output"
-    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes, cause=WRONG)
+    return Measurement(FAILED, reason=f"{what} has NaN or Inf", compiled_bytes=nbytes, cause=WRONG,
+                       compile_s=compile_s)
   diffs, norms = np.sum(rows[:, 2:2 + len(names)], axis=0), np.sum(rows[:, 2 + len(names):], axis=0)
   errs = [float(np.sqrt(d / (n if n else 1.0))) for d, n in zip(diffs, norms)]
   err = errs[0]
@@ -394,7 +430,7 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
     if e > tol:
       what = "wrong result" if k == 0 else f"wrong gradient {name}"
       return Measurement(FAILED, rel_err=err, reason=f"{what}: relative error {e:.2e} above {tol:.0e}",
-                         compiled_bytes=nbytes, cause=WRONG)
+                         compiled_bytes=nbytes, cause=WRONG, compile_s=compile_s)
   if on_checked is not None:
     on_checked(checked.run_s)
   limit = None if time_limit_s is None else time_limit_s + 10 * (warmup + iters) * checked.run_s
@@ -406,9 +442,9 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
   local = np.full(iters, np.nan) if times is None else np.asarray(times, np.float64)
   all_times = gather(local)
   if np.isnan(all_times).any():
-    return Measurement(FAILED, rel_err=err, compiled_bytes=nbytes,
+    return Measurement(FAILED, rel_err=err, compiled_bytes=nbytes, compile_s=compile_s,
                        reason=reason or f"timed runs failed on process {int(np.isnan(all_times).any(1).argmax())}")
   slowest = [float(t) for t in np.max(all_times, axis=0)]  # each run as long as its slowest process
   if keep is not None:
     keep(functools.partial(checked.compiled, *checked.inputs))
-  return Measurement(OK, statistics.median(slowest), slowest, err, compiled_bytes=nbytes)
+  return Measurement(OK, statistics.median(slowest), slowest, err, compiled_bytes=nbytes, compile_s=compile_s)
