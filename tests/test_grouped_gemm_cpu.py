@@ -146,12 +146,15 @@ def test_forward_and_backward_lower(sm_count):
 
 
 def test_every_admitted_variant_lowers(sm_count):
+  """Every admitted variant's tiles, at the deepest pipeline (the most shared memory) and the widest L2 walk."""
   s = jax.ShapeDtypeStruct
   x, w, sizes = s((256, 512), jnp.bfloat16), s((2, 512, 512), jnp.bfloat16), s((2,), jnp.int32)
   variants = [c for c in jm.kernels.config.variants(mgg.GroupedGemmConfig) if c.tile_problem() is None]
-  assert len(variants) >= 8
+  assert len(variants) == 16
   for c in variants:
     assert mgg.problem(512, 512, jnp.bfloat16, c) is None
+    if c.max_concurrent_steps != 4 or c.grid_block_n != 4:
+      continue
     fn = lambda x, w, g, c=c: jax.value_and_grad(lambda x, w: mgg.grouped_gemm(x, w, g, config=c).sum(), (0, 1))(x, w)
     assert mosaic_kernels(lower_for_gpus(fn, x, w, sizes, mesh=h100_mesh(1))) == 3, c
 
