@@ -27,8 +27,10 @@
 #   one-gpu-gemm     never slower, one GPU: Llama-3 8B layers at M 8K, and `python -m jaxmercury.tune` on a GEMM
 #                    8192^3 (calibrating, then again with the calibration stored)
 #   model            the models/ Llama (2 layers, 8B widths, 4K tokens) decorated against undecorated, training step
-#   moe              the MoE layer at Mixtral-8x7B sizes against the plain-JAX einsum dispatch; ragged_dot against a
-#                    padded grouped GEMM
+#   moe              the MoE layer at Mixtral-8x7B sizes against the plain-JAX einsum dispatch; ragged_dot against the
+#                    Pallas Mosaic GPU grouped GEMM (and a padded einsum), forward and forward + backward
+#   moe-gemm         only the grouped GEMMs of stage moe (ragged_dot and the Mosaic grouped GEMM side by side)
+#   tests-moe        tests/gpu/test_grouped_gemm.py (the Mosaic grouped GEMM against ragged_dot; in a MoE schedule)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -87,6 +89,8 @@ for stage in "$@"; do
       done ;;
     model) suite "$stage" 570 --suite model ;;
     moe) suite "$stage" 570 --suite moe ;;
+    moe-gemm) suite "$stage" 570 --suite moe --moe_kinds grouped_gemm ;;
+    tests-moe) tests "$stage" 540 tests/gpu/test_grouped_gemm.py ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

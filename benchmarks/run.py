@@ -16,7 +16,8 @@ Suites (``--help`` lists every flag; each suite's module says what it times):
 * ``model``: the ``models/`` Llama decorated by ``jm.distribute`` against the same model undecorated, one training
   step (``benchmarks.model``).
 * ``moe``: the mixture-of-experts layer at Mixtral-8x7B sizes on one GPU against a plain-JAX einsum-dispatch MoE,
-  and ``ragged_dot`` against a padded grouped GEMM (``benchmarks.moe``).
+  and ``ragged_dot`` against the Pallas Mosaic GPU grouped GEMM (and a padded einsum), forward and forward +
+  backward (``benchmarks.moe``).
 
 Every suite times GPUs; ``--smoke`` runs it at tiny shapes on a simulated 8-device CPU mesh instead, checking every
 contestant numerically (its times mean nothing). The results file is rewritten after every case; a case is not
@@ -83,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   g = p.add_argument_group("suite options")
   g.add_argument("--training", action="store_true", help="fused, kernels, moe: time training steps")
   g.add_argument("--configs", action="store_true", help="kernels: every configuration of every kernel")
+  g.add_argument("--moe_kinds", nargs="+", choices=("grouped_gemm", "layer"), help="moe: which cases (default both): "
+                 "the grouped GEMMs side by side, the MoE layer")
   g.add_argument("--config", default="llama3_8b", help="llama, model: the sizes (models.CONFIGS)")
   g.add_argument("--machines", choices=("calibrated", "reference"), help="llama: cost-model figures measured on "
                  "the mesh, or the reference H200 ones (default: calibrated on GPUs)")

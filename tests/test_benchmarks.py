@@ -235,10 +235,14 @@ def test_suites_say_they_need_gpus(tmp_path, suite):
 
 def test_moe_suite(tmp_path):
   """The MoE layer (jaxmercury's dispatched schedules against the plain-JAX einsum dispatch, both checked against the
-  dense reference) and ragged_dot against the padded grouped GEMM."""
+  dense reference); ragged_dot and the Mosaic grouped GEMM (skipped on CPUs, naming the device) against the padded
+  grouped GEMM, forward and forward + backward, for both projections."""
   results = _smoke(tmp_path, "moe")
   kinds = [case["config"]["kind"] for case in results["cases"]]
-  assert kinds.count("layer") == 2 and kinds.count("grouped_gemm") == 1
+  assert kinds.count("layer") == 2 and kinds.count("grouped_gemm") == 4
+  grouped = {(c["config"]["projection"], c["config"]["backward"]) for c in results["cases"]
+             if c["config"]["kind"] == "grouped_gemm"}
+  assert grouped == {("gate", False), ("gate", True), ("down", False), ("down", True)}
   for case in results["cases"]:
     recs = _by_name(case)
     if case["config"]["kind"] == "layer":
@@ -246,5 +250,8 @@ def test_moe_suite(tmp_path):
       assert {"einsum_dispatch", "expert_parallel[ragged_dot]", "expert_parallel[dense]"} <= set(timed)
       _check(case, timed, reference="dense_reference")
     else:
-      assert case["reference"] == "padded_einsum" and case["agree"] and recs["ragged_dot"]["median_ms"] > 0 and sum(case["group_sizes"]) == 512
+      assert case["reference"] == "padded_einsum" and case["agree"] and recs["ragged_dot"]["median_ms"] > 0
+      assert sum(case["group_sizes"]) == 512 and recs["ragged_dot"]["ratio_to_ragged_dot"] == 1.0
+      assert "cpu" in recs["mosaic_grouped_gemm"]["skipped"] and recs["mosaic_grouped_gemm"]["gemm"] == \
+          "mosaic_grouped_gemm"
     assert all(r["tflops_per_device"] > 0 for r in recs.values() if "median_ms" in r)

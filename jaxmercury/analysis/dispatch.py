@@ -26,6 +26,7 @@ import math
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.ir.loops import PARALLEL, SERIAL
+from jaxmercury.kernels import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ class Dispatch:
     chunks: the serial token chunks each device dispatches one after the other (1: all at once).
     exchange: ``"padded"``: ``all_to_all`` of fixed-size slot buffers (``slots``); ``"ragged"``:
       ``ragged_all_to_all`` of the kept rows only (XLA:CPU does not run it).
-    gemm: the grouped expert GEMM: ``"ragged_dot"`` or ``"dense"`` (each local expert on every received slot,
-      masked).
+    gemm: the grouped expert GEMM: ``"ragged_dot"``, ``"dense"`` (each local expert on every received slot,
+      masked) or a registered grouped GEMM kernel (``kernels.registry.GroupedKernel``: ``"mosaic_grouped_gemm"``).
   """
 
   loop: str
@@ -75,7 +76,37 @@ class Dispatch:
 
 
 EXCHANGES = ("padded", "ragged")
-GEMMS = ("ragged_dot", "dense")
+BUILTIN_GEMMS = ("ragged_dot", "dense")
+
+
+def gemms() -> tuple[str, ...]:
+  """The grouped GEMMs ``dispatch(gemm=...)`` takes: the built-in ones, then the registered grouped GEMM kernels."""
+  return BUILTIN_GEMMS + tuple(registry.grouped_names())
+
+
+def gemm_problem(gemm: str, mesh) -> str | None:
+  """Why ``mesh``'s devices cannot run grouped GEMM ``gemm`` (a built-in one: None)."""
+  return None if gemm in BUILTIN_GEMMS else registry.grouped(gemm).devices(mesh)
+
+
+def projections(schedule, d: "Dispatch") -> dict[str, tuple[int, int]]:
+  """The expert FFN's three grouped GEMMs on one device, ``name -> (k, n)`` of ``rows [m, k] @ w[e] [k, n]``."""
+  w = work(schedule, d)
+  return {"gate": (w["model"], w["width"]), "up": (w["model"], w["width"]), "down": (w["width"], w["model"])}
+
+
+def gemm_fallback(schedule, d: "Dispatch") -> dict[str, str]:
+  """Per projection whose shapes or dtype a grouped GEMM kernel cannot compute, why: those run
+  ``jax.lax.ragged_dot`` instead (empty for the built-in GEMMs and where the kernel computes all three)."""
+  if d.gemm in BUILTIN_GEMMS:
+    return {}
+  k = registry.grouped(d.gemm)
+  dtype = schedule.program.buffer(schedule.program.routing.routed[0]).dtype
+  out = {}
+  for name, (kk, nn) in projections(schedule, d).items():
+    if reason := k.problem(kk, nn, dtype, k.configure()):
+      out[name] = reason
+  return out
 
 
 def of(schedule, plan=None, *, complete: bool = True) -> Dispatch | None:
@@ -189,4 +220,8 @@ def memory_bytes(schedule, d: Dispatch) -> int:
   gathered = w["tokens"] * d.chunks * w["model"] * itemsize if d.gathered else 0
   experts = d.local_experts if d.gemm == "dense" else 1
   chunk = w["rows"] * (2 * w["model"] * itemsize + 4 * w["model"] * 2 + experts * 3 * 4 * w["width"])
+  if d.gemm not in BUILTIN_GEMMS:  # the kernel's own temporaries, for the projections it computes
+    k = registry.grouped(d.gemm)
+    chunk += sum(k.memory(w["rows"], kk, nn, d.local_experts, itemsize, k.configure())
+                 for name, (kk, nn) in projections(schedule, d).items() if name not in gemm_fallback(schedule, d))
   return total + gathered + chunk + 4 * w["tokens"] * d.chunks * w["model"]

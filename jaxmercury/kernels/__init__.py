@@ -1,5 +1,6 @@
-"""Kernels: local block kernels that ``Schedule.patch`` puts in place of a program's body, and fused kernels that
-``Schedule.lower_with`` runs a whole schedule as. Each is one object in one module; one line here registers it.
+"""Kernels: local block kernels that ``Schedule.patch`` puts in place of a program's body, fused kernels that
+``Schedule.lower_with`` runs a whole schedule as, and grouped GEMM kernels that ``Schedule.dispatch(gemm=...)``
+computes a mixture of experts' expert GEMMs with. Each is one object in one module; one line here registers it.
 
 A kernel of your own is registered the same way, from any module (``docs/kernels.md``)::
 
@@ -19,6 +20,7 @@ from jaxmercury.kernels import (
                                 fused_ring_attention_ws,
                                 jax_allgather_matmul,
                                 mosaic_attention,
+                                mosaic_grouped_gemm,
                                 mosaic_matmul,
                                 triton_attention,
                                 xla,
@@ -29,6 +31,7 @@ from jaxmercury.kernels.registry import (
                                 DualGemm,
                                 DualPrograms,
                                 FusedKernel,
+                                GroupedKernel,
                                 Kernel,
                                 KernelChoice,
                                 interpret_mode,
@@ -53,6 +56,8 @@ register(fused_matmul_reducescatter_ws.FUSED_MATMUL_REDUCESCATTER_WS)
 register(fused_allgather_matmul_ws.FUSED_ALLGATHER_MATMUL_WS)
 register(fused_ring_attention.FUSED_RING_ATTENTION)
 register(fused_ring_attention_ws.FUSED_RING_ATTENTION_WS)
+# Grouped GEMM kernels (a dispatched mixture of experts' expert GEMMs).
+register(mosaic_grouped_gemm.MOSAIC_GROUPED_GEMM)
 
-__all__ = ["AttentionBackward", "Block", "DualGemm", "DualPrograms", "FusedKernel", "Kernel", "KernelChoice", "Work",
-           "interpret_mode", "param", "register"]
+__all__ = ["AttentionBackward", "Block", "DualGemm", "DualPrograms", "FusedKernel", "GroupedKernel", "Kernel",
+           "KernelChoice", "Work", "interpret_mode", "param", "register"]

@@ -16,6 +16,10 @@ A kernel is one object declared in one module, registered by one line in
   the ring inside it. It declares the same things for its placement
   (``kernels.placements``) plus how its backward runs (``DualGemm`` or
   ``DualPrograms``).
+* ``GroupedKernel``: a mixture-of-experts schedule's grouped expert GEMM
+  (``Schedule.dispatch(gemm=...)``), with the devices, shapes and dtypes it
+  computes, its configuration, cost and memory hooks; its backward is its own
+  (a ``custom_vjp``).
 
 The rest of the library asks the registry; nothing else names a kernel.
 Kernels that run in Pallas interpret mode are offered on CPU devices inside
@@ -268,18 +272,56 @@ class FusedKernel:
     return configs.label(self.name, config)
 
 
-_KERNELS: dict[str, Kernel | FusedKernel] = {}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedKernel:
+  """A grouped GEMM kernel: a dispatched mixture-of-experts schedule's expert GEMMs (``Schedule.dispatch(gemm=
+  name)``), for every group (expert) ``x[rows of g] [m_g, k] @ w[g] [k, n]`` over rows sorted by group.
+
+  Its pattern is that contract (``jax.lax.ragged_dot``'s); ``jax.lax.ragged_dot`` itself and the dense masked
+  form are the built-in choices, not registered kernels.
+
+  Attributes:
+    name: what ``dispatch(gemm=...)`` names.
+    config: its parameters, a frozen keyword-only dataclass (``kernels.config``).
+    dtypes: accepted dtypes of the rows and weights.
+    devices: ``devices(mesh) -> reason | None``: the mesh's devices (a sentence naming the device); an
+      ``AbstractMesh``: None.
+    problem: ``problem(k, n, dtype, config) -> reason | None``: the GEMM shapes and dtypes it computes, forward
+      and backward; elsewhere the schedule uses ``jax.lax.ragged_dot`` for that GEMM.
+    gemm: ``gemm(x, w, group_sizes, *, config, out_dtype) -> [m, n]``, differentiable in ``x`` and ``w`` (its
+      backward: the grouped GEMM of ``dy`` with ``w`` transposed, and the transposed grouped GEMM for ``dw``).
+    rows: cost hook, ``rows(routed, groups, config) -> rows`` it computes for ``routed`` rows in ``groups`` groups.
+    memory: memory hook, ``memory(m, k, n, groups, itemsize, config) -> bytes`` of temporaries of one forward
+      and backward beyond ``ragged_dot``'s.
+    description: one line for the docs and printouts.
+  """
+
+  name: str
+  config: type
+  dtypes: frozenset
+  devices: Callable
+  problem: Callable
+  gemm: Callable
+  rows: Callable
+  memory: Callable
+  description: str = ""
+
+  def configure(self, params: Mapping[str, Any] | None = None):
+    return configs.make(self.config, params, where=f"dispatch(gemm={self.name!r})")
+
+
+_KERNELS: dict[str, Kernel | FusedKernel | GroupedKernel] = {}
 _BACKWARD_OF: dict[str, AttentionBackward] = {}  # a backward block kernel's name -> the backward it belongs to
 _MODE = threading.local()
 
 
-def register(k: Kernel | FusedKernel) -> Kernel | FusedKernel:
+def register(k: Kernel | FusedKernel | GroupedKernel) -> Kernel | FusedKernel | GroupedKernel:
   """Adds a kernel (and an attention kernel's backward block kernels) to the registry; returns it.
 
   Registering the same object twice is a no-op; another kernel of a registered name is an error.
   """
-  if not isinstance(k, (Kernel, FusedKernel)):
-    raise TypeError(f"register takes a Kernel or FusedKernel, got {type(k).__name__}")
+  if not isinstance(k, (Kernel, FusedKernel, GroupedKernel)):
+    raise TypeError(f"register takes a Kernel, FusedKernel or GroupedKernel, got {type(k).__name__}")
   if k.name in _KERNELS and _KERNELS[k.name] is not k:
     raise ValueError(f"kernel {k.name!r} is already registered")
   config = k.config
@@ -327,6 +369,19 @@ def local_names() -> list[str]:
 
 def fused_names() -> list[str]:
   return sorted(n for n, k in _KERNELS.items() if isinstance(k, FusedKernel))
+
+
+def grouped(name: str) -> GroupedKernel:
+  """The grouped GEMM kernel ``name`` (what ``dispatch(gemm=...)`` takes besides ``ragged_dot`` and ``dense``)."""
+  k = _KERNELS.get(name)
+  if not isinstance(k, GroupedKernel):
+    raise UnknownNameError(f"dispatch: no grouped GEMM kernel {name!r}; known: {grouped_names()}")
+  return k
+
+
+def grouped_names() -> list[str]:
+  """The grouped GEMM kernels' names, in registration order."""
+  return [n for n, k in _KERNELS.items() if isinstance(k, GroupedKernel)]
 
 
 def fused_kernels() -> list[FusedKernel]:

@@ -12,13 +12,15 @@ global signature are the plan's, as for any schedule):
 3. per chunk of tokens (the schedule's serial token loops): put each kept
    (token, expert) row into the slot buffer of the device holding the
    expert, all-to-all over the experts' level, compute the received rows
-   grouped by local expert (``jax.lax.ragged_dot``, or the dense masked
-   form), all-to-all the results back and sum them with the gate weights;
+   grouped by local expert (``jax.lax.ragged_dot``, the dense masked form,
+   or a grouped GEMM kernel: ``kernels.mosaic_grouped_gemm``), all-to-all
+   the results back and sum them with the gate weights;
 4. reduce-scatter (or all-reduce) the partial outputs over the hidden-width
    levels.
 
 Gradients are JAX's through this program (the all-to-all transposes to the
-reverse all-to-all, ``ragged_dot`` to its transposed GEMMs).
+reverse all-to-all, ``ragged_dot`` to its transposed GEMMs, a grouped GEMM
+kernel by its own ``custom_vjp``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.errors import ScheduleError
 from jaxmercury.ir.loops import VECTOR
+from jaxmercury.kernels import registry
 from jaxmercury.programs.moe import chosen, kept, route, swiglu
 
 
@@ -150,7 +153,9 @@ def grouped_ffn(rows, experts, w_gate, w_up, w_down, *, gemm: str = "ragged_dot"
     experts: [m] int32 local expert of each row (``len(w_gate)``: an empty slot).
     w_gate, w_up: [e, d, f]; w_down: [e, f, d].
     gemm: ``"ragged_dot"``: rows sorted by expert, one ``jax.lax.ragged_dot`` per projection; ``"dense"``:
-      every expert on every row, masked.
+      every expert on every row, masked; a registered grouped GEMM kernel (``"mosaic_grouped_gemm"``): the
+      rows sorted the same way, each projection through the kernel where it computes its shapes and dtype
+      (``GroupedKernel.problem``), else through ``ragged_dot``.
   """
   local = w_gate.shape[0]
   if gemm == "dense":
@@ -162,8 +167,26 @@ def grouped_ffn(rows, experts, w_gate, w_up, w_down, *, gemm: str = "ragged_dot"
   order = jnp.argsort(experts, stable=True)
   sizes = jnp.sum(experts[:, None] == jnp.arange(local), axis=0).astype(jnp.int32)
   xs = rows[order]
-  a = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)
-  b = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
-  out = jax.lax.ragged_dot(swiglu(a, b, rows.dtype), w_down, sizes, preferred_element_type=jnp.float32)
+  dot = grouped_dot(gemm)
+  a = dot(xs, w_gate, sizes)
+  b = dot(xs, w_up, sizes)
+  out = dot(swiglu(a, b, rows.dtype), w_down, sizes)
   out = jnp.where((experts[order] < local)[:, None], out, 0.0)
   return jnp.zeros_like(out).at[order].set(out)
+
+
+def grouped_dot(gemm: str):
+  """``dot(x [m, k], w [e, k, n], sizes [e]) -> float32 [m, n]``, grouped: ``jax.lax.ragged_dot``, or the
+  grouped GEMM kernel ``gemm`` where it computes the shapes and dtype (``ragged_dot`` where not)."""
+  ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+  if gemm in dispatches.BUILTIN_GEMMS:
+    return ragged
+  kernel = registry.grouped(gemm)
+  config = kernel.configure()
+
+  def dot(x, w, sizes):
+    if kernel.problem(x.shape[1], w.shape[2], x.dtype, config) is not None or w.dtype != x.dtype:
+      return ragged(x, w, sizes)
+    return kernel.gemm(x, w, sizes, config=config, out_dtype=jnp.float32)
+
+  return dot

@@ -143,6 +143,12 @@ def render(schedule) -> str:
   kernel = configs.label(schedule.kernel, schedule.kernel_config) if schedule.kernel else "xla"
   if schedule.dispatched:
     kernel = f"routed rows, grouped by expert: {schedule.dispatched['gemm']}"
+    try:
+      fallback = dispatches.gemm_fallback(schedule, dispatches.of(schedule, plan, complete=False))
+    except ScheduleError:
+      fallback = {}
+    if fallback:
+      kernel += "; " + "; ".join(f"{name} projection on ragged_dot: {why}" for name, why in fallback.items())
   block = " ".join(vector) or "scalar"
   out.append("  " * depth + f"block {block}: {prog.statement or prog.name}  [kernel {kernel}]")
   if schedule.lowering is not None:

@@ -611,7 +611,10 @@ class Schedule:
         capacity per expert); ``"ragged"``: ``ragged_all_to_all`` of the kept rows only, packed into a receive
         buffer of the same bound (XLA:CPU does not run it).
       gemm: the grouped expert GEMM: ``"ragged_dot"`` (``jax.lax.ragged_dot`` over the rows sorted by
-        expert) or ``"dense"`` (every local expert on every received row, masked: for tiny expert counts).
+        expert), ``"dense"`` (every local expert on every received row, masked: for tiny expert counts) or a
+        registered grouped GEMM kernel (``"mosaic_grouped_gemm"``: Pallas Mosaic GPU, Hopper; refused on other
+        devices; a projection whose shapes or dtype it cannot compute runs ``ragged_dot``, and the printed
+        schedule says why: ``analysis.dispatch.gemm_fallback``).
     """
     routing = self.program.routing
     where = f"dispatch({parallel_loop!r})"
@@ -627,8 +630,10 @@ class Schedule:
                               f"{size}; spread them over a level whose size divides {experts}")
     if exchange not in dispatches.EXCHANGES:
       raise PreconditionError(f"{where}: exchange={exchange!r}; choose one of {dispatches.EXCHANGES}")
-    if gemm not in dispatches.GEMMS:
-      raise PreconditionError(f"{where}: gemm={gemm!r}; choose one of {dispatches.GEMMS}")
+    if gemm not in dispatches.gemms():
+      raise PreconditionError(f"{where}: gemm={gemm!r}; choose one of {dispatches.gemms()}")
+    if reason := dispatches.gemm_problem(gemm, self.mesh):
+      raise PreconditionError(f"{where}: gemm={gemm!r} cannot run here: {reason}; use gemm='ragged_dot'")
     if self._dispatched is not None:
       raise PreconditionError(f"{where}: the schedule already dispatches over loop {self._dispatched['loop']!r}")
     saved = self.copy()

@@ -242,16 +242,22 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
 
 
 def grouped_gemm_variants(schedule) -> list:
-  """A dispatched schedule with each grouped GEMM (``analysis.dispatch.GEMMS``), its own first, rebuilt through
-  the primitives from its trace."""
+  """A dispatched schedule with each grouped GEMM (``analysis.dispatch.gemms()``), its own first, rebuilt through
+  the primitives from its trace. A grouped GEMM kernel is offered where the mesh's devices run it and it computes
+  at least one of the expert FFN's projections (elsewhere it would be ``ragged_dot`` again)."""
   data = json.loads(schedule.to_json())
   step = next(st for st in data["steps"] if st["primitive"] == "dispatch")
   own = step["kwargs"].get("gemm", "ragged_dot")
   out = [schedule.copy()]
-  for gemm in dispatches.GEMMS:
-    if gemm != own:
-      step["kwargs"]["gemm"] = gemm
-      out.append(Schedule.from_json(schedule.program, schedule.mesh, json.dumps(data)))
+  for gemm in dispatches.gemms():
+    if gemm == own or dispatches.gemm_problem(gemm, schedule.mesh) is not None:
+      continue
+    step["kwargs"]["gemm"] = gemm
+    variant = Schedule.from_json(schedule.program, schedule.mesh, json.dumps(data))
+    d = dispatches.of(variant)
+    if gemm in dispatches.BUILTIN_GEMMS or len(dispatches.gemm_fallback(variant, d)) < len(
+        dispatches.projections(variant, d)):
+      out.append(variant)
   return out
 
 

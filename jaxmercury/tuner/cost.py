@@ -142,8 +142,9 @@ def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
   Per chunk: two all-to-alls of the slot buffers over the experts' level (each sends
   ``(size - 1) * slots * d`` elements; a ragged exchange only the kept rows, plus the all-gather of the
   counts), and the expert FFN (``6 d f`` flops per row) on the rows a balanced
-  router sends each device (``ragged_dot``), or on every slot for every local expert (``dense``), at the
-  ``xla`` rate. Chunks pipeline: one chunk's exchange hides under another's GEMMs up to ``overlap``. Before and
+  router sends each device (``ragged_dot``, at the ``xla`` rate; a grouped GEMM kernel on the rows its tiles
+  compute, at its rate: ``_grouped_gemm_seconds``), or on every slot for every local expert (``dense``).
+  Chunks pipeline: one chunk's exchange hides under another's GEMMs up to ``overlap``. Before and
   after: the router's GEMM, the all-gather of the tokens and the reduce-scatter (or all-reduce) of the float32
   partial outputs over the hidden-width levels. ``work`` scales the compute (a backward: 2, its exchanges the
   same all-to-alls reversed).
@@ -152,8 +153,10 @@ def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
   w = dispatches.work(schedule, d)
   routing = schedule.program.routing
   rate = machine.rate("xla")
-  rows = w["routed"] if d.gemm == "ragged_dot" else w["rows"] * d.local_experts
-  gemm = work * 6.0 * rows * w["model"] * w["width"] / rate
+  if d.gemm == "dense":
+    gemm = work * 6.0 * w["rows"] * d.local_experts * w["model"] * w["width"] / rate
+  else:
+    gemm = work * _grouped_gemm_seconds(schedule, d, w, machine)
   sent = w["exchanged"]
   if d.exchange == "ragged":  # only the kept rows, a balanced router's share for the other devices
     sent = w["routed"] * (d.size - 1) / d.size * w["model"] * schedule.program.writes.dtype.itemsize
@@ -174,6 +177,28 @@ def routed_seconds(schedule, machine: Machine, *, work: float = 1.0) -> float:
     else:
       total += machine.gather_factor * 2 * tokens * w["model"] * 4 * (n - 1) / n / machine.bandwidth(lv)
     total += machine.latency_s
+  return total
+
+
+def _grouped_gemm_seconds(schedule, d, w, machine: Machine) -> float:
+  """The expert FFN's three grouped GEMMs (``2 d f`` flops per row each) on the rows a balanced router sends:
+  through ``ragged_dot`` at the ``xla`` rate, or through a grouped GEMM kernel on the rows its tiles compute
+  (``GroupedKernel.rows``) at its measured rate (the ``xla`` rate where not measured); a projection the
+  kernel cannot compute runs ``ragged_dot`` (``analysis.dispatch.gemm_fallback``)."""
+  xla = machine.rate("xla")
+  per_projection = 2.0 * w["model"] * w["width"]
+  if d.gemm == "ragged_dot":
+    return 3 * per_projection * w["routed"] / xla
+  kernel = registry.grouped(d.gemm)
+  config = kernel.configure()
+  rate = machine.kernel_flops_per_s.get(d.gemm, xla)
+  fallback = dispatches.gemm_fallback(schedule, d)
+  total = 0.0
+  for name in dispatches.projections(schedule, d):
+    if name in fallback:
+      total += per_projection * w["routed"] / xla
+    else:
+      total += per_projection * kernel.rows(w["routed"], d.local_experts, config) / rate
   return total
 
 
