@@ -71,6 +71,12 @@ def _ctx(starts, sizes, extents):
   return jm.BlockContext(starts=starts, sizes=sizes, extents=extents)
 
 
+def _backward_block(part: str, program):
+  """The ``part`` (``dq`` or ``dkv``) backward kernel's block for ``program``, default configuration."""
+  config = {"dq": ma.DqConfig, "dkv": ma.DkvConfig}[part]()
+  return ma._make_backward(part)(program, config, False)
+
+
 def _assert_state(got, want):
   (out, lse), (ref_out, ref_lse) = got, want
   assert out.dtype == lse.dtype == jnp.float32 and out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -92,7 +98,7 @@ def test_forward_whole_block(heads, causal, d, dtype):
   q, k, v = _qkv(prog, 512, 512)
   sizes = {"i": 512, "j": 512}
   ctx = _ctx({}, sizes, sizes)
-  block = ma._make(prog)
+  block = ma._make(prog, ma.ForwardConfig(), False)
   assert _count_kernels(lambda *x: block(ctx, *x), q, k, v) >= 1
   _assert_state(jax.jit(lambda *x: block(ctx, *x))(q, k, v), prog.body(ctx, *_f32(q, k, v)))
 
@@ -101,7 +107,7 @@ def test_forward_whole_block(heads, causal, d, dtype):
 def test_forward_ring_offsets(heads):
   """Traced starts: keys before (visible), at (diagonal) and after (hidden) the queries; uneven blocks."""
   prog = _attention(heads, 1024, 128, True)
-  block = ma._make(prog)
+  block = ma._make(prog, ma.ForwardConfig(), False)
   for tq, tk, cases in [(256, 256, [(512, 0), (512, 512), (256, 768)]),
                         (256, 128, [(512, 128), (512, 512), (256, 896), (512, 640)])]:
     q, k, v = _qkv(prog, tq, tk)
@@ -134,7 +140,7 @@ def test_forward_off_the_tiles_falls_back(shape):
   q, k, v = _qkv(prog, tq, tk)
   sizes = {"i": tq, "j": tk}
   ctx = _ctx({}, sizes, sizes)
-  block = ma._make(prog)
+  block = ma._make(prog, ma.ForwardConfig(), False)
   assert _count_kernels(lambda *x: block(ctx, *x), q, k, v) == 0
   _assert_state(jax.jit(lambda *x: block(ctx, *x))(q, k, v), prog.body(ctx, *_f32(q, k, v)))
 
@@ -158,7 +164,7 @@ def test_backward_whole_block(part, heads, dtype):
   xs = _backward_inputs(prog, 512, 512)
   sizes = {"i": 512, "j": 512}
   ctx = _ctx({}, sizes, sizes)
-  block = ma._make_backward(part)(program)
+  block = _backward_block(part, program)
   assert _count_kernels(lambda *x: block(ctx, *x), *xs) == 1
   got = jax.jit(lambda *x: block(ctx, *x))(*xs)
   want = program.body(ctx, *_f32(*xs))
@@ -174,7 +180,7 @@ def test_backward_tiny_incoming_gradient():
   ctx = _ctx({}, sizes, sizes)
   for part in ("dq", "dkv"):
     program = getattr(ab, f"attention_{part}")(prog)
-    got = jax.jit(lambda *x: ma._make_backward(part)(program)(ctx, *x))(q, k, v, o, do, lse)
+    got = jax.jit(lambda *x: _backward_block(part, program)(ctx, *x))(q, k, v, o, do, lse)
     assert _rel(got, program.body(ctx, *_f32(q, k, v, o, do, lse))) < TOL
 
 
