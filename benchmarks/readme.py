@@ -40,6 +40,8 @@ HEADLINES = (
     ("one GPU: attention training step, tuned", "2026-11-25-one_gpu_training-H200.json"),
     ("one GPU: Llama-3 8B GEMMs at M 8192, tuned", "2026-11-25-one_gpu_gemm-H200.json"),
     ("one GPU: Llama (2 layers, 8B widths) decorated vs not", "2026-11-25-model_llama2L-H200.json"),
+    ("one GPU: MoE layer, Mixtral-8x7B sizes, against the einsum dispatch", "2026-11-25-moe_layer-H200.json"),
+    ("one GPU: the same, training step", "2026-11-25-moe_layer_training-H200.json"),
     ("Llama-3 8B block, 32K tokens: graph plan against XLA", "2026-11-24-s11-llama_block-32768-2xH200.json"),
 )
 
