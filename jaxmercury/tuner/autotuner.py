@@ -93,8 +93,8 @@ class TuneResult:
     objective: what the times are of: the forward, or a training step (``database.TRAINING``).
     decision: how the winner was chosen (the final round's verdict, ties within noise named).
     tied: the candidates tied with the winner within the final round's noise.
-    phases: seconds per phase of the tune (``calibration``, ``plan``, ``reference``, ``compile and check``,
-      ``timing``, ``final round``); empty for a winner read from the database.
+    phases: seconds per phase of the tune (``calibration``, ``plan``, ``compile ahead``, ``reference``,
+      ``compile and check``, ``timing``, ``final round``); empty for a winner read from the database.
   """
 
   best: Candidate | None
