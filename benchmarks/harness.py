@@ -86,6 +86,11 @@ class Settings:
   tolerance: float = BF16_TOLERANCE
   min_timing_s: float = 0.0  # benchmarks.run: 0.5 s on GPUs
 
+  @classmethod
+  def from_args(cls, args, deadline: float | None, tolerance: float = BF16_TOLERANCE) -> "Settings":
+    """``benchmarks.run``'s timing flags (``--iters``, ``--warmup``, ``--max_timing_s``, ``--min_timing_s``)."""
+    return cls(args.iters, args.warmup, args.max_timing_s, deadline, tolerance, args.min_timing_s)
+
   def runs(self, first_s: float) -> int:
     """Timed runs of a contestant whose first run took ``first_s``."""
     first_s = max(first_s, 1e-6)

@@ -57,9 +57,8 @@ def run_case(env, case) -> dict:
           str(choice), "jaxmercury", lambda s=schedule: wrap(s.compile(differentiable=args.training)),
           registry.local(choice.name).description, skip=f"XLA holds the {case.seq}^2 scores" if big else None,
           record=operators.fields(schedule)))
-    settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
-                                measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE,
-                              min_timing_s=args.min_timing_s)
+    settings = harness.Settings.from_args(
+      args, env.deadline, measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE)
     records, ref = harness.run_contestants(contestants, inputs, settings)
   rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": args.training,
          "group": "training" if args.training else "forward", "default_kernel": registry.default_kernel(prog, mesh)}

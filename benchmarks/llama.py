@@ -188,8 +188,7 @@ def run_case(env, case: BlockCase) -> list[dict]:
                     for name, (specs, x_spec) in BASELINES.items()]
     group = "training" if training else "forward"
     rec = {"name": f"{case.name} {group}", "group": group, **info}
-    settings = harness.Settings(env.args.iters, env.args.warmup, env.args.max_timing_s, env.deadline, TOLERANCE,
-                                min_timing_s=env.args.min_timing_s)
+    settings = harness.Settings.from_args(env.args, env.deadline, TOLERANCE)
     out.append(harness.finish(rec, *harness.run_contestants(contestants, [], settings)))
   if env.args.split:
     timed = [r for r in out[1]["contestants"] if r["role"] == "jaxmercury" and "median_ms" in r]
@@ -227,8 +226,7 @@ def split(env, case, found) -> list[dict]:
       contestants = [harness.Contestant(side, role, (lambda f=f: measure.training_step(f)) if training else
                                         (lambda f=f: f), found.choice[node.name].name if side == "jaxmercury" else "")
                      for side, role, f in sides]
-      settings = harness.Settings(env.args.iters, env.args.warmup, env.args.max_timing_s, env.deadline, TOLERANCE,
-                                min_timing_s=env.args.min_timing_s)
+      settings = harness.Settings.from_args(env.args, env.deadline, TOLERANCE)
       rec = {"name": f"{case.name} {node.name} {group}", "group": f"operators {group}", "operator": node.name}
       out.append(harness.finish(rec, *harness.run_contestants(contestants, [*xs, cot] if training else xs, settings)))
   return out

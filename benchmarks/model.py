@@ -114,8 +114,7 @@ def run_case(env, case) -> dict:
                                     f"the model as written, attention {implementation}"),
                  harness.Contestant("jaxmercury", "jaxmercury", decorated,
                                     "jm.distribute(tune=True, training=True)")]
-  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
-                              measure.gradient_tolerance("bfloat16"), min_timing_s=args.min_timing_s)
+  settings = harness.Settings.from_args(args, env.deadline, measure.gradient_tolerance("bfloat16"))
   records, ref = harness.run_contestants(contestants, [tokens], settings)
   rec["tuning"] = tuning
   jax.clear_caches()

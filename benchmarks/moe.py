@@ -145,9 +145,8 @@ def _layer(env, case: MoECase) -> dict:
         continue
       contestants.append(harness.Contestant(f"{name}[{gemm}]", "jaxmercury", lambda s=schedule: wrap(s.compile()),
                                             label, record=record))
-  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
-                              measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE,
-                              min_timing_s=args.min_timing_s)
+  settings = harness.Settings.from_args(
+      args, env.deadline, measure.gradient_tolerance(case.dtype) if args.training else harness.BF16_TOLERANCE)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": args.training,
          "group": "training" if args.training else "forward"}
@@ -203,8 +202,7 @@ def _grouped_gemm(env, case: MoECase) -> dict:
                                     skip=why_not, record={"gemm": "mosaic_grouped_gemm",
                                                           "config": dataclasses.asdict(config)})]
   tolerance = measure.gradient_tolerance(case.dtype) if case.backward else harness.BF16_TOLERANCE
-  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline, tolerance,
-                              min_timing_s=args.min_timing_s)
+  settings = harness.Settings.from_args(args, env.deadline, tolerance)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   rec = {"name": case.name, "op": case.op, "config": dataclasses.asdict(case), "training": case.backward,
          "group": "training" if case.backward else "forward", "largest_group": largest,

@@ -337,9 +337,8 @@ def run_case(env, case) -> dict:
   if not env.training and not args.windowed_child:
     rec["floor"] = floor(env, case, prog, mesh)
     floor_ms = rec["floor"].get("floor_ms")
-  settings = harness.Settings(args.iters, args.warmup, args.max_timing_s, env.deadline,
-                              measure.gradient_tolerance(case.dtype) if env.training else harness.BF16_TOLERANCE,
-                              min_timing_s=args.min_timing_s)
+  settings = harness.Settings.from_args(
+      args, env.deadline, measure.gradient_tolerance(case.dtype) if env.training else harness.BF16_TOLERANCE)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   del inputs
   if args.suite == "gemm" and not args.windowed_child:

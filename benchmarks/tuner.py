@@ -86,9 +86,7 @@ def run_case(env, case) -> dict:
             for k, b, spec in zip(keys, prog.reads, ins)]
   if args.smoke:
     contestants.insert(0, operators.reference(prog, inputs, False))
-  records, ref = harness.run_contestants(contestants, inputs, harness.Settings(
-      args.iters, args.warmup, args.max_timing_s, env.deadline, harness.BF16_TOLERANCE,
-      min_timing_s=args.min_timing_s))
+  records, ref = harness.run_contestants(contestants, inputs, harness.Settings.from_args(args, env.deadline))
   timed = [r for r in records if "median_ms" in r and r.get("numerics_ok") and r.get("predicted_ms")]
   rec["spearman_predicted_vs_measured"] = spearman([r["predicted_ms"] for r in timed], [r["median_ms"] for r in timed])
   rec["ranked"] = len(timed)

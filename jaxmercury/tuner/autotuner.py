@@ -281,6 +281,7 @@ def _device_budget(mesh) -> int | None:
 
 
 MAX_ATTEMPTS = 2  # a candidate the tuner died in this often is failed, not retried
+PREDICTED_SLOWER = 2.0  # a default candidate predicted this many times the best prediction is not timed
 
 
 def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
@@ -390,9 +391,6 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   spent = ", ".join(f"{phase} {s:.1f}" for phase, s in result.phases.items() if s >= 0.05)
   log(f"== done in {time.perf_counter() - started:.1f} s{f' ({spent})' if spent else ''}: {result.summary()}")
   return result
-
-
-PREDICTED_SLOWER = 2.0  # a default candidate predicted this many times the best prediction is not timed
 
 
 class TuneInterrupted(KeyboardInterrupt):

@@ -178,10 +178,15 @@ def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
   return PartitionSpec(*entries)
 
 
+def _sharding(runnable, buffer: str, shape) -> NamedSharding:
+  """Where ``runnable`` stores ``buffer`` (of ``shape``): its layout, the dimensions the mesh does not divide whole."""
+  return NamedSharding(runnable.mesh, _divisible(stored_spec(runnable, buffer) or PartitionSpec(), shape,
+                                                 runnable.mesh))
+
+
 def _placed(runnable, buffer: str, x):
   """``x`` laid out as ``runnable`` stores ``buffer``; under several processes each keeps its devices' shards."""
-  spec = _divisible(stored_spec(runnable, buffer) or PartitionSpec(), x.shape, runnable.mesh)
-  sharding = NamedSharding(runnable.mesh, spec)
+  sharding = _sharding(runnable, buffer, x.shape)
   if not sharding.is_fully_addressable and not isinstance(x, np.ndarray):
     x = np.asarray(jax.device_get(x))
   return jax.device_put(x, sharding)
@@ -230,10 +235,10 @@ class _Checked:
     return np.array([self.code, float(self.finite), *diffs, *norms], np.float64)
 
 
-def _abstract(runnable, buffer: str, shape, dtype) -> jax.ShapeDtypeStruct:
-  """What ``_placed`` makes of an array of ``shape`` and ``dtype``, without the array."""
-  spec = _divisible(stored_spec(runnable, buffer) or PartitionSpec(), shape, runnable.mesh)
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(runnable.mesh, spec))
+def _runnable(schedule, training: bool):
+  """The schedule's (or plain program's) jitted call, or its training step (``training_step``)."""
+  fn = schedule.compile()
+  return training_step(fn) if training else fn
 
 
 def compile_ahead(schedule, *, training: bool = False):
@@ -241,12 +246,9 @@ def compile_ahead(schedule, *, training: bool = False):
   buffers' shapes alone, so that several candidates can compile at once before any is run (``measure``'s
   ``compiled``). Single-process meshes only."""
   prog = schedule.program
-  fn = schedule.compile()
-  args = [_abstract(schedule, b.name, b.shape, b.dtype) for b in prog.reads]
-  if training:
-    fn = training_step(fn)
-    args.append(_abstract(schedule, prog.writes.name, prog.writes.shape, prog.writes.dtype))
-  return fn.lower(*args).compile()
+  buffers = prog.reads + ((prog.writes,) if training else ())  # a training step takes the output's cotangent
+  args = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=_sharding(schedule, b.name, b.shape)) for b in buffers]
+  return _runnable(schedule, training).lower(*args).compile()
 
 
 def _compile_and_check(schedule, inputs, reference, cotangent=None, compiled=None) -> _Checked:
@@ -257,8 +259,7 @@ def _compile_and_check(schedule, inputs, reference, cotangent=None, compiled=Non
     if compiled is not None:
       compiled = compiled.result()
     else:
-      fn = schedule.compile() if cotangent is None else training_step(schedule.compile())
-      compiled = fn.lower(*inputs).compile()
+      compiled = _runnable(schedule, cotangent is not None).lower(*inputs).compile()
     t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*inputs))
     run_s = time.perf_counter() - t0
@@ -329,12 +330,11 @@ def ready_call(schedule, inputs, *, cotangent_key=None) -> Callable:
       cotangent drawn from this key, laid out as the output.
   """
   xs = place_inputs(schedule, inputs)
-  fn = schedule.compile()
   if cotangent_key is not None:
     out = schedule.program.writes
     cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
-    fn, xs = training_step(fn), [*xs, place_output(schedule, cot)]
-  compiled = fn.lower(*xs).compile()
+    xs = [*xs, place_output(schedule, cot)]
+  compiled = _runnable(schedule, cotangent_key is not None).lower(*xs).compile()
   jax.block_until_ready(compiled(*xs))
   return functools.partial(compiled, *xs)
 
