@@ -32,8 +32,10 @@ from jaxmercury.errors import PreconditionError
 from jaxmercury.ir import orders
 from jaxmercury.kernels.fused_ring_attention import reference
 from jaxmercury.kernels.fused_ring_attention_ws import (
+  BEFORE,
   CONFIGS,
   INTERPRET_CTAS,
+  Pipeline,
   WsBlocks,
   _kernel,
   fused_ring_attention_ws,
@@ -74,6 +76,23 @@ def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv):
   # the same as causal attention of the sequence in true order
   dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
+
+
+# Each change of the pipeline alone (the default has all): the causal loops, the balanced order, the Q prefetch.
+PIPELINES = [BEFORE, Pipeline(balanced=False, prefetch_q=False), Pipeline(causal_loops=False, prefetch_q=False),
+             Pipeline(causal_loops=False, balanced=False)]
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=["before", "loops", "balanced", "prefetch"])
+@pytest.mark.parametrize("num_ctas", [3, 4])
+def test_every_pipeline_matches_the_reference(pipeline, num_ctas):
+  """16 items over 3 CTAs (5 full rounds: the last round's item goes to the last CTA in snake order) or 4 (4
+  rounds, none partial); 4 zigzag chunks of 128: hidden, partial and visible tiles in each item."""
+  q, k, v = local_inputs(1, 512, 4, 2, 64)
+  mask = dict(causal=True, order="zigzag", chunks=4)
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=pipeline, **mask)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
 
 
 @pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots,pipelined", [

@@ -181,12 +181,12 @@ from jaxmercury.kernels.fused_ring_attention import (
   reference,
   softmax_step,
 )
-from jaxmercury.kernels.mosaic_matmul import _swizzled
+from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
 from jaxmercury.kernels.peer_gemm import left_peer, sm_count, step_semaphores
 from jaxmercury.kernels.placements import RING_ATTENTION
 from jaxmercury.kernels.registry import DualPrograms, FusedKernel
 
-__all__ = ["CONFIGS", "WsBlocks", "fused_ring_attention_ws", "reference"]
+__all__ = ["BEFORE", "CONFIGS", "Pipeline", "WsBlocks", "fused_ring_attention_ws", "reference"]
 
 NAME = "fused_ring_attention_ws"
 CONSUMERS = 2  # consumer warpgroups per CTA; warpgroup CONSUMERS issues the loads
@@ -209,14 +209,38 @@ class WsBlocks(fra.Blocks):
   The same limits as ``fused_ring_attention.Blocks`` (its ``problem``), on this kernel's shared memory.
   """
 
-  def smem_bytes(self, d: int, itemsize: int) -> int:
-    """Two Q tiles (reused for the outputs), K and V slots, two log-sum-exp rows, barriers and alignment."""
+  def smem_bytes(self, d: int, itemsize: int, q_buffers: int = 1) -> int:
+    """``q_buffers`` Q tiles per consumer (reused for the outputs), K and V slots, two log-sum-exp rows, barriers
+    and alignment."""
     bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
-    return (CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
+    return (q_buffers * CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
 
 
 # The block configurations the GPU test tries (d = 128: 3 slots of 128 keys do not fit in shared memory).
 CONFIGS = (WsBlocks(64, 128, 2), WsBlocks(64, 64, 3), WsBlocks(64, 64, 4))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipeline:
+  """How the kernel schedules its work; every field off is the kernel as first written, which
+  ``benchmarks.ws_local`` times beside each step (the defaults are all on).
+
+  Attributes:
+    causal_loops: causal tiles run in three loops per run (visible, partial, hidden; the classes come in that
+      order), not one loop that switches on each tile's class: the visible tiles' loop has no branch.
+    balanced: on one device (no ring), items run longest first in snake order: CTA ``c`` takes rank
+      ``i * grid + c`` in its even rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by
+      decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
+      last round holds the shortest items.
+    prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one.
+  """
+
+  causal_loops: bool = True
+  balanced: bool = True
+  prefetch_q: bool = True
+
+
+BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False)  # the kernel as first written
 
 
 @contextlib.contextmanager
@@ -234,7 +258,7 @@ def _named():
 def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
                             max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool = False,
-                            interpret: bool = False):
+                            pipeline: Pipeline = Pipeline(), interpret: bool = False):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -258,6 +282,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
       ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
       ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
       module docstring); not causal.
+    pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
   Returns:
@@ -289,7 +314,8 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     raise PreconditionError(
         f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
         "registers per thread) fills an SM, and the ring needs every CTA resident")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined,
+                 pipeline=pipeline)
 
 
 def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
@@ -309,7 +335,7 @@ def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_l
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False, pipelined: bool = False):
+            order: SequenceOrder, loopback: bool = False, pipelined: bool = False, pipeline: Pipeline = Pipeline()):
   """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
 
   With ``loopback`` the forwarders store into this device's own ``received``
@@ -337,6 +363,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   run = order.segment if causal else s_loc
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
+  balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
+  q_buffers = 2 if pipeline.prefetch_q and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
@@ -345,7 +373,12 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
-    items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
+    if balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
+      full, last = divmod(work, grid)
+      in_last = cta < last if full % 2 == 0 else cta >= grid - last
+      items = full + in_last.astype(jnp.int32)
+    else:
+      items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
     if peers:
       arrived = step_semaphores(n_dev)
       left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
@@ -353,7 +386,12 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       to_left = recv_k, recv_v
 
     def item_of(i):
-      bi, hi, pair, forwards = _item(cta + i * grid, forwarders, per_group, pairs, g, kv)
+      if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing query block
+        rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
+        pair, bh = pairs - 1 - rank // (b * h), lax.rem(rank, b * h)
+        bi, hi, forwards = bh // h, lax.rem(bh, h), False
+      else:
+        bi, hi, pair, forwards = _item(cta + i * grid, forwarders, per_group, pairs, g, kv)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
 
@@ -451,7 +489,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     @pl.when(wg < CONSUMERS)
     def _consumers():
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      q_smem, lse_row = qo_smem.at[wg], lse_smem.at[wg]
+      lse_row = lse_smem.at[wg]
 
       def meet():
         plgpu.barrier_arrive(schedule)
@@ -471,7 +509,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
         return m_new, l, alpha, p.astype(dtype)
 
-      def update(carry, slot, mask_from=None):
+      def update(carry, slot, q_smem, mask_from=None):
         acc, m, l = carry
 
         def scores(acc_ref):
@@ -500,16 +538,31 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l
 
+      def q_buffer(i):
+        return lax.rem(i, q_buffers) if q_buffers > 1 else 0
+
+      def issue_q(i):
+        """Starts loading item ``i``'s Q tile into this consumer's buffer ``i % q_buffers``."""
+        bi, hi, pair, _, _ = item_of(i)
+        buf = q_buffer(i)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(pair * rows + wg * bq, bq), hi], qo_smem.at[wg, buf],
+                                q_loaded.at[wg * q_buffers + buf])
+
       def load_q(i):
-        """Item ``i``'s Q tile into this consumer's SMEM; the item's coordinates and its query rows."""
+        """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
+        coordinates, its query rows and the tile. The next item's buffer held the previous item's output, whose
+        store ``_finish`` saw read."""
         bi, hi, pair, forwards, q_last = item_of(i)
-        q_rows = pl.ds(pair * rows + wg * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
-        plgpu.barrier_wait(q_loaded.at[wg])
-        return bi, hi, pair, forwards, q_last, q_rows
+        buf = q_buffer(i)
+        if q_buffers == 1:
+          issue_q(i)
+        plgpu.barrier_wait(q_loaded.at[wg * q_buffers + buf])
+        if q_buffers > 1:
+          pl.when(i + 1 < items)(lambda: issue_q(i + 1))
+        return bi, hi, pair, forwards, q_last, pl.ds(pair * rows + wg * bq, bq), qo_smem.at[wg, buf]
 
       def item(i, loaded):
-        bi, hi, pair, forwards, q_last, q_rows = load_q(i)
+        bi, hi, pair, forwards, q_last, q_rows, q_smem = load_q(i)
         q_first = order.first(dev, pair * rows + wg * bq) if causal else None
 
         def step(s, state):
@@ -520,20 +573,30 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
             count = _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
             offset = q_first - order.first(source, start) if causal else None
 
-            def tile(j, carry, loaded=loaded, offset=offset):
+            def arrived(j, loaded=loaded):
               slot = lax.rem(loaded + j, slots)
               plgpu.barrier_wait(k_loaded.at[slot])
-              if not causal:
-                return update(carry, slot)
-              gap = offset - j * bkv  # the tile's first query's position minus its first key's
-              kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
-              branches = [None] * 3
-              branches[HIDDEN] = lambda c: hidden(c, slot)
-              branches[VISIBLE] = lambda c: update(c, slot)
-              branches[PARTIAL] = lambda c: update(c, slot, mask_from=-gap)
-              return lax.switch(kind, branches, carry)
+              return slot
 
-            carry = lax.fori_loop(0, count, tile, carry)
+            visible = lambda j, carry: update(carry, arrived(j), q_smem)
+            partial = lambda j, carry, offset=offset: update(carry, arrived(j), q_smem, mask_from=j * bkv - offset)
+            hide = lambda j, carry: hidden(carry, arrived(j))
+            if not causal:
+              carry = lax.fori_loop(0, count, visible, carry)
+            elif pipeline.causal_loops:  # tile j's first query minus first key, offset - j bkv, falls with j
+              n_visible = jnp.clip(jnp.maximum(offset + 1, 0) // bkv, 0, count)  # offset - j bkv >= bkv - 1
+              n_shown = jnp.clip((jnp.maximum(offset + bq, 0) + bkv - 1) // bkv, n_visible, count)  # > -bq
+              carry = lax.fori_loop(0, n_visible, visible, carry)
+              carry = lax.fori_loop(n_visible, n_shown, partial, carry)
+              carry = lax.fori_loop(n_shown, count, hide, carry)
+            else:
+              def tile(j, carry, offset=offset):
+                gap = offset - j * bkv  # the tile's first query's position minus its first key's
+                kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
+                branches = [None] * 3
+                branches[HIDDEN], branches[VISIBLE], branches[PARTIAL] = hide, visible, partial
+                return lax.switch(kind, branches, j, carry)
+              carry = lax.fori_loop(0, count, tile, carry)
             loaded = loaded + count
           return loaded, carry
 
@@ -544,7 +607,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def pipelined_item(i, loaded):
         """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
         step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
-        bi, hi, _, _, _, q_rows = load_q(i)
+        bi, hi, _, _, _, q_rows, q_smem = load_q(i)
         tiles = n_dev * (s_loc // bkv)
         slot_of = lambda t: lax.rem(loaded + t, slots)
 
@@ -597,6 +660,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           pl.run_state(attend)(plgpu.ACC.init(zeros))
         return loaded + tiles
 
+      if q_buffers > 1:
+        pl.when(items > 0)(lambda: issue_q(0))
       pl.when(wg == 1)(meet)  # consumer 1 starts one meeting ahead: the two alternate
       lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
       pl.when(wg == 0)(meet)
@@ -606,11 +671,11 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
   kv_transforms = _swizzled(d, dtype)
-  scratch = [plgpu.SMEM((CONSUMERS, bq, d), dtype, transforms=kv_transforms),
+  scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-             plgpu.Barrier(num_barriers=CONSUMERS),  # Q tile loaded, one per consumer
+             plgpu.Barrier(num_barriers=CONSUMERS * q_buffers),  # Q tile loaded, per consumer and buffer
              plgpu.Barrier(num_barriers=slots),  # K tile loaded
              plgpu.Barrier(num_barriers=slots),  # V tile loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
