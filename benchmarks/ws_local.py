@@ -34,8 +34,9 @@ from jaxmercury.tuner import measure
 STEPS = {"before": BEFORE,
          "causal_loops": Pipeline(causal_loops=True, balanced=False, prefetch_q=False),
          "balanced": Pipeline(causal_loops=True, balanced=True, prefetch_q=False),
-         "prefetch_q": Pipeline()}
-NON_CAUSAL_STEPS = ("before", "prefetch_q")  # the loops and the balanced order change causal work only
+         "prefetch_q": Pipeline(split_tail=False),
+         "split_tail": Pipeline()}
+NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail")  # the loops and the balanced order: causal work only
 
 
 def _seq(text: str) -> int:

@@ -157,6 +157,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
@@ -233,14 +234,45 @@ class Pipeline:
       decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
       last round holds the shortest items.
     prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one.
+    split_tail: on one device without a mask, when the items do not fill the last round, every CTA takes an
+      equal run of (item, key tile) units instead of whole items (``_SplitTail``): an item cut between two CTAs
+      is computed in two parts, merged after the kernel by their log-sum-exps.
   """
 
   causal_loops: bool = True
   balanced: bool = True
   prefetch_q: bool = True
+  split_tail: bool = True
 
 
-BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False)  # the kernel as first written
+BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitTail:
+  """``work`` items of ``tiles`` key tiles each over ``grid`` CTAs: CTA ``c`` takes units (item, tile)
+  ``start(c) .. start(c + 1) - 1`` in item-major order. Each CTA's run is at least one item long, so an item is
+  cut at most once, between the last part of CTA ``c`` (its partial slot 1) and the first of CTA ``c + 1`` (slot
+  0)."""
+
+  work: int
+  tiles: int
+  grid: int
+
+  @staticmethod
+  def make(work: int, tiles: int, grid: int) -> "_SplitTail | None":
+    """The split, where it pays: the items leave the last round part empty and each CTA gets a whole item."""
+    return _SplitTail(work, tiles, grid) if work % grid and work >= grid else None
+
+  def start(self, c):
+    """The first unit of CTA ``c`` (an int, or traced): runs of ``units // grid``, the first ``units % grid`` one
+    longer (no product of ``c`` and ``units``, which could overflow int32)."""
+    per, extra = divmod(self.work * self.tiles, self.grid)
+    return c * per + (min(c, extra) if isinstance(c, int) else jnp.minimum(c, extra))
+
+  def cuts(self) -> list[int]:
+    """The CTAs ``c`` whose run ends inside an item (cut between ``c`` and ``c + 1``)."""
+    return [c for c in range(self.grid - 1) if self.start(c + 1) % self.tiles]
 
 
 @contextlib.contextmanager
@@ -364,16 +396,24 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
+  split = _SplitTail.make(work, s_loc // bkv, grid) if (
+      pipeline.split_tail and not (causal or ring or pipelined)) else None
   q_buffers = 2 if pipeline.prefetch_q and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
       recv_k, recv_v, *rest = rest
+    if split:
+      part_o, part_lse, *rest = rest
     qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, *o_smem = rest
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
-    if balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
+    if split:  # the items this CTA's units touch
+      first_unit, end_unit = split.start(cta), split.start(cta + 1)
+      first_item = first_unit // split.tiles
+      items = (end_unit - 1) // split.tiles - first_item + 1
+    elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
       full, last = divmod(work, grid)
       in_last = cta < last if full % 2 == 0 else cta >= grid - last
       items = full + in_last.astype(jnp.int32)
@@ -391,9 +431,16 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         pair, bh = pairs - 1 - rank // (b * h), lax.rem(rank, b * h)
         bi, hi, forwards = bh // h, lax.rem(bh, h), False
       else:
-        bi, hi, pair, forwards = _item(cta + i * grid, forwarders, per_group, pairs, g, kv)
+        index = first_item + i if split else cta + i * grid
+        bi, hi, pair, forwards = _item(index, forwarders, per_group, pairs, g, kv)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
+
+    def span(i):
+      """The key tiles ``first .. first + count - 1`` of item ``i`` in this CTA's units (split tails only)."""
+      base = (first_item + i) * split.tiles
+      first = jnp.maximum(first_unit - base, 0)
+      return first, jnp.minimum(end_unit - base, split.tiles) - first
 
     def forwarding_at(forwards, s):
       return forwards & (s < n_dev - 1) if ring else False
@@ -414,8 +461,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def stream(keys, values, count, loaded, forwarding, dest):
-        """Loads ``count`` tiles of ``keys, values [r, d]`` into the slots after tile ``loaded``; forwards them."""
+      def stream(keys, values, count, loaded, forwarding, dest, first=0):
+        """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first``, into the slots after tile
+        ``loaded``; forwards them."""
 
         @pl.loop(0, count + lag)
         def _tile(j):
@@ -423,7 +471,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           def _issue():
             tile = loaded + j
             slot = lax.rem(tile, slots)
-            src = pl.ds(j * bkv, bkv)
+            src = pl.ds((first + j) * bkv, bkv)
             for smem, ref, consumed, barrier, pending in ((k_smem, keys, k_consumed, k_loaded, 1),
                                                           (v_smem, values, v_consumed, v_loaded, 0)):
               @pl.when(tile >= slots)
@@ -450,6 +498,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def item(i, loaded):
         bi, hi, _, forwards, q_last = item_of(i)
         kvh = hi // g
+        if split:
+          first, count = span(i)
+          return stream(k_ref.at[bi, :, kvh], v_ref.at[bi, :, kvh], count, loaded, False, None, first)
 
         def step(s, loaded):
           keys, values, source = step_sources(s)
@@ -570,7 +621,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           _, _, source = step_sources(s)
           forwarding = forwarding_at(forwards, s)
           for start in starts:
-            count = _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
+            count = span(i)[1] if split else _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
             offset = q_first - order.first(source, start) if causal else None
 
             def arrived(j, loaded=loaded):
@@ -601,7 +652,16 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           return loaded, carry
 
         loaded, carry = over_steps(step, (loaded, _initial_state(bq, d)))
-        _finish(carry, q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+        finish = functools.partial(_finish, carry, q_smem, lse_row)
+        if not split:
+          finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+          return loaded
+        first, count = span(i)
+        whole = (first == 0) & (count == split.tiles)
+        part = jnp.where(first > 0, 0, 1)  # a CTA's first item is cut at its start, its last one at its end
+        own = pl.ds(wg * bq, bq)
+        pl.when(whole)(lambda: finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
+        pl.when(~whole)(lambda: finish(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
         return loaded
 
       def pipelined_item(i, loaded):
@@ -670,6 +730,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
   if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
+  if split:  # each CTA's first and last item's part where cut: outputs and log-sum-exps
+    out_types += [jax.ShapeDtypeStruct((grid, 2, rows, d), dtype), jax.ShapeDtypeStruct((grid, 2, rows), jnp.float32)]
   kv_transforms = _swizzled(d, dtype)
   scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
@@ -688,7 +750,27 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
+  if split:
+    return _merge_cuts(split, *results, forwarders=forwarders, per_group=per_group, nq=pairs, g=g, kv=kv)
   return results[0], results[1]
+
+
+def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
+  """``out [b, s, h, d]`` and ``lse [b, h, s]`` with each item cut between two CTAs merged from its two parts."""
+  if not split.cuts():
+    return out, lse
+  cuts = np.array(split.cuts(), np.int32)
+  with jax.ensure_compile_time_eval():  # the cut items' coordinates are constants
+    coords = _item(np.array([split.start(c + 1) // split.tiles for c in split.cuts()]), **items)
+  bi, hi, pair = (np.asarray(x) for x in coords[:3])
+  rows = part_o.shape[2]
+  lse_a, lse_b = part_lse[cuts, 1], part_lse[cuts + 1, 0]  # [cuts, rows]
+  merged = jnp.logaddexp(lse_a, lse_b)
+  o = sum(jnp.exp(x - merged)[..., None] * part.astype(jnp.float32)
+          for x, part in ((lse_a, part_o[cuts, 1]), (lse_b, part_o[cuts + 1, 0])))
+  at = pair[:, None] * rows + np.arange(rows)[None]  # [cuts, rows] positions
+  return (out.at[bi[:, None], at, hi[:, None]].set(o.astype(out.dtype)),
+          lse.at[bi[:, None], hi[:, None], at].set(merged))
 
 
 # ------------------------------------------------------------------ as a fused kernel of ring schedules
