@@ -49,10 +49,13 @@ def _kernel_forward(mesh, causal: bool, pipeline: Pipeline, smoke: bool):
                                check_vma=False))
 
 
-def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool):
-  """The training step of the ring schedule lowered with the kernel, on ``[b, s, h, d]`` inputs."""
+def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fused_ring_attention_ws"):
+  """The training step of the ring schedule lowered with the fused kernel (or patched with a local ``kernel``),
+  on ``[b, s, h, d]`` inputs."""
   prog = jm.programs.attention(b, h, kv, s, s, d, causal=causal, dtype=jnp.bfloat16)
-  fn = jm.library(prog, mesh)["ring"].lower_with("fused_ring_attention_ws").compile(differentiable=True)
+  ring = jm.library(prog, mesh)["ring"]
+  schedule = ring.lower_with(kernel) if kernel.startswith("fused") else ring.patch(kernel)
+  fn = schedule.compile(differentiable=True)
 
   def traced(q, k, v):  # the kernel is made when traced: in interpret mode for --smoke
     with registry.interpret_mode() if smoke else contextlib.nullcontext():
@@ -74,6 +77,10 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     contestants = [harness.Contestant("cudnn", "baseline", lambda: measure.training_step(cudnn), f"jax.vjp of {label}"),
                    harness.Contestant("ws", "jaxmercury", step,
                                       "ring schedule lowered with fused_ring_attention_ws, its own backward")]
+    if not args.smoke:  # the same backward after cuDNN's forward: which half a gap is in
+      contestants.append(harness.Contestant(
+          "cudnn_blocks", "jaxmercury", lambda: _schedule_step(mesh, b, s, h, kv, d, causal, False, "cudnn_attention"),
+          "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
     steps = STEPS if causal else {n: STEPS[n] for n in NON_CAUSAL_STEPS}

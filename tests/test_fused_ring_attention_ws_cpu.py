@@ -96,11 +96,11 @@ def test_every_pipeline_matches_the_reference(pipeline, num_ctas):
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
 
 
-@pytest.mark.parametrize("num_ctas", [3, 4, 5])
+@pytest.mark.parametrize("num_ctas", [3, 4, 6])
 @pytest.mark.parametrize("prefetch_q", [False, True])
 def test_split_tails_match_the_reference(num_ctas, prefetch_q):
-  """16 items of 8 key tiles: over 3 or 5 CTAs the units are split evenly and the items cut between two CTAs are
-  merged after the kernel; over 4 CTAs no item is cut (no split)."""
+  """16 items of 8 key tiles: over 3 or 6 CTAs the last round's items (1 or 4) are shared out over every CTA and
+  merged after the kernel; over 4 CTAs every round is full (no split)."""
   q, k, v = local_inputs(1, 512, 4, 2, 64)
   params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=Pipeline(prefetch_q=prefetch_q))
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
@@ -108,10 +108,12 @@ def test_split_tails_match_the_reference(num_ctas, prefetch_q):
 
 
 def test_split_tail_units():
-  split = _SplitTail.make(16, 8, 3)
-  assert [split.start(c) for c in range(4)] == [0, 43, 86, 128]  # 128 units: 43, 43, 42
-  assert split.cuts() == [0, 1]  # units 43 and 86 lie inside items 5 and 10
-  assert _SplitTail.make(16, 8, 4) is None and _SplitTail.make(2, 8, 3) is None  # a full last round; too few items
+  split = _SplitTail.make(16, 8, 3)  # 5 whole rounds, then item 15's 8 units: 3, 3, 2
+  assert split.full == 5 and [split.start(c) for c in range(4)] == [0, 3, 6, 8]
+  assert split.parts() == {0: [(0, 0), (1, 0), (2, 0)]}
+  split = _SplitTail.make(16, 8, 6)  # 2 whole rounds, then items 12 .. 15: 32 units, 6, 6, 5, 5, 5, 5
+  assert split.parts() == {0: [(0, 0), (1, 0)], 1: [(1, 1), (2, 0)], 2: [(2, 1), (3, 0), (4, 0)], 3: [(4, 1), (5, 0)]}
+  assert _SplitTail.make(16, 8, 4) is None and _SplitTail.make(1, 2, 3) is None  # a full last round; too little
 
 
 @pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots,pipelined", [

@@ -234,9 +234,9 @@ class Pipeline:
       decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
       last round holds the shortest items.
     prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one.
-    split_tail: on one device without a mask, when the items do not fill the last round, every CTA takes an
-      equal run of (item, key tile) units instead of whole items (``_SplitTail``): an item cut between two CTAs
-      is computed in two parts, merged after the kernel by their log-sum-exps.
+    split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
+      are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
+      log-sum-exps.
   """
 
   causal_loops: bool = True
@@ -250,10 +250,11 @@ BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_ta
 
 @dataclasses.dataclass(frozen=True)
 class _SplitTail:
-  """``work`` items of ``tiles`` key tiles each over ``grid`` CTAs: CTA ``c`` takes units (item, tile)
-  ``start(c) .. start(c + 1) - 1`` in item-major order. Each CTA's run is at least one item long, so an item is
-  cut at most once, between the last part of CTA ``c`` (its partial slot 1) and the first of CTA ``c + 1`` (slot
-  0)."""
+  """``work`` items of ``tiles`` key tiles over ``grid`` CTAs: the ``full`` whole rounds as usual (CTA ``c`` takes
+  items ``c, c + grid, ...``), then the last round's ``work % grid`` items, ``tail`` (item, key tile) units in
+  item-major order, shared out evenly: CTA ``c`` takes units ``start(c) .. start(c + 1) - 1`` of them, fewer
+  than an item's, so at most two parts (part slots 0 and 1), merged after the kernel by their log-sum-exps.
+  CTAs running together still read the keys of neighbouring items (L2)."""
 
   work: int
   tiles: int
@@ -261,18 +262,27 @@ class _SplitTail:
 
   @staticmethod
   def make(work: int, tiles: int, grid: int) -> "_SplitTail | None":
-    """The split, where it pays: the items leave the last round part empty and each CTA gets a whole item."""
-    return _SplitTail(work, tiles, grid) if work % grid and work >= grid else None
+    """The split, where the last round is part empty and every CTA gets a unit of it."""
+    return _SplitTail(work, tiles, grid) if work % grid and (work % grid) * tiles >= grid else None
+
+  @property
+  def full(self) -> int:
+    return self.work // self.grid
 
   def start(self, c):
-    """The first unit of CTA ``c`` (an int, or traced): runs of ``units // grid``, the first ``units % grid`` one
-    longer (no product of ``c`` and ``units``, which could overflow int32)."""
-    per, extra = divmod(self.work * self.tiles, self.grid)
+    """CTA ``c``'s first unit of the last round (an int, or traced): runs of ``tail // grid`` units, the first
+    ``tail % grid`` one longer."""
+    per, extra = divmod((self.work % self.grid) * self.tiles, self.grid)
     return c * per + (min(c, extra) if isinstance(c, int) else jnp.minimum(c, extra))
 
-  def cuts(self) -> list[int]:
-    """The CTAs ``c`` whose run ends inside an item (cut between ``c`` and ``c + 1``)."""
-    return [c for c in range(self.grid - 1) if self.start(c + 1) % self.tiles]
+  def parts(self) -> dict[int, list[tuple[int, int]]]:
+    """Each last-round item (by its index among them) -> its parts, ``(CTA, part slot)``."""
+    parts = {}
+    for c in range(self.grid):
+      first, end = self.start(c), self.start(c + 1)
+      for slot, item in enumerate(range(first // self.tiles, (end - 1) // self.tiles + 1) if end > first else ()):
+        parts.setdefault(item, []).append((c, slot))
+    return parts
 
 
 @contextlib.contextmanager
@@ -409,10 +419,10 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
-    if split:  # the items this CTA's units touch
+    if split:  # the whole rounds, then the last round's items this CTA's units touch
       first_unit, end_unit = split.start(cta), split.start(cta + 1)
-      first_item = first_unit // split.tiles
-      items = (end_unit - 1) // split.tiles - first_item + 1
+      first_part = first_unit // split.tiles
+      items = split.full + jnp.where(end_unit > first_unit, (end_unit - 1) // split.tiles - first_part + 1, 0)
     elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
       full, last = divmod(work, grid)
       in_last = cta < last if full % 2 == 0 else cta >= grid - last
@@ -431,16 +441,20 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         pair, bh = pairs - 1 - rank // (b * h), lax.rem(rank, b * h)
         bi, hi, forwards = bh // h, lax.rem(bh, h), False
       else:
-        index = first_item + i if split else cta + i * grid
+        index = cta + i * grid
+        if split:  # a part of the last round's item first_part + (i - full)
+          index = jnp.where(i < split.full, index, split.full * grid + first_part + i - split.full)
         bi, hi, pair, forwards = _item(index, forwarders, per_group, pairs, g, kv)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
 
     def span(i):
-      """The key tiles ``first .. first + count - 1`` of item ``i`` in this CTA's units (split tails only)."""
-      base = (first_item + i) * split.tiles
-      first = jnp.maximum(first_unit - base, 0)
-      return first, jnp.minimum(end_unit - base, split.tiles) - first
+      """Item ``i``'s key tiles ``first .. first + count - 1`` (split tails only): all of them in the whole
+      rounds, this CTA's units in the last."""
+      base = (first_part + i - split.full) * split.tiles
+      first = jnp.where(i < split.full, 0, jnp.maximum(first_unit - base, 0))
+      end = jnp.where(i < split.full, split.tiles, jnp.minimum(end_unit - base, split.tiles))
+      return first, end - first
 
     def forwarding_at(forwards, s):
       return forwards & (s < n_dev - 1) if ring else False
@@ -656,10 +670,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         if not split:
           finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
           return loaded
-        first, count = span(i)
-        whole = (first == 0) & (count == split.tiles)
-        part = jnp.where(first > 0, 0, 1)  # a CTA's first item is cut at its start, its last one at its end
-        own = pl.ds(wg * bq, bq)
+        whole, part, own = i < split.full, i - split.full, pl.ds(wg * bq, bq)
         pl.when(whole)(lambda: finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
         pl.when(~whole)(lambda: finish(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
         return loaded
@@ -730,7 +741,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
   if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
-  if split:  # each CTA's first and last item's part where cut: outputs and log-sum-exps
+  if split:  # each CTA's (at most two) parts of the last round's items: outputs and log-sum-exps
     out_types += [jax.ShapeDtypeStruct((grid, 2, rows, d), dtype), jax.ShapeDtypeStruct((grid, 2, rows), jnp.float32)]
   kv_transforms = _swizzled(d, dtype)
   scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
@@ -756,19 +767,21 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
 
 def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
-  """``out [b, s, h, d]`` and ``lse [b, h, s]`` with each item cut between two CTAs merged from its two parts."""
-  if not split.cuts():
-    return out, lse
-  cuts = np.array(split.cuts(), np.int32)
-  with jax.ensure_compile_time_eval():  # the cut items' coordinates are constants
-    coords = _item(np.array([split.start(c + 1) // split.tiles for c in split.cuts()]), **items)
+  """``out [b, s, h, d]`` and ``lse [b, h, s]`` with the last round's items merged from their parts."""
+  parts = split.parts()
+  width = max(map(len, parts.values()))
+  ids = sorted(parts)
+  cta = np.array([[c for c, _ in parts[t]] + [0] * (width - len(parts[t])) for t in ids], np.int32)
+  slot = np.array([[k for _, k in parts[t]] + [0] * (width - len(parts[t])) for t in ids], np.int32)
+  real = np.array([[True] * len(parts[t]) + [False] * (width - len(parts[t])) for t in ids])
+  with jax.ensure_compile_time_eval():  # the items' coordinates are constants
+    coords = _item(np.array(ids) + split.full * split.grid, **items)
   bi, hi, pair = (np.asarray(x) for x in coords[:3])
   rows = part_o.shape[2]
-  lse_a, lse_b = part_lse[cuts, 1], part_lse[cuts + 1, 0]  # [cuts, rows]
-  merged = jnp.logaddexp(lse_a, lse_b)
-  o = sum(jnp.exp(x - merged)[..., None] * part.astype(jnp.float32)
-          for x, part in ((lse_a, part_o[cuts, 1]), (lse_b, part_o[cuts + 1, 0])))
-  at = pair[:, None] * rows + np.arange(rows)[None]  # [cuts, rows] positions
+  part_lses = jnp.where(real[..., None], part_lse[cta, slot], -jnp.inf)  # [items, width, rows]
+  merged = jax.nn.logsumexp(part_lses, axis=1)
+  o = jnp.einsum("tpr,tprd->trd", jnp.exp(part_lses - merged[:, None]), part_o[cta, slot].astype(jnp.float32))
+  at = pair[:, None] * rows + np.arange(rows)[None]  # [items, rows] positions
   return (out.at[bi[:, None], at, hi[:, None]].set(o.astype(out.dtype)),
           lse.at[bi[:, None], hi[:, None], at].set(merged))
 
