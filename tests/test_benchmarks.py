@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness
+from benchmarks import harness, ws_local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -255,3 +255,15 @@ def test_moe_suite(tmp_path):
       assert "cpu" in recs["mosaic_grouped_gemm"]["skipped"] and recs["mosaic_grouped_gemm"]["gemm"] == \
           "mosaic_grouped_gemm"
     assert all(r["tflops_per_device"] > 0 for r in recs.values() if "median_ms" in r)
+
+
+def test_ws_local_smoke(tmp_path):
+  """The WS kernel's pipeline steps against XLA's attention in interpret mode: each one timed and agreeing."""
+  out = tmp_path / "ws.json"
+  ws_local.main(["--smoke", "--causal", "yes", "--steps", "before", "split_tail", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results["suite"] == "ws_local" and results["command"].startswith("python -m benchmarks.ws_local --smoke")
+  (case,) = results["cases"]
+  assert case["causal"] and case["agree"]
+  assert [r["name"] for r in case["contestants"]] == ["cudnn", "before", "split_tail"]
+  assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])

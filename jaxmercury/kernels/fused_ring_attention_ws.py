@@ -46,8 +46,9 @@ After (this kernel; per CTA, the three warpgroups run concurrently)::
       q_tile = q_r[bi, (2 pair + w) block_q rows, hi]; acc, m, l = 0, -inf, 0
       for every tile the memory warpgroup loads for this item, in the same order:
         wait "k loaded"; S = q_tile @ k.T (wgmma); schedule barrier; release k
-        match class(q_tile, k_tile) by global positions (causal; else visible):
-          hidden: nothing; visible: online softmax of S; partial: the same, scores masked with MASKED
+        class(q_tile, k_tile) by global positions (causal; else visible); along a run the classes come in the
+        order visible, partial, hidden, so a run is three loops (their lengths from the run's offset):
+          visible: online softmax of S; partial: the same, scores masked with MASKED; hidden: nothing
         optimization barrier (the softmax is not sunk below the next line)
         schedule barrier; wait "v loaded"; acc += P @ v (wgmma, P from registers); release v
       out[bi, rows, hi], lse[bi, hi, rows] = acc / l, m + log(l)
@@ -140,10 +141,22 @@ is a plain dot added to the accumulator, and the pipelined consumers keep
 their accumulator in SMEM (the interpreter cannot store into a wgmma
 accumulator).
 
-Not done yet: the backward pass (use ``fused_ring_attention.ring_attention``'s
-unfused one); the pipelined consumers for causal attention; a causal forwarder
-loads every K and V tile, hidden ones too, to pass them on; in natural
-order causal work is unbalanced (zigzag balances it).
+Scheduling (``Pipeline``; each change measured against the last on one
+H100 and one H200 by ``benchmarks.ws_local``): causal tiles come in class
+order along a run (visible, then partial, then hidden), so each consumer runs
+three loops, the first without a branch or a mask; on one device causal items
+run longest first in snake order, which balances the CTAs (round-robin left
+5-28% more work on the busiest CTA at S 4K-16K); each consumer loads its next
+item's Q tile into a second buffer while it computes this one; and on one
+device without a mask, when the items leave the last round part empty, its
+items' key tiles are shared out over every CTA and each item's parts merged
+after the kernel by their log-sum-exps (``_SplitTail``).
+
+Not done yet: a backward kernel (the backward is ``DualPrograms``: on one
+device one cuDNN flash backward call from this kernel's output and
+log-sum-exp); the pipelined consumers for causal attention; a causal
+forwarder loads every K and V tile, hidden ones too, to pass them on; in a
+ring, natural-order causal work is unbalanced (zigzag balances it).
 """
 
 from __future__ import annotations
@@ -233,7 +246,8 @@ class Pipeline:
       ``i * grid + c`` in its even rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by
       decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
       last round holds the shortest items.
-    prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one.
+    prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one;
+      not for causal items of more than ``PREFETCH_MAX_CAUSAL_TILES`` key tiles (measured slower there).
     split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
       are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
       log-sum-exps.
@@ -246,6 +260,10 @@ class Pipeline:
 
 
 BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
+# On one H100 (benchmarks/results/2026-11-25-ws_local-*): the Q prefetch gains 1-17% at S 4K-32K, and at S64K causal
+# loses 1-5% (two runs, KV 32 and 8; non-causal within 1%, either way): above 256 tiles of 128 keys, causal items
+# load their Q tiles one at a time.
+PREFETCH_MAX_CAUSAL_TILES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +426,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
   split = _SplitTail.make(work, s_loc // bkv, grid) if (
       pipeline.split_tail and not (causal or ring or pipelined)) else None
-  q_buffers = 2 if pipeline.prefetch_q and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
+  prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
+  q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
