@@ -30,21 +30,24 @@ from jaxmercury.kernels import registry
 from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
 
-# One change at a time, in the order they were made; each name is the pipeline up to and including its change.
-STEPS = {"before": BEFORE,
-         "causal_loops": Pipeline(causal_loops=True, balanced=False, prefetch_q=False),
-         "balanced": Pipeline(causal_loops=True, balanced=True, prefetch_q=False),
-         "prefetch_q": Pipeline(split_tail=False),
-         "split_tail": Pipeline()}
-NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail")  # the loops and the balanced order: causal work only
+# One change at a time, in the order they were made; each name is the kernel's arguments up to and including its
+# change (``pipelined``: the consumers' intra-warpgroup pipelining, taking turns; non-causal only).
+STEPS = {"before": dict(pipeline=BEFORE),
+         "causal_loops": dict(pipeline=Pipeline(causal_loops=True, balanced=False, prefetch_q=False)),
+         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False)),
+         "prefetch_q": dict(pipeline=Pipeline(split_tail=False)),
+         "split_tail": dict(pipeline=Pipeline()),
+         "pipelined": dict(pipeline=Pipeline(), pipelined=True)}
+CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "split_tail")
+NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined")  # loops, balanced order: causal work only
 
 
 def _seq(text: str) -> int:
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
 
 
-def _kernel_forward(mesh, causal: bool, pipeline: Pipeline, smoke: bool):
-  kernel = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=causal, pipeline=pipeline, interpret=smoke)
+def _kernel_forward(mesh, causal: bool, smoke: bool, **params):
+  kernel = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=causal, interpret=smoke, **params)
   return jax.jit(jax.shard_map(lambda q, k, v: kernel(q, k, v)[0], mesh=mesh, in_specs=(P(),) * 3, out_specs=P(),
                                check_vma=False))
 
@@ -83,11 +86,14 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
           "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
-    steps = STEPS if causal else {n: STEPS[n] for n in NON_CAUSAL_STEPS}
+    steps = CAUSAL_STEPS if causal else NON_CAUSAL_STEPS
     contestants = [harness.Contestant("cudnn", "baseline", lambda: jax.jit(cudnn), label)]
-    contestants += [harness.Contestant(name, "jaxmercury", lambda p=p: _kernel_forward(mesh, causal, p, args.smoke),
-                                       f"fused_ring_attention_ws, {p}", record={"pipeline": dataclasses.asdict(p)})
-                    for name, p in steps.items() if name in args.steps]
+    for name in (n for n in steps if n in args.steps):
+      params = STEPS[name]
+      contestants.append(harness.Contestant(
+          name, "jaxmercury", lambda p=params: _kernel_forward(mesh, causal, args.smoke, **p),
+          f"fused_ring_attention_ws, {params}",
+          record={"pipeline": dataclasses.asdict(params["pipeline"]), "pipelined": params.get("pipelined", False)}))
     tolerance = harness.BF16_TOLERANCE
   seq = f"{s // 1024}K" if s >= 1024 else str(s)
   name = f"B{b} S{seq} H{h} KV{kv} D{d}{' causal' if causal else ''}{' training' if args.training else ''}"

@@ -97,12 +97,14 @@ def test_every_pipeline_matches_the_reference(pipeline, num_ctas):
 
 
 @pytest.mark.parametrize("num_ctas", [3, 4, 6])
-@pytest.mark.parametrize("prefetch_q", [False, True])
-def test_split_tails_match_the_reference(num_ctas, prefetch_q):
+@pytest.mark.parametrize("prefetch_q,pipelined", [(False, False), (True, False), (True, True)],
+                         ids=["", "prefetch", "prefetch-pipelined"])
+def test_split_tails_match_the_reference(num_ctas, prefetch_q, pipelined):
   """16 items of 8 key tiles: over 3 or 6 CTAs the last round's items (1 or 4) are shared out over every CTA and
   merged after the kernel; over 4 CTAs every round is full (no split)."""
   q, k, v = local_inputs(1, 512, 4, 2, 64)
-  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=Pipeline(prefetch_q=prefetch_q))
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=Pipeline(prefetch_q=prefetch_q),
+                pipelined=pipelined)
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 

@@ -55,13 +55,16 @@ After (this kernel; per CTA, the three warpgroups run concurrently)::
 
   consumer warpgroup w, ``pipelined=True`` (FlashAttention-3's intra-warpgroup pipelining; not causal):
     for item (bi, hi, pair) of this CTA:            # tiles t = 0 .. T-1: every tile of every ring step
-      S = q_tile @ k_0.T; schedule barrier; release k 0; m, l, P = online softmax of S
+      take the turn; S = q_tile @ k_0.T; give the turn; release k 0; m, l, P = online softmax of S
       for t in 1 .. T-1:
         wait "k loaded" t, "v loaded" t - 1
-        issue S = q_tile @ k_t.T, then acc += P @ v_{t-1}; schedule barrier
+        take the turn; issue S = q_tile @ k_t.T, then acc += P @ v_{t-1}; give the turn to the other consumer
         wait for S's wgmma only; release k t; m, l, alpha, P = online softmax of S   # P V still runs
         acc = alpha * acc (waits for P V); release v t - 1
-      acc += P @ v_{T-1}; schedule barrier; release v T - 1; out, lse as above
+      take the turn; acc += P @ v_{T-1}; give the turn; release v T - 1; out, lse as above
+
+  The turn is a token: consumer w waits on barrier turn[w] and arrives on turn[1 - w], so the two issue
+  their wgmmas alternately and each one's softmax runs while the other's wgmmas do.
 
   With two slots this cannot deadlock although a consumer holds a V slot one
   tile longer: the memory warpgroup loads tile t + 1's K (waiting only for
@@ -424,8 +427,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
-  split = _SplitTail.make(work, s_loc // bkv, grid) if (
-      pipeline.split_tail and not (causal or ring or pipelined)) else None
+  split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
 
@@ -434,7 +436,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       recv_k, recv_v, *rest = rest
     if split:
       part_o, part_lse, *rest = rest
-    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, *o_smem = rest
+    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, turn, *o_smem = (
+        rest)
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
@@ -685,20 +688,29 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           return loaded, carry
 
         loaded, carry = over_steps(step, (loaded, _initial_state(bq, d)))
+        store(carry, i, bi, hi, q_rows, q_smem)
+        return loaded
+
+      def store(carry, i, bi, hi, q_rows, q_smem):
+        """Item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its slot."""
         finish = functools.partial(_finish, carry, q_smem, lse_row)
         if not split:
-          finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
-          return loaded
+          return finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
         whole, part, own = i < split.full, i - split.full, pl.ds(wg * bq, bq)
         pl.when(whole)(lambda: finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
         pl.when(~whole)(lambda: finish(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
-        return loaded
+
+      def take_turn():  # the tensor cores are this consumer's until it gives the turn to the other
+        plgpu.barrier_wait(turn.at[wg])
+
+      def give_turn():
+        plgpu.barrier_arrive(turn.at[1 - wg])
 
       def pipelined_item(i, loaded):
         """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
-        step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
+        step, ``tiles`` in all, or a split tail's part); the consumers take turns issuing their wgmmas."""
         bi, hi, _, _, _, q_rows, q_smem = load_q(i)
-        tiles = n_dev * (s_loc // bkv)
+        tiles = span(i)[1] if split else n_dev * (s_loc // bkv)
         slot_of = lambda t: lax.rem(loaded + t, slots)
 
         def weigh(acc_ref, p16, slot):  # acc += P V, issued (the interpreter's: a plain dot on SMEM)
@@ -710,10 +722,11 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         def scores(slot, behind=None):
           """``Q K^T`` of the slot's tile, then ``behind()``'s wgmma; returns the scores once theirs retired."""
           def issue(s_ref):
+            take_turn()
             plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             if behind is not None:
               behind()
-            meet()  # the other consumer's softmax runs while these wgmmas do
+            give_turn()  # the other consumer's wgmmas queue behind these, its softmax ran meanwhile
             return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if behind is None else 1)
           qk = pl.run_scoped(issue, plgpu.ACC((bq, bkv), jnp.float32))
           plgpu.barrier_arrive(k_consumed.at[slot])
@@ -736,11 +749,12 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
           m, l, p16 = lax.fori_loop(1, tiles, tile, (m, l, p16))
           plgpu.barrier_wait(v_loaded.at[slot_of(tiles - 1)])
+          take_turn()
           weigh(acc_ref, p16, slot_of(tiles - 1))
-          meet()
+          give_turn()
           acc = acc_ref[...]
           plgpu.barrier_arrive(v_consumed.at[slot_of(tiles - 1)])
-          _finish((acc, m, l), q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+          store((acc, m, l), i, bi, hi, q_rows, q_smem)
 
         zeros = _initial_state(bq, d)[0]
         if interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
@@ -752,9 +766,11 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
       if q_buffers > 1:
         pl.when(items > 0)(lambda: issue_q(0))
-      pl.when(wg == 1)(meet)  # consumer 1 starts one meeting ahead: the two alternate
+      # Consumer 1 starts one meeting ahead (pipelined: gives consumer 0 the first turn), so the two alternate;
+      # consumer 0 meets once more (takes the last turn given) at the end, so every phase is waited for.
+      pl.when(wg == 1)(give_turn if pipelined else meet)
       lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
-      pl.when(wg == 0)(meet)
+      pl.when(wg == 0)(take_turn if pipelined else meet)
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
@@ -772,7 +788,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
              plgpu.Barrier(num_barriers=slots),  # V tile loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # V slot released
-             plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' schedule barrier
+             plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' schedule barrier
+             plgpu.Barrier(num_barriers=CONSUMERS)]  # pipelined: consumer w's turn on the tensor cores
   if pipelined and interpret:
     scratch.append(plgpu.SMEM((CONSUMERS, bq, d), jnp.float32))  # the accumulators (on GPUs: registers)
   results = plgpu.kernel(
