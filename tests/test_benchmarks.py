@@ -260,10 +260,10 @@ def test_moe_suite(tmp_path):
 def test_ws_local_smoke(tmp_path):
   """The WS kernel's pipeline steps against XLA's attention in interpret mode: each one timed and agreeing."""
   out = tmp_path / "ws.json"
-  ws_local.main(["--smoke", "--causal", "yes", "--steps", "before", "split_tail", "--out", str(out)])
+  ws_local.main(["--smoke", "--causal", "yes", "--steps", "before", "default", "--out", str(out)])
   results = json.loads(out.read_text())
   assert results["suite"] == "ws_local" and results["command"].startswith("python -m benchmarks.ws_local --smoke")
   (case,) = results["cases"]
   assert case["causal"] and case["agree"]
-  assert [r["name"] for r in case["contestants"]] == ["cudnn", "before", "split_tail"]
+  assert [r["name"] for r in case["contestants"]] == ["cudnn", "before", "default"]
   assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])

@@ -267,6 +267,10 @@ BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_ta
 # loses 1-5% (two runs, KV 32 and 8; non-causal within 1%, either way): above 256 tiles of 128 keys, causal items
 # load their Q tiles one at a time.
 PREFETCH_MAX_CAUSAL_TILES = 256
+# The pipelined consumers (taking turns) on one H100 (2026-11-25-ws_local-f3949d0-H100.json): 1.1-3.1% faster
+# than the others at S 4K-32K, 1.0-3.5% slower at S64K (non-causal, KV 32 and 8): the default on one device up to
+# 256 tiles (rings keep the measured consumers: the turns have not run on two GPUs).
+PIPELINED_MAX_TILES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +324,7 @@ def _named():
 
 def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
-                            max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool = False,
+                            max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool | None = None,
                             pipeline: Pipeline = Pipeline(), interpret: bool = False):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
@@ -344,7 +348,8 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     pipelined: each consumer issues tile ``t``'s ``Q K^T`` and tile
       ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
       ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
-      module docstring); not causal.
+      module docstring); not causal. None: on one device, non-causal items
+      of at most ``PIPELINED_MAX_TILES`` key tiles (where it measured faster).
     pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
@@ -362,6 +367,8 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
                             f"{CONSUMERS * block_q}: a work item is two query tiles")
+  if pipelined is None:
+    pipelined = not causal and n_dev == 1 and s // block_kv <= PIPELINED_MAX_TILES
   if pipelined and causal:
     raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
                             "pipelined=False")
