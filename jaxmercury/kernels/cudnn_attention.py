@@ -271,7 +271,8 @@ HALF = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 def _backward_kernel(part: str) -> Kernel:
   return Kernel(name=f"cudnn_attention_{part}", patterns=frozenset({f"attention_{part}"}), make=_make_backward(part),
                 dtypes=HALF, platforms=frozenset({"gpu"}), dtype_of="q", work=cudnn_backward_work,
-                workspace=_workspace, masks=frozenset(KINDS), description=f"cuDNN's flash backward, {part} of a block pair")
+                workspace=_workspace, masks=frozenset(KINDS),
+                description=f"cuDNN's flash backward, {part} of a block pair")
 
 
 CUDNN_ATTENTION = Kernel(
