@@ -144,6 +144,24 @@ def test_odd_blocks_take_the_body_where_a_bias_would_be_needed(cpu_cudnn):
   assert {r for r in cpu_cudnn if r != "backward"} == {"forward window", "backward window"}
 
 
+def test_zigzag_ring_with_a_window(cpu_cudnn):
+  """Blocks of zigzag chunks at their true positions: whole chunks through the dispatch."""
+  prog = jm.programs.attention(1, 4, 2, T, T, 8, causal=True, window=(40, 0))
+  s = jm.library(prog, make_mesh("4x2"))["ring_zigzag"].patch("cudnn_attention")
+  check({"ring_zigzag": s}, prog.random_inputs(fresh_key()), band_keep(T, T, True, (40, 0)),
+        grads=("ring_zigzag",))
+  assert {"forward unmasked", "forward causal", "forward bias", "backward bias"} <= set(cpu_cudnn)
+
+
+def test_lengths_the_mesh_does_not_divide(cpu_cudnn):
+  """60 queries and keys on 8 devices: padded key blocks on the XLA body, the rest (query padding) on cuDNN."""
+  prog = jm.programs.attention(1, 4, 2, 60, 60, 8, causal=True, window=(9, 0), segment_ids=True)
+  q, k, v = prog.random_inputs(fresh_key())[:3]
+  seg = packed_segments(fresh_key(), 1, 60)
+  keep = (seg[:, None, :, None] == seg[:, None, None, :]) & band_keep(60, 60, True, (9, 0))
+  check({"ring": _ring(prog)}, (q, k, v, seg, seg), keep)
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_segment_ids_ring(cpu_cudnn, axis_type):
   """Packed sequences with a causal mask; on Explicit axes, inputs placed and under ``jax.set_mesh``."""

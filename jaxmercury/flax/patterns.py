@@ -36,7 +36,7 @@ from jaxmercury.flax import masks
 from jaxmercury.flax.jaxpr_view import Site, View, source_line
 
 NEGATIVE_FILL = -1e4  # a masked logit's fill is at most this
-# JAX's cuDNN flash attention forward (``jax._src.cudnn.fused_attention_stablehlo``), the primitive that carries
+# JAX's cuDNN flash attention forward (its module ``cudnn.fused_attention_stablehlo``), the primitive that carries
 # its batching and partitioning rules; its operands: query, key, value, bias, q_seqlen, kv_seqlen, q_offsets,
 # kv_offsets, page tables.
 CUDNN_ATTENTION = "dot_product_attention_fwd_wrapper"
