@@ -32,10 +32,13 @@ from jaxmercury.errors import PreconditionError
 from jaxmercury.ir import orders
 from jaxmercury.kernels.fused_ring_attention import reference
 from jaxmercury.kernels.fused_ring_attention_ws import (
+  BEFORE,
   CONFIGS,
   INTERPRET_CTAS,
+  Pipeline,
   WsBlocks,
   _kernel,
+  _SplitTail,
   fused_ring_attention_ws,
 )
 
@@ -74,6 +77,41 @@ def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv):
   # the same as causal attention of the sequence in true order
   dpa = jax.nn.dot_product_attention(*(_true_order(x, chunks).astype(jnp.float32) for x in (q, k, v)), is_causal=True)
   assert rel_err(_true_order(out, chunks).astype(jnp.float32), dpa) < 2e-2
+
+
+# Each change of the pipeline alone (the default has all): the causal loops, the balanced order, the Q prefetch.
+PIPELINES = [BEFORE, Pipeline(balanced=False, prefetch_q=False), Pipeline(causal_loops=False, prefetch_q=False),
+             Pipeline(causal_loops=False, balanced=False)]
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES, ids=["before", "loops", "balanced", "prefetch"])
+@pytest.mark.parametrize("num_ctas", [3, 4])
+def test_every_pipeline_matches_the_reference(pipeline, num_ctas):
+  """16 items over 3 CTAs (5 full rounds: the last round's item goes to the last CTA in snake order) or 4 (4
+  rounds, none partial); 4 zigzag chunks of 128: hidden, partial and visible tiles in each item."""
+  q, k, v = local_inputs(1, 512, 4, 2, 64)
+  mask = dict(causal=True, order="zigzag", chunks=4)
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=pipeline, **mask)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", **mask), q, k, v), q)
+
+
+@pytest.mark.parametrize("num_ctas", [3, 4, 5])
+@pytest.mark.parametrize("prefetch_q", [False, True])
+def test_split_tails_match_the_reference(num_ctas, prefetch_q):
+  """16 items of 8 key tiles: over 3 or 5 CTAs the units are split evenly and the items cut between two CTAs are
+  merged after the kernel; over 4 CTAs no item is cut (no split)."""
+  q, k, v = local_inputs(1, 512, 4, 2, 64)
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipeline=Pipeline(prefetch_q=prefetch_q))
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+
+
+def test_split_tail_units():
+  split = _SplitTail.make(16, 8, 3)
+  assert [split.start(c) for c in range(4)] == [0, 43, 86, 128]  # 128 units: 43, 43, 42
+  assert split.cuts() == [0, 1]  # units 43 and 86 lie inside items 5 and 10
+  assert _SplitTail.make(16, 8, 4) is None and _SplitTail.make(2, 8, 3) is None  # a full last round; too few items
 
 
 @pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s,slots,pipelined", [
@@ -226,3 +264,11 @@ def test_the_blocks_count_their_shared_memory():
     assert blocks.problem(128) is None, blocks
   assert WsBlocks(64, 128, 2).smem_bytes(128, 2) >= 167000  # Mosaic GPU's smem_bytes for it, lowered for an H100
   assert "shared memory" in WsBlocks(64, 128, 3).problem(128)  # 232568 bytes > 227 KiB in Mosaic GPU
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["split-tail", "causal-balanced"])
+def test_one_device_lowers_for_an_h100(causal):
+  """One device, 1024 items over 132 CTAs: the split tail's parts (non-causal) or the longest-first snake order
+  and the three causal loops, with two Q buffers per consumer, lower within an H100's shared memory."""
+  text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, causal=causal)
+  assert mosaic_kernels(text) == 1

@@ -157,6 +157,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
@@ -181,12 +182,12 @@ from jaxmercury.kernels.fused_ring_attention import (
   reference,
   softmax_step,
 )
-from jaxmercury.kernels.mosaic_matmul import _swizzled
+from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
 from jaxmercury.kernels.peer_gemm import left_peer, sm_count, step_semaphores
 from jaxmercury.kernels.placements import RING_ATTENTION
 from jaxmercury.kernels.registry import DualPrograms, FusedKernel
 
-__all__ = ["CONFIGS", "WsBlocks", "fused_ring_attention_ws", "reference"]
+__all__ = ["BEFORE", "CONFIGS", "Pipeline", "WsBlocks", "fused_ring_attention_ws", "reference"]
 
 NAME = "fused_ring_attention_ws"
 CONSUMERS = 2  # consumer warpgroups per CTA; warpgroup CONSUMERS issues the loads
@@ -209,14 +210,69 @@ class WsBlocks(fra.Blocks):
   The same limits as ``fused_ring_attention.Blocks`` (its ``problem``), on this kernel's shared memory.
   """
 
-  def smem_bytes(self, d: int, itemsize: int) -> int:
-    """Two Q tiles (reused for the outputs), K and V slots, two log-sum-exp rows, barriers and alignment."""
+  def smem_bytes(self, d: int, itemsize: int, q_buffers: int = 1) -> int:
+    """``q_buffers`` Q tiles per consumer (reused for the outputs), K and V slots, two log-sum-exp rows, barriers
+    and alignment."""
     bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
-    return (CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
+    return (q_buffers * CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
 
 
 # The block configurations the GPU test tries (d = 128: 3 slots of 128 keys do not fit in shared memory).
 CONFIGS = (WsBlocks(64, 128, 2), WsBlocks(64, 64, 3), WsBlocks(64, 64, 4))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipeline:
+  """How the kernel schedules its work; every field off is the kernel as first written, which
+  ``benchmarks.ws_local`` times beside each step (the defaults are all on).
+
+  Attributes:
+    causal_loops: causal tiles run in three loops per run (visible, partial, hidden; the classes come in that
+      order), not one loop that switches on each tile's class: the visible tiles' loop has no branch.
+    balanced: on one device (no ring), items run longest first in snake order: CTA ``c`` takes rank
+      ``i * grid + c`` in its even rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by
+      decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
+      last round holds the shortest items.
+    prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one.
+    split_tail: on one device without a mask, when the items do not fill the last round, every CTA takes an
+      equal run of (item, key tile) units instead of whole items (``_SplitTail``): an item cut between two CTAs
+      is computed in two parts, merged after the kernel by their log-sum-exps.
+  """
+
+  causal_loops: bool = True
+  balanced: bool = True
+  prefetch_q: bool = True
+  split_tail: bool = True
+
+
+BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitTail:
+  """``work`` items of ``tiles`` key tiles each over ``grid`` CTAs: CTA ``c`` takes units (item, tile)
+  ``start(c) .. start(c + 1) - 1`` in item-major order. Each CTA's run is at least one item long, so an item is
+  cut at most once, between the last part of CTA ``c`` (its partial slot 1) and the first of CTA ``c + 1`` (slot
+  0)."""
+
+  work: int
+  tiles: int
+  grid: int
+
+  @staticmethod
+  def make(work: int, tiles: int, grid: int) -> "_SplitTail | None":
+    """The split, where it pays: the items leave the last round part empty and each CTA gets a whole item."""
+    return _SplitTail(work, tiles, grid) if work % grid and work >= grid else None
+
+  def start(self, c):
+    """The first unit of CTA ``c`` (an int, or traced): runs of ``units // grid``, the first ``units % grid`` one
+    longer (no product of ``c`` and ``units``, which could overflow int32)."""
+    per, extra = divmod(self.work * self.tiles, self.grid)
+    return c * per + (min(c, extra) if isinstance(c, int) else jnp.minimum(c, extra))
+
+  def cuts(self) -> list[int]:
+    """The CTAs ``c`` whose run ends inside an item (cut between ``c`` and ``c + 1``)."""
+    return [c for c in range(self.grid - 1) if self.start(c + 1) % self.tiles]
 
 
 @contextlib.contextmanager
@@ -234,7 +290,7 @@ def _named():
 def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
                             max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool = False,
-                            interpret: bool = False):
+                            pipeline: Pipeline = Pipeline(), interpret: bool = False):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -258,6 +314,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
       ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
       ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
       module docstring); not causal.
+    pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
   Returns:
@@ -289,7 +346,8 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     raise PreconditionError(
         f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
         "registers per thread) fills an SM, and the ring needs every CTA resident")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined,
+                 pipeline=pipeline)
 
 
 def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
@@ -309,7 +367,7 @@ def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_l
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False, pipelined: bool = False):
+            order: SequenceOrder, loopback: bool = False, pipelined: bool = False, pipeline: Pipeline = Pipeline()):
   """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
 
   With ``loopback`` the forwarders store into this device's own ``received``
@@ -337,15 +395,30 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   run = order.segment if causal else s_loc
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
+  balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
+  split = _SplitTail.make(work, s_loc // bkv, grid) if (
+      pipeline.split_tail and not (causal or ring or pipelined)) else None
+  q_buffers = 2 if pipeline.prefetch_q and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
       recv_k, recv_v, *rest = rest
+    if split:
+      part_o, part_lse, *rest = rest
     qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, *o_smem = rest
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     dev = lax.axis_index(axis_name) if peers else 0
-    items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
+    if split:  # the items this CTA's units touch
+      first_unit, end_unit = split.start(cta), split.start(cta + 1)
+      first_item = first_unit // split.tiles
+      items = (end_unit - 1) // split.tiles - first_item + 1
+    elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
+      full, last = divmod(work, grid)
+      in_last = cta < last if full % 2 == 0 else cta >= grid - last
+      items = full + in_last.astype(jnp.int32)
+    else:
+      items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
     if peers:
       arrived = step_semaphores(n_dev)
       left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
@@ -353,9 +426,21 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       to_left = recv_k, recv_v
 
     def item_of(i):
-      bi, hi, pair, forwards = _item(cta + i * grid, forwarders, per_group, pairs, g, kv)
+      if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing query block
+        rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
+        pair, bh = pairs - 1 - rank // (b * h), lax.rem(rank, b * h)
+        bi, hi, forwards = bh // h, lax.rem(bh, h), False
+      else:
+        index = first_item + i if split else cta + i * grid
+        bi, hi, pair, forwards = _item(index, forwarders, per_group, pairs, g, kv)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
+
+    def span(i):
+      """The key tiles ``first .. first + count - 1`` of item ``i`` in this CTA's units (split tails only)."""
+      base = (first_item + i) * split.tiles
+      first = jnp.maximum(first_unit - base, 0)
+      return first, jnp.minimum(end_unit - base, split.tiles) - first
 
     def forwarding_at(forwards, s):
       return forwards & (s < n_dev - 1) if ring else False
@@ -376,8 +461,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def stream(keys, values, count, loaded, forwarding, dest):
-        """Loads ``count`` tiles of ``keys, values [r, d]`` into the slots after tile ``loaded``; forwards them."""
+      def stream(keys, values, count, loaded, forwarding, dest, first=0):
+        """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first``, into the slots after tile
+        ``loaded``; forwards them."""
 
         @pl.loop(0, count + lag)
         def _tile(j):
@@ -385,7 +471,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           def _issue():
             tile = loaded + j
             slot = lax.rem(tile, slots)
-            src = pl.ds(j * bkv, bkv)
+            src = pl.ds((first + j) * bkv, bkv)
             for smem, ref, consumed, barrier, pending in ((k_smem, keys, k_consumed, k_loaded, 1),
                                                           (v_smem, values, v_consumed, v_loaded, 0)):
               @pl.when(tile >= slots)
@@ -412,6 +498,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def item(i, loaded):
         bi, hi, _, forwards, q_last = item_of(i)
         kvh = hi // g
+        if split:
+          first, count = span(i)
+          return stream(k_ref.at[bi, :, kvh], v_ref.at[bi, :, kvh], count, loaded, False, None, first)
 
         def step(s, loaded):
           keys, values, source = step_sources(s)
@@ -451,7 +540,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     @pl.when(wg < CONSUMERS)
     def _consumers():
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      q_smem, lse_row = qo_smem.at[wg], lse_smem.at[wg]
+      lse_row = lse_smem.at[wg]
 
       def meet():
         plgpu.barrier_arrive(schedule)
@@ -471,7 +560,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
         return m_new, l, alpha, p.astype(dtype)
 
-      def update(carry, slot, mask_from=None):
+      def update(carry, slot, q_smem, mask_from=None):
         acc, m, l = carry
 
         def scores(acc_ref):
@@ -500,16 +589,31 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l
 
+      def q_buffer(i):
+        return lax.rem(i, q_buffers) if q_buffers > 1 else 0
+
+      def issue_q(i):
+        """Starts loading item ``i``'s Q tile into this consumer's buffer ``i % q_buffers``."""
+        bi, hi, pair, _, _ = item_of(i)
+        buf = q_buffer(i)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(pair * rows + wg * bq, bq), hi], qo_smem.at[wg, buf],
+                                q_loaded.at[wg * q_buffers + buf])
+
       def load_q(i):
-        """Item ``i``'s Q tile into this consumer's SMEM; the item's coordinates and its query rows."""
+        """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
+        coordinates, its query rows and the tile. The next item's buffer held the previous item's output, whose
+        store ``_finish`` saw read."""
         bi, hi, pair, forwards, q_last = item_of(i)
-        q_rows = pl.ds(pair * rows + wg * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, q_rows, hi], q_smem, q_loaded.at[wg])
-        plgpu.barrier_wait(q_loaded.at[wg])
-        return bi, hi, pair, forwards, q_last, q_rows
+        buf = q_buffer(i)
+        if q_buffers == 1:
+          issue_q(i)
+        plgpu.barrier_wait(q_loaded.at[wg * q_buffers + buf])
+        if q_buffers > 1:
+          pl.when(i + 1 < items)(lambda: issue_q(i + 1))
+        return bi, hi, pair, forwards, q_last, pl.ds(pair * rows + wg * bq, bq), qo_smem.at[wg, buf]
 
       def item(i, loaded):
-        bi, hi, pair, forwards, q_last, q_rows = load_q(i)
+        bi, hi, pair, forwards, q_last, q_rows, q_smem = load_q(i)
         q_first = order.first(dev, pair * rows + wg * bq) if causal else None
 
         def step(s, state):
@@ -517,34 +621,53 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           _, _, source = step_sources(s)
           forwarding = forwarding_at(forwards, s)
           for start in starts:
-            count = _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
+            count = span(i)[1] if split else _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
             offset = q_first - order.first(source, start) if causal else None
 
-            def tile(j, carry, loaded=loaded, offset=offset):
+            def arrived(j, loaded=loaded):
               slot = lax.rem(loaded + j, slots)
               plgpu.barrier_wait(k_loaded.at[slot])
-              if not causal:
-                return update(carry, slot)
-              gap = offset - j * bkv  # the tile's first query's position minus its first key's
-              kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
-              branches = [None] * 3
-              branches[HIDDEN] = lambda c: hidden(c, slot)
-              branches[VISIBLE] = lambda c: update(c, slot)
-              branches[PARTIAL] = lambda c: update(c, slot, mask_from=-gap)
-              return lax.switch(kind, branches, carry)
+              return slot
 
-            carry = lax.fori_loop(0, count, tile, carry)
+            visible = lambda j, carry: update(carry, arrived(j), q_smem)
+            partial = lambda j, carry, offset=offset: update(carry, arrived(j), q_smem, mask_from=j * bkv - offset)
+            hide = lambda j, carry: hidden(carry, arrived(j))
+            if not causal:
+              carry = lax.fori_loop(0, count, visible, carry)
+            elif pipeline.causal_loops:  # tile j's first query minus first key, offset - j bkv, falls with j
+              n_visible = jnp.clip(jnp.maximum(offset + 1, 0) // bkv, 0, count)  # offset - j bkv >= bkv - 1
+              n_shown = jnp.clip((jnp.maximum(offset + bq, 0) + bkv - 1) // bkv, n_visible, count)  # > -bq
+              carry = lax.fori_loop(0, n_visible, visible, carry)
+              carry = lax.fori_loop(n_visible, n_shown, partial, carry)
+              carry = lax.fori_loop(n_shown, count, hide, carry)
+            else:
+              def tile(j, carry, offset=offset):
+                gap = offset - j * bkv  # the tile's first query's position minus its first key's
+                kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
+                branches = [None] * 3
+                branches[HIDDEN], branches[VISIBLE], branches[PARTIAL] = hide, visible, partial
+                return lax.switch(kind, branches, j, carry)
+              carry = lax.fori_loop(0, count, tile, carry)
             loaded = loaded + count
           return loaded, carry
 
         loaded, carry = over_steps(step, (loaded, _initial_state(bq, d)))
-        _finish(carry, q_smem, lse_row, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+        finish = functools.partial(_finish, carry, q_smem, lse_row)
+        if not split:
+          finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+          return loaded
+        first, count = span(i)
+        whole = (first == 0) & (count == split.tiles)
+        part = jnp.where(first > 0, 0, 1)  # a CTA's first item is cut at its start, its last one at its end
+        own = pl.ds(wg * bq, bq)
+        pl.when(whole)(lambda: finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
+        pl.when(~whole)(lambda: finish(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
         return loaded
 
       def pipelined_item(i, loaded):
         """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
         step, ``tiles`` in all); one schedule-barrier meeting per tile, after issuing its wgmmas."""
-        bi, hi, _, _, _, q_rows = load_q(i)
+        bi, hi, _, _, _, q_rows, q_smem = load_q(i)
         tiles = n_dev * (s_loc // bkv)
         slot_of = lambda t: lax.rem(loaded + t, slots)
 
@@ -597,6 +720,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           pl.run_state(attend)(plgpu.ACC.init(zeros))
         return loaded + tiles
 
+      if q_buffers > 1:
+        pl.when(items > 0)(lambda: issue_q(0))
       pl.when(wg == 1)(meet)  # consumer 1 starts one meeting ahead: the two alternate
       lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
       pl.when(wg == 0)(meet)
@@ -605,12 +730,14 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
   if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
+  if split:  # each CTA's first and last item's part where cut: outputs and log-sum-exps
+    out_types += [jax.ShapeDtypeStruct((grid, 2, rows, d), dtype), jax.ShapeDtypeStruct((grid, 2, rows), jnp.float32)]
   kv_transforms = _swizzled(d, dtype)
-  scratch = [plgpu.SMEM((CONSUMERS, bq, d), dtype, transforms=kv_transforms),
+  scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-             plgpu.Barrier(num_barriers=CONSUMERS),  # Q tile loaded, one per consumer
+             plgpu.Barrier(num_barriers=CONSUMERS * q_buffers),  # Q tile loaded, per consumer and buffer
              plgpu.Barrier(num_barriers=slots),  # K tile loaded
              plgpu.Barrier(num_barriers=slots),  # V tile loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
@@ -623,7 +750,27 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
+  if split:
+    return _merge_cuts(split, *results, forwarders=forwarders, per_group=per_group, nq=pairs, g=g, kv=kv)
   return results[0], results[1]
+
+
+def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
+  """``out [b, s, h, d]`` and ``lse [b, h, s]`` with each item cut between two CTAs merged from its two parts."""
+  if not split.cuts():
+    return out, lse
+  cuts = np.array(split.cuts(), np.int32)
+  with jax.ensure_compile_time_eval():  # the cut items' coordinates are constants
+    coords = _item(np.array([split.start(c + 1) // split.tiles for c in split.cuts()]), **items)
+  bi, hi, pair = (np.asarray(x) for x in coords[:3])
+  rows = part_o.shape[2]
+  lse_a, lse_b = part_lse[cuts, 1], part_lse[cuts + 1, 0]  # [cuts, rows]
+  merged = jnp.logaddexp(lse_a, lse_b)
+  o = sum(jnp.exp(x - merged)[..., None] * part.astype(jnp.float32)
+          for x, part in ((lse_a, part_o[cuts, 1]), (lse_b, part_o[cuts + 1, 0])))
+  at = pair[:, None] * rows + np.arange(rows)[None]  # [cuts, rows] positions
+  return (out.at[bi[:, None], at, hi[:, None]].set(o.astype(out.dtype)),
+          lse.at[bi[:, None], hi[:, None], at].set(merged))
 
 
 # ------------------------------------------------------------------ as a fused kernel of ring schedules
