@@ -78,40 +78,81 @@ def mosaic_kernels(text: str) -> int:
 
 
 # ------------------------------------------------------------------ cuDNN stood in by XLA on CPU
-def _cudnn_standin(q, k, v, causal):
+_CUDNN_BIAS = -2.0 ** 41  # the bias JAX's cuDNN path gives pairs a boolean mask drops (bf16)
+
+
+def _cudnn_scores(q, k, causal, window, keep):
+  """cuDNN's masked, scaled scores [b, hk, g, i, j] in float32: its causal mask and sliding window drop pairs
+  (-inf), a ``keep`` mask ([b or 1, heads or 1, i, j]) adds a large negative bias (finite: a row that keeps
+  nothing gets a softmax over its biased scores, as cuDNN gives it)."""
   b, i, hk, g, d = q.shape
-  out, lse = jax.nn.dot_product_attention(q.reshape(b, i, hk * g, d), k, v, is_causal=causal,
-                                          implementation="xla", return_residual=True)
-  return out.reshape(q.shape).astype(jnp.float32), lse.reshape(b, i, hk, g).astype(jnp.float32)
+  j = k.shape[1]
+  s = jnp.einsum("bihgd,bjhd->bhgij", q.astype(jnp.float32), k.astype(jnp.float32)) / np.sqrt(d)
+  dist = jnp.arange(i)[:, None] - jnp.arange(j)[None, :]
+  allowed = jnp.ones((i, j), bool)
+  if causal:
+    allowed = allowed & (dist >= 0)
+  if window is not None:
+    assert causal, "cuDNN's sliding window comes with its causal mask here"
+    allowed = allowed & (dist < window)
+  s = jnp.where(allowed, s, -jnp.inf)
+  if keep is not None:
+    assert keep.ndim == 4 and keep.shape[2:] == (i, j) and keep.shape[1] in (1, hk * g) and keep.shape[0] in (1, b)
+    bias = jnp.where(keep, 0.0, _CUDNN_BIAS).reshape(keep.shape[0], -1, 1, i, j)
+    s = s + (bias if keep.shape[1] == 1 else bias.reshape(keep.shape[0], hk, g, i, j))
+  return s
 
 
-def _cudnn_backward_standin(q, k, v, o, do, lse, causal):
-  """cuDNN's backward math (merged o and lse given) for one aligned block pair, in XLA."""
-  import jaxmercury as jm
-  from jaxmercury.programs import attention_backward as ab
-  sizes = {"i": q.shape[1], "j": k.shape[1]}
-  ctx = jm.BlockContext(starts={}, sizes=sizes, extents=sizes)
-  dq = ab.dq_block(ctx, q, k, v, o, do, lse, causal=causal)
-  dkv = ab.dkv_block(ctx, q, k, v, o, do, lse, causal=causal)
-  return dq, dkv[..., 0, :], dkv[..., 1, :]
+def _cudnn_standin(q, k, v, causal=False, window=None, keep=None):
+  """``cudnn_attention._cudnn``'s contract, in XLA (float32)."""
+  s = _cudnn_scores(q, k, causal, window, keep)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  out = jnp.einsum("bhgij,bjhd->bihgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+  return out.astype(q.dtype).astype(jnp.float32), jnp.transpose(lse, (0, 3, 1, 2))
+
+
+def _cudnn_backward_standin(q, k, v, o, do, lse, causal=False, window=None, keep=None):
+  """``cudnn_attention._cudnn_backward_masked``'s contract (cuDNN's backward math from a given o and lse), in
+  XLA: an lse of -inf gives NaNs, as it would on cuDNN."""
+  f32 = lambda x: x.astype(jnp.float32)
+  scale = 1 / np.sqrt(q.shape[-1])
+  s = _cudnn_scores(q, k, causal, window, keep)
+  p = jnp.exp(s - jnp.transpose(lse, (0, 2, 3, 1))[..., None])
+  delta = jnp.transpose(jnp.sum(f32(do) * f32(o), axis=-1), (0, 2, 3, 1))[..., None]
+  ds = p * (jnp.einsum("bihgd,bjhd->bhgij", f32(do), f32(v)) - delta)
+  dq = jnp.einsum("bhgij,bjhd->bihgd", ds, f32(k)) * scale
+  dk = jnp.einsum("bhgij,bihgd->bjhd", ds, f32(q)) * scale
+  dv = jnp.einsum("bhgij,bihgd->bjhd", p, f32(do))
+  return dq, dk, dv
+
+
+def _cudnn_kind(causal, window, keep) -> str:
+  return "bias" if keep is not None else "window" if window is not None else "causal" if causal else "unmasked"
 
 
 @pytest.fixture
 def cpu_cudnn(monkeypatch):
   """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA.
 
-  Returns the list of the backward calls that ran (one ``"backward"`` each,
-  recorded while running, so branches traced but not taken do not count).
+  Returns the list of the cuDNN calls that ran, recorded while running (branches traced but not taken do not
+  count): ``"forward KIND"`` for each forward call, ``"backward"`` and ``"backward KIND"`` for each backward one,
+  KIND its mask: ``unmasked``, ``causal``, ``window`` (causal with a sliding window) or ``bias``.
   """
   import dataclasses
 
   from jaxmercury.kernels import cudnn_attention, registry
   ran = []
 
-  def backward(*args):
-    jax.debug.callback(lambda: ran.append("backward"))
-    return _cudnn_backward_standin(*args)
-  monkeypatch.setattr(cudnn_attention, "_cudnn", _cudnn_standin)
+  def forward(q, k, v, causal=False, window=None, keep=None):
+    kind = _cudnn_kind(causal, window, keep)
+    jax.debug.callback(lambda: ran.append(f"forward {kind}"))
+    return _cudnn_standin(q, k, v, causal, window, keep)
+
+  def backward(q, k, v, o, do, lse, causal=False, window=None, keep=None):
+    kind = _cudnn_kind(causal, window, keep)
+    jax.debug.callback(lambda: ran.extend(["backward", f"backward {kind}"]))
+    return _cudnn_backward_standin(q, k, v, o, do, lse, causal, window, keep)
+  monkeypatch.setattr(cudnn_attention, "_cudnn", forward)
   monkeypatch.setattr(cudnn_attention, "_cudnn_backward_masked", backward)
   for name in ("cudnn_attention", "cudnn_attention_dq", "cudnn_attention_dkv"):
     kernel = registry._KERNELS[name]

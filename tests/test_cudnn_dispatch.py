@@ -35,7 +35,8 @@ def test_hidden_block_is_skipped(cpu_cudnn):
   q = jnp.ones((1, 8, 1, 1, 4))
   k = v = jnp.ones((1, 8, 1, 4))
   fallback = functools.partial(jm.programs.attention(1, 1, 1, 32, 32, 4, causal=True).body)
-  out, lse = cudnn_attention.cudnn_attention_block(ctx, q, k, v, causal=True, fallback=fallback)
+  out, lse = cudnn_attention.cudnn_attention_block(ctx, q, k, v, mask=jm.programs.AttentionMask(causal=True),
+                                                   fallback=fallback)
   assert bool(jnp.all(out == 0)) and bool(jnp.all(jnp.isneginf(lse)))
 
 

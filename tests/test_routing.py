@@ -2,6 +2,7 @@
 plain JAX function, and what ``jm.explain`` reports."""
 
 import contextlib
+import functools
 import logging
 
 import jax
@@ -171,6 +172,50 @@ def test_cudnn_attention_is_reported():
     assert e.where.startswith("tests/test_routing.py:")
   else:
     pytest.skip("cuDNN present: the call traces")
+
+
+@pytest.fixture
+def cudnn_traces(monkeypatch):
+  """JAX's cuDNN attention traceable without cuDNN: its version check answered. Its primitive cannot run here,
+  but a routed call replaces it (on a GPU the same jaxpr comes without this: tests/gpu)."""
+  import sys
+
+  from jaxmercury import _compat
+  monkeypatch.setattr(sys.modules[_compat.cudnn_attention.__module__], "check_cudnn_version", lambda: 90800)
+
+
+@pytest.mark.parametrize("place", ["auto", "explicit-set_mesh"])
+def test_cudnn_attention_calls_are_routed(cudnn_traces, place):
+  """``implementation="cudnn"`` calls (grouped heads; causal, a sliding window, a boolean mask with the causal
+  one) are routed as the XLA ones are, forward and gradients equal to JAX's XLA attention; a bias and sequence
+  lengths are reported with their reasons."""
+  mesh, where = _place(place)
+  keys = iter(jax.random.split(fresh_key(), 5))
+  q = jax.random.normal(next(keys), (2, 32, 4, 8), jnp.bfloat16)
+  k, v = (jax.random.normal(next(keys), (2, 32, 2, 8), jnp.bfloat16) for _ in range(2))
+  m = jax.random.bernoulli(next(keys), 0.7, (2, 1, 32, 32)) | jnp.eye(32, dtype=bool)  # every row keeps a key
+  calls = {"causal": dict(is_causal=True), "sliding_window": dict(is_causal=True, local_window_size=(5, 0)),
+           "causal+array": dict(is_causal=True, mask=m)}
+  cot = jax.random.normal(next(keys), q.shape, jnp.float32)
+  with where:
+    for mask, kwargs in calls.items():
+      f = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", **kwargs)
+      [e] = jm.explain(f, q, k, v, mesh=mesh)
+      assert (e.kind, e.routed, e.mask, e.shapes) == ("attention", True, mask, (q.shape, k.shape, v.shape)), e
+      routed = jax.jit(jm.distribute(f, mesh=mesh))
+      xla = functools.partial(jax.nn.dot_product_attention, implementation="xla", **kwargs)
+      assert rel_err(routed(q, k, v).astype(jnp.float32), xla(q, k, v).astype(jnp.float32)) < 2e-2, mask
+      loss = lambda fn: (lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot))
+      got = jax.grad(loss(routed), argnums=(0, 1, 2))(q, k, v)
+      want = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
+      for name, g, w in zip("qkv", got, want):
+        assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 3e-2, (mask, name)
+    bias = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", bias=m.astype(jnp.bfloat16))
+    lengths = functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
+                                query_seq_lengths=jnp.array([20, 32], jnp.int32))
+    for f, reason in ((bias, "adds a bias to the logits"), (lengths, "sequence lengths")):
+      [e] = jm.explain(f, q, k, v, mesh=mesh)
+      assert not e.routed and e.reason.startswith(reason), e
 
 
 def test_attention_weights_used_elsewhere_fall_back():

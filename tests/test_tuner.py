@@ -365,10 +365,10 @@ def test_predict_candidates_on_an_abstract_mesh():
   for name in jm.library(prog, mesh):
     assert {name, f"{name} [cudnn_attention]"} <= names
   by_name = {c.name: c for c in cands}
-  # The faster kernel shortens ulysses (whole causal blocks, square); the tree's key blocks are shorter than
-  # its query blocks, so cuDNN leaves its partly visible causal blocks to the XLA body: no gain.
+  # The faster kernel shortens ulysses (whole causal blocks, square) and the tree (its key blocks are shorter than
+  # its query blocks: cuDNN takes their partly visible causal blocks with a bias, densely).
   assert by_name["ulysses [cudnn_attention]"].predicted_ms < by_name["ulysses"].predicted_ms
-  assert by_name["tree [cudnn_attention]"].predicted_ms == pytest.approx(by_name["tree"].predicted_ms)
+  assert by_name["tree [cudnn_attention]"].predicted_ms < by_name["tree"].predicted_ms
   assert by_name["ring [cudnn_attention]"].schedule.kernel == "cudnn_attention"
 
 

@@ -11,6 +11,11 @@ contraction of the program:
   reshape of the query heads) or without. What ``jnp.einsum`` attention,
   ``flax.nnx.dot_product_attention`` and ``jax.nn.dot_product_attention``'s
   XLA implementation trace to.
+- attention through cuDNN: the primitive ``jax.nn.dot_product_attention(...,
+  implementation="cudnn")`` traces to (``CUDNN_ATTENTION``, inside the
+  ``custom_vjp_call`` of JAX's cuDNN attention), with its causal mask,
+  sliding window, scale, and a boolean mask passed as its bias (read back to
+  the boolean through the ``select_n`` that made the bias).
 - matmul: any other ``dot_general``; a GEMM where it has no batch dims.
 
 A ``Match`` records the labelled dimensions of each operand so that the
@@ -31,6 +36,10 @@ from jaxmercury.flax import masks
 from jaxmercury.flax.jaxpr_view import Site, View, source_line
 
 NEGATIVE_FILL = -1e4  # a masked logit's fill is at most this
+# JAX's cuDNN flash attention forward (its module ``cudnn.fused_attention_stablehlo``), the primitive that carries
+# its batching and partitioning rules; its operands: query, key, value, bias, q_seqlen, kv_seqlen, q_offsets,
+# kv_offsets, page tables.
+CUDNN_ATTENTION = "dot_product_attention_fwd_wrapper"
 _PASS = ("convert_element_type", "copy", "reduce_precision", "reshard", "sharding_constraint")
 
 
@@ -76,6 +85,9 @@ def find(view: View) -> list[Match]:
   """Every attention and contraction of ``view``'s program, in program order."""
   found, taken = [], set()
   for site in view.sites:
+    if site.primitive == CUDNN_ATTENTION:
+      found.append(_cudnn_attention(view, site))
+      taken.add(id(site))
     if site.primitive == "exp":
       m = _attention(view, site)
       if m is not None and not (taken & {id(s) for s in (m.anchor, *m.inner)}):
@@ -312,6 +324,84 @@ def _attention(view, exp) -> Match | None:
                 (q_ref, k_ref, v_ref), layout, scale, mask)
   match.reason = reason or _attention_reason(view, match)
   return _closed(view, match)
+
+
+def _cudnn_attention(view, site) -> Match:
+  """The attention of one call of JAX's cuDNN attention: its layout (``BTNH`` or ``BNTH``, grouped kv heads in
+  one head dim), scale and mask; a reason where the operator does not compute it."""
+  q, k, v, bias, _, _, q_offsets, *_ = site.ins
+  p = site.params
+  bnth = p["layout"] == 1
+  order = (0, 2, 1, 3) if bnth else (0, 1, 2, 3)
+  qa, ka = View.aval(q), View.aval(k)
+  batch, heads, t, s = (qa.shape[order[0]], qa.shape[order[2]], qa.shape[order[1]], ka.shape[order[1]])
+  logits = (batch, heads, t, s)
+  layout = {"q": order, "k": order, "v": order, "groups": (1, 0, 1), "out": order, "logits": logits, "heads": (1,),
+            "roles": {0: "b", 1: "h", 2: "i", 3: "j"}}
+  mask_type = getattr(p["mask_type"], "name", str(p["mask_type"]))
+  window = p.get("sliding_window_length")
+  reason = ""
+  if p.get("dropout_rate", 0.0):
+    reason = f"dropout (rate {p['dropout_rate']})"
+  elif p.get("is_training"):
+    reason = "returns cuDNN's log-sum-exp (return_residual)"
+  elif "PADDING" in mask_type or math.prod(View.aval(q_offsets).shape):
+    reason = "sequence lengths or packed offsets (cuDNN's padding mask): pass segment ids or a mask instead"
+  elif mask_type not in ("NO_MASK", "CAUSAL"):
+    reason = f"cuDNN's {mask_type} mask"
+  positional = masks.MaskInfo("none")
+  if window is not None and window > 0:
+    positional = masks.MaskInfo("sliding_window", (("window", int(window)),))
+  elif mask_type == "CAUSAL":
+    positional = masks.MaskInfo("causal")
+  mask = positional
+  if not reason and p["variadic_args"][0]:
+    preds = _bias_mask(view, bias)
+    if preds is None:
+      reason = "adds a bias to the logits"
+    else:
+      found = masks.classify(view, preds, 2, 3, 4, logits, batch_dim=0)
+      if positional.kind == "none" or found.kind in ("none", positional.kind) and found.params in ((),
+                                                                                                   positional.params):
+        mask = dataclasses.replace(found if positional.kind == "none" else positional, terms=found.terms)
+      else:
+        mask = masks.MaskInfo("unknown", note="cuDNN's own mask and a positional mask array together")
+  call = view.calls.get(site.path[:-1])  # the custom_vjp_call around it: its traceback reaches the user's code
+  where = source_line(call.eqn if call is not None else site.eqn)
+  match = Match("attention", site, (), where, reason, (q, k, v), layout, float(p["scale"]), mask)
+  match.reason = match.reason or _attention_reason(view, match)
+  return match
+
+
+def _bias_mask(view, bias):
+  """``[(pred, dims, True)]`` when cuDNN's bias is a boolean mask made a bias (``select_n(mask, large negative,
+  0)``, as JAX's cuDNN attention passes a mask), on the logits dims [b, heads, q, k]; else None."""
+  ref, dims = bias, (0, 1, 2, 3)
+  for _ in range(16):
+    site = view.producer(ref)
+    if site is None:
+      return None
+    if site.primitive == "broadcast_in_dim":
+      ref, dims = site.ins[0], tuple(dims[d] for d in site.params["broadcast_dimensions"])
+    elif site.primitive == "reshape" and math.prod(View.aval(site.ins[0]).shape) == math.prod(
+        View.aval(ref).shape) and [n for n in View.aval(site.ins[0]).shape if n != 1] == [
+        n for n in View.aval(ref).shape if n != 1]:
+      src = View.aval(site.ins[0]).shape
+      kept = [d for d, n in zip(dims, View.aval(ref).shape) if n != 1]
+      it = iter(kept)
+      dims = tuple(next(it) if n != 1 else None for n in src)
+      ref = site.ins[0]
+    elif site.primitive in _PASS:
+      ref = site.ins[0]
+    elif site.primitive == "select_n" and len(site.ins) == 3:
+      pred, dropped, kept = site.ins
+      fill, zero = view.scalar(dropped), view.scalar(kept)
+      if fill is None or zero != 0 or fill > NEGATIVE_FILL or View.aval(pred).dtype != np.bool_:
+        return None
+      return [(pred, dims, True)]
+    else:
+      return None
+  return None
 
 
 def _query_dim(view, preds, q_free, q_logit, axis, rank, shape, batch_dim, scores):

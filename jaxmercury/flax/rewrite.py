@@ -101,9 +101,13 @@ def _decide(view, match, routing) -> Decision:
 
 
 def _inside_custom(view, m) -> str:
-  """Why a match inside a custom-derivative function is left alone (its rule would no longer apply)."""
+  """Why a match inside a custom-derivative function is left alone (its rule would no longer apply). JAX's cuDNN
+  attention is itself the custom derivative around its primitive: the operator replaces both."""
+  own = m.anchor.path[:-1] if m.anchor.primitive == patterns.CUDNN_ATTENTION else None
   for site in (m.anchor, *m.inner):
     for n in range(1, len(site.path)):
+      if site.path[:n] == own:
+        continue
       call = view.calls.get(site.path[:n])
       if call is not None and call.primitive in _CUSTOM:
         return f"inside a {call.primitive} (a custom derivative)"
@@ -404,8 +408,8 @@ def route(fn, routing: Routing):
 
 CUDNN_UNTRACEABLE = (
     "jax.nn.dot_product_attention(implementation='cudnn') does not trace without cuDNN (JAX checks for it while "
-    "tracing), so nothing of this program can be inspected here; on a GPU its fused cuDNN call is one opaque "
-    "primitive, which the rewrite does not replace: use implementation=None or 'xla' to have it routed")
+    "tracing), so nothing of this program can be inspected here; on a machine with cuDNN the call is routed like "
+    "implementation=None's")
 
 
 def explain_function(fn, routing: Routing, args, kwargs) -> Report:

@@ -1,11 +1,30 @@
-"""Attention blocks through cuDNN flash attention (GPU, bf16/fp16).
+"""Attention blocks through cuDNN flash attention (GPU, bf16/fp16), with the masks of ``programs.masks``.
 
-Causal blocks at traced offsets (ring steps) take one of three paths chosen
-at run time: fully visible (no mask), on the diagonal (cuDNN's causal mask),
-or fully masked (skipped: ``out = 0``, ``lse = -inf``). Query and key blocks
-of one size start at multiples of it, so a partial overlap is the diagonal;
-blocks of different sizes that overlap partially, key blocks that may hold
-padding, and blocks spanning zigzag chunks use the program's own XLA body.
+Each block at traced offsets (ring steps) takes one of these paths, chosen at
+run time (``lax.switch``), forward and backward alike:
+
+* hidden: the mask keeps none of its pairs; skipped (``out = 0``, ``lse =
+  -inf``; zero gradients);
+* visible: the mask keeps all of them; cuDNN unmasked;
+* band: a positional mask (causal, a sliding window ``(left, 0)``) on the
+  diagonal of query and key blocks of one size: cuDNN's own causal mask,
+  with ``sliding_window_length = left + 1`` where the window is narrower than
+  the block (cuDNN skips the tiles the band hides);
+* bias: any other partly kept block (the band's edge off the diagonal, a
+  two-sided window, segment ids, a mask array): cuDNN with the block's kept
+  pairs as a bias (0 kept, a large negative number elsewhere, as JAX passes
+  a boolean mask), over ``[batch or 1, heads or 1, queries, keys]``; rows that
+  keep no key are then set to ``out = 0``, ``lse = -inf``. cuDNN takes a bias
+  in training only for even lengths: blocks of an odd size take the
+  program's XLA body instead.
+
+Positional masks choose by the block's start positions (cheap); data masks
+(segment ids, mask arrays) by the block's kept pairs themselves, computed once
+(``any``: not hidden, ``all``: visible). Key blocks that may hold padding and
+blocks spanning zigzag chunks use the program's own XLA body whole.
+
+The cuDNN calls are module functions (``_cudnn``, ``_cudnn_backward_masked``)
+so that tests on CPU can stand them in with XLA.
 """
 
 from __future__ import annotations
@@ -20,114 +39,230 @@ import numpy as np
 from jaxmercury import _compat
 from jaxmercury.kernels import causal_dispatch
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
-from jaxmercury.kernels.work import Block, Work
+from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs.attention_backward import dq_dkv_block
+from jaxmercury.programs.masks import KINDS, AttentionMask, mask_of
 
 
-def _cudnn(q, k, v, causal):
+# ------------------------------------------------------------------ the cuDNN calls
+def _cudnn(q, k, v, causal=False, window=None, keep=None):
+  """cuDNN's flash attention of one block pair, as cuDNN computes it.
+
+  Args:
+    q: [b, i, hk, g, d] queries; k, v: [b, j, hk, d].
+    causal: cuDNN's causal mask (top-left aligned).
+    window: cuDNN's ``sliding_window_length`` (with ``causal``): query ``x`` keeps keys ``x - window < y <= x``.
+    keep: bool [b or 1, hk * g or 1, i, j]: pairs not kept get a large negative bias (a row that keeps none
+      gets cuDNN's softmax over its biased scores, not zeros: the caller fixes it).
+
+  Returns:
+    ``(out [b, i, hk, g, d], lse [b, i, hk, g])`` in float32, lse in natural log.
+  """
   b, i, hk, g, d = q.shape
   mask = _compat.MaskType.CAUSAL if causal else _compat.MaskType.NO_MASK
   out, lse = _compat.cudnn_attention(
-      q.reshape(b, i, hk * g, d), k, v, scale=1.0 / math.sqrt(d), mask_type=mask,
-      qkv_layout="BTNH", return_residual=True)
+      q.reshape(b, i, hk * g, d), k, v, mask=keep, scale=1.0 / math.sqrt(d), mask_type=mask,
+      sliding_window_length=window, qkv_layout="BTNH", return_residual=True)
   lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(b, i, hk, g)
   return out.reshape(b, i, hk, g, d).astype(jnp.float32), lse
 
 
-def cudnn_attention_block(ctx, q, k, v, *, causal: bool, fallback):
-  """One attention block (same contract as ``attention_block``) through cuDNN."""
-  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  if ctx.extents["j"] % tk or not (ctx.contiguous("i") and ctx.contiguous("j")):
-    return fallback(ctx, q, k, v)  # padded keys, or a block spanning zigzag chunks
-  if not causal:
-    return _cudnn(q, k, v, False)
-  if tq == tk:  # blocks start at multiples of their size: a partial overlap is the diagonal
-    partial = lambda q, k, v: _cudnn(q, k, v, True)
+def cudnn_backward(q, k, v, o, do, lse, causal: bool, window=None, keep=None):
+  """(dq, dk, dv) through cuDNN's flash backward from a given output and log-sum-exp.
+
+  Layouts: q, o, do [b, i, heads, d]; k, v [b, j, kv heads, d]; lse [b, i,
+  heads] (natural log, as ``_cudnn`` returns it); ``window`` and ``keep``
+  ([b or 1, heads or 1, i, j]) as ``_cudnn``'s. Gradients in the inputs' dtype.
+  """
+  stats = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
+  return _compat.cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]), causal=causal,
+                                          sliding_window_length=window, mask=keep)
+
+
+def _cudnn_backward_masked(q, k, v, o, do, lse, causal=False, window=None, keep=None):
+  """(dq, dk, dv) of one block pair ([b, i, hk, g, d] queries) from the merged output and lse, float32; masks as
+  ``_cudnn``'s (a row whose lse is -inf must not reach it)."""
+  b, i, hk, g, d = q.shape
+  flat = lambda x: x.reshape(b, i, hk * g, d)
+  dq, dk, dv = cudnn_backward(flat(q), k, v, flat(o), flat(do), lse.reshape(b, i, hk * g), causal, window, keep)
+  return dq.reshape(q.shape).astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+# ------------------------------------------------------------------ masks as cuDNN takes them
+def _heads_keep(keep, q):
+  """A block's kept pairs (``AttentionMask.keep``: [b, hk, g, i, j], size 1 where unmasked) as cuDNN's
+  [b or 1, hk * g or 1, i, j]."""
+  _, tq, hk, g, _ = q.shape
+  nb, nhk, ng, ni, nj = keep.shape
+  if nhk * ng > 1:
+    keep = jnp.broadcast_to(keep, (nb, hk, g, ni, nj)).reshape(nb, hk * g, ni, nj)
   else:
-    partial = functools.partial(fallback, ctx)
-  return causal_dispatch.dispatch(ctx, (q, k, v), visible=lambda q, k, v: _cudnn(q, k, v, False),
-                                  hidden=causal_dispatch.empty_state, partial=partial)
+    keep = keep.reshape(nb, 1, ni, nj)
+  return jnp.broadcast_to(keep, (nb, keep.shape[1], tq, nj))
 
 
-def _make(program, config, interpret):
-  del config, interpret
-  causal = program.params["causal"]
-  return functools.partial(cudnn_attention_block, causal=causal, fallback=program.body)
+def _forward(q, k, v, causal=False, window=None, keep=None):
+  """``_cudnn``, with ``keep`` as ``AttentionMask.keep`` gives it; rows that keep no key: ``out = 0``,
+  ``lse = -inf`` (``attention_block``'s contract)."""
+  if keep is None:
+    return _cudnn(q, k, v, causal, window)
+  b, i, hk, g, d = q.shape
+  keep = _heads_keep(keep, q)
+  out, lse = _cudnn(q, k, v, causal, window, keep)
+  rows = jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))  # [b or 1, i, heads or 1]
+  rows = jnp.broadcast_to(rows, (b, i, hk * g)).reshape(b, i, hk, g)
+  return jnp.where(rows[..., None], out, 0.0), jnp.where(rows, lse, -jnp.inf)
+
+
+def _backward(q, k, v, o, do, lse, causal=False, window=None, keep=None):
+  """``_cudnn_backward_masked`` with ``keep`` as ``AttentionMask.keep`` gives it. A row that keeps no key at all
+  has lse -inf: any finite value does there (the bias zeroes its probabilities, its output is zero)."""
+  if keep is None:
+    return _cudnn_backward_masked(q, k, v, o, do, lse, causal, window)
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return _cudnn_backward_masked(q, k, v, o, do, lse, causal, window, _heads_keep(keep, q))
+
+
+# ------------------------------------------------------------------ the dispatch, shared by forward and backward
+def _whole(sizes, extents, contiguous, backward: bool) -> bool:
+  """Whether cuDNN may take the block at all: no padded keys (nor queries, backward), one chunk along each axis."""
+  padded = extents["j"] % sizes["j"] or (backward and extents["i"] % sizes["i"])
+  return not padded and contiguous("i") and contiguous("j")
+
+
+def _band_window(band, data: bool, tq: int, tk: int):
+  """``(takes, window)``: whether cuDNN's causal mask (with ``sliding_window_length = window``, None: none) is the
+  mask of the diagonal block of ``tq`` queries and ``tk`` keys, for a positional mask ``band`` (``lo <= query -
+  key <= hi``) and no data mask."""
+  lo, hi = band
+  if data or tq != tk or lo != 0:
+    return False, None
+  return True, (hi + 1 if hi is not None and hi < tq - 1 else None)
+
+
+def _dispatch(ctx, mask: AttentionMask, extras, operands, *, run, empty, fallback):
+  """``run(*operands, causal=, window=, keep=)`` on the block's path (module docstring), ``empty(*operands)``
+  where the mask hides it, ``fallback(*operands)`` (the program's body) where cuDNN cannot take it."""
+  if not (mask.positional or mask.data):
+    return run(*operands)
+  unmasked = lambda *x: run(*x)  # a new function each call: lax.switch caches its branches' traces by function
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  biased = tq % 2 == 0 and tk % 2 == 0  # cuDNN's bias in training: even lengths only
+  if mask.data:
+    keep = mask.keep(ctx, extras)
+    partly = (lambda *x: run(*x, keep=keep)) if biased else fallback
+    case = jnp.where(~jnp.any(keep), 1, jnp.where(jnp.all(keep), 0, 2))
+    return jax.lax.switch(case, [unmasked, empty, partly], *operands)
+  lo, hi = mask.band
+  qs, ks = ctx.start("i"), ctx.start("j")
+  d_min, d_max = qs - ks - (tk - 1), qs - ks + (tq - 1)  # the block's extremes of query - key
+  hidden, visible = jnp.asarray(False), jnp.asarray(True)
+  if lo is not None:
+    hidden, visible = hidden | (d_max < lo), visible & (d_min >= lo)
+  if hi is not None:
+    hidden, visible = hidden | (d_min > hi), visible & (d_max <= hi)
+  partly = (lambda *x: run(*x, keep=mask.keep(ctx, ()))) if biased else fallback
+  branches = [unmasked, empty, partly]
+  case = jnp.where(hidden, 1, jnp.where(visible, 0, 2))
+  takes, window = _band_window(mask.band, False, tq, tk)
+  if takes:
+    branches.append(lambda *x: run(*x, causal=True, window=window))
+    case = jnp.where((case == 2) & (qs == ks), 3, case)
+  return jax.lax.switch(case, branches, *operands)
+
+
+def cudnn_attention_block(ctx, q, k, v, *extras, mask: AttentionMask, fallback):
+  """One attention block (same contract as ``attention_block``) through cuDNN."""
+  if not _whole(ctx.sizes, ctx.extents, ctx.contiguous, backward=False):
+    return fallback(ctx, q, k, v, *extras)  # padded keys, or a block spanning zigzag chunks
+  return _dispatch(ctx, mask, extras, (q, k, v), run=_forward, empty=causal_dispatch.empty_state,
+                   fallback=lambda *x: fallback(ctx, *x, *extras))
+
+
+def _pick(part: str):
+  return {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
+          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
+
+
+def cudnn_backward_block(ctx, q, k, v, o, do, lse, *extras, mask: AttentionMask, part: str, fallback):
+  """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``, a joint nest's
+  block: one cuDNN call for the two programs) through cuDNN.
+
+  Dispatches as ``cudnn_attention_block`` does; hidden pairs give zeros.
+  """
+  blocks = (q, k, v, o, do, lse)
+  if not _whole(ctx.sizes, ctx.extents, ctx.contiguous, backward=True):
+    return fallback(ctx, *blocks, *extras)
+  pick = _pick(part)
+  run = lambda *x, **masks: pick(*_backward(*x, **masks))
+  shapes = jax.eval_shape(run, *blocks)
+  return _dispatch(ctx, mask, extras, blocks, run=run,
+                   empty=lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                   fallback=lambda *x: fallback(ctx, *x, *extras))
+
+
+# ------------------------------------------------------------------ work, for the cost model
+def _work(block: Block, whole: bool) -> Work:
+  """What ``_dispatch`` runs for ``block``: cuDNN's share (a band on the diagonal: the pairs it keeps; a bias:
+  the whole block), the XLA body's, none where the band hides it all. Data masks count as keeping every pair
+  their band keeps (an upper bound: which blocks they hide is data)."""
+  if not whole:
+    return Work(fast=0.0, fallback=body_share(block))
+  if block.band is None:
+    return Work()
+  case = block.band_case()
+  if case == "visible":
+    return Work()
+  if case == "hidden":
+    return Work(fast=0.0)
+  tq, tk = block.sizes["i"], block.sizes["j"]
+  if _band_window(block.band, block.data, tq, tk)[0] and block.span("i")[0] == block.span("j")[0]:
+    return Work(fast=block.band_share())
+  return Work() if tq % 2 == 0 and tk % 2 == 0 else Work(fast=0.0, fallback=1.0)
 
 
 def cudnn_work(block: Block, *, causal: bool, config=None) -> Work:
   """``cudnn_attention_block``'s work: what runs on cuDNN and what on the XLA body."""
-  whole = not block.padded("j") and block.contiguous("i") and block.contiguous("j")
-  return causal_dispatch.dispatch_work(block, causal, whole)
-
-
-def _cudnn_backward(q, k, v, o, do, lse):
-  return _cudnn_backward_masked(q, k, v, o, do, lse, False)
-
-
-def cudnn_backward(q, k, v, o, do, lse, causal: bool):
-  """(dq, dk, dv) through cuDNN's flash backward from a given output and log-sum-exp.
-
-  Layouts: q, o, do [b, i, heads, d]; k, v [b, j, kv heads, d]; lse [b, i,
-  heads] (natural log, as ``_cudnn`` returns it). Gradients in the inputs' dtype.
-  """
-  stats = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
-  return _compat.cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
-
-
-def _cudnn_backward_masked(q, k, v, o, do, lse, causal):
-  """(dq, dk, dv) of one block pair ([b, i, hk, g, d] queries) from the merged output and lse, float32."""
-  b, i, hk, g, d = q.shape
-  flat = lambda x: x.reshape(b, i, hk * g, d)
-  dq, dk, dv = cudnn_backward(flat(q), k, v, flat(o), flat(do), lse.reshape(b, i, hk * g), causal)
-  return dq.reshape(q.shape).astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-
-
-def cudnn_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, fallback):
-  """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``, a joint nest's
-  block: one cuDNN call for the two programs) through cuDNN.
-
-  Dispatches as ``cudnn_attention_block`` does; hidden causal pairs give zeros.
-  """
-  pick = {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
-          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
-  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  padded = ctx.extents["j"] % tk or ctx.extents["i"] % tq
-  if padded or not (ctx.contiguous("i") and ctx.contiguous("j")) or (causal and tq != tk):
-    return fallback(ctx, q, k, v, o, do, lse)
-  if not causal:
-    return pick(*_cudnn_backward_masked(q, k, v, o, do, lse, False))
-  shapes = jax.eval_shape(lambda *x: pick(*_cudnn_backward_masked(*x, False)), q, k, v, o, do, lse)
-  return causal_dispatch.dispatch(ctx, (q, k, v, o, do, lse),
-                                  visible=lambda *x: pick(*_cudnn_backward_masked(*x, False)),
-                                  hidden=lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                  partial=lambda *x: pick(*_cudnn_backward_masked(*x, True)))
+  del causal, config  # the block's band and data say it
+  return _work(block, _whole(block.sizes, block.extents, block.contiguous, backward=False))
 
 
 def cudnn_backward_work(block: Block, *, causal: bool, config=None) -> Work:
-  """``cudnn_backward_block``'s work (block pairs of two sizes fall back whole when causal)."""
-  whole = (not block.padded("j") and not block.padded("i") and block.contiguous("i") and block.contiguous("j")
-           and not (causal and block.sizes["i"] != block.sizes["j"]))
-  return causal_dispatch.dispatch_work(block, causal, whole)
+  """``cudnn_backward_block``'s work."""
+  del causal, config
+  return _work(block, _whole(block.sizes, block.extents, block.contiguous, backward=True))
+
+
+# ------------------------------------------------------------------ the kernel
+def _make(program, config, interpret):
+  del config, interpret
+  return functools.partial(cudnn_attention_block, mask=mask_of(program.params), fallback=program.body)
 
 
 def _make_backward(part):
   def make(program, config, interpret):
     del config, interpret
-    return functools.partial(cudnn_backward_block, causal=program.params["causal"], part=part,
-                             fallback=program.body)
+    return functools.partial(cudnn_backward_block, mask=mask_of(program.params), part=part, fallback=program.body)
   return make
 
 
 def _joint(dq_program):
   """One cuDNN backward call per block pair for the dq and dk-dv programs run in one nest."""
-  causal = dq_program.params["causal"]
-  return functools.partial(cudnn_backward_block, causal=causal, part="dq_dkv",
-                           fallback=functools.partial(dq_dkv_block, causal=causal))
+  mask = mask_of(dq_program.params)
+  return functools.partial(cudnn_backward_block, mask=mask, part="dq_dkv",
+                           fallback=functools.partial(dq_dkv_block, mask=mask))
 
 
-def _lse_rows(program, sizes, config):
-  return 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]
+def _workspace(program, sizes, config):
+  """The float32 log-sum-exp rows; with a mask, a block's kept pairs and bias (3 bytes a pair, per head only for
+  a mask array over heads)."""
+  del config
+  lse = 4 * sizes["b"] * sizes["hk"] * sizes["g"] * sizes["i"]
+  mask = mask_of(program.params)
+  if not (mask.positional or mask.data):
+    return lse
+  heads = sizes["hk"] * sizes["g"] if "h" in (mask.mask_axes or ()) else 1
+  return lse + 3 * sizes["b"] * heads * sizes["i"] * sizes["j"]
 
 
 HALF = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
@@ -136,12 +271,15 @@ HALF = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 def _backward_kernel(part: str) -> Kernel:
   return Kernel(name=f"cudnn_attention_{part}", patterns=frozenset({f"attention_{part}"}), make=_make_backward(part),
                 dtypes=HALF, platforms=frozenset({"gpu"}), dtype_of="q", work=cudnn_backward_work,
-                workspace=_lse_rows, description=f"cuDNN's flash backward, {part} of a block pair")
+                workspace=_workspace, masks=frozenset(KINDS),
+                description=f"cuDNN's flash backward, {part} of a block pair")
 
 
 CUDNN_ATTENTION = Kernel(
     name="cudnn_attention", patterns=frozenset({"attention"}), make=_make, dtypes=HALF,
-    platforms=frozenset({"gpu"}), work=cudnn_work, workspace=_lse_rows, preference=2,
+    platforms=frozenset({"gpu"}), dtype_of="q", work=cudnn_work, workspace=_workspace, preference=2,
+    masks=frozenset(KINDS),
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint,
                                whole=cudnn_backward, everywhere=True),
-    description="cuDNN flash attention (through jax's cuDNN custom call), log-sum-exp kept in float32")
+    description="cuDNN flash attention (through jax's cuDNN custom call), log-sum-exp kept in float32; every mask "
+                "(causal and windows by cuDNN's own masks or a bias, segment ids and mask arrays by a bias)")

@@ -96,7 +96,8 @@ class Kernel:
     supports: ``supports(device) -> reason | None`` for finer device requirements (Hopper).
     interpret: it runs on CPUs in Pallas interpret mode (``interpret_mode()``).
     work: ``work(block, *, causal, config) -> Work`` of one call, on the pattern's axis names (cost model);
-      ``block.band`` is the program's positional mask (causal, sliding window). None: the program's body
+      ``block.band`` is the program's positional mask (causal, sliding window), ``block.data`` whether it masks
+      by data too (segment ids, a mask array). None: the program's body
       computes every block densely unless the positional mask hides all of it; another kernel is taken to
       compute only the pairs the mask keeps.
     workspace: ``workspace(program, sizes, config) -> bytes`` of one call (None: the program's own estimate).
@@ -181,8 +182,8 @@ class Kernel:
     mask = mask_of({**program.params, **(m.params if m else {})})
     if m is not None and m.renames:
       block = block.renamed(m.to_pattern)
-    if mask.positional and {"i", "j"} <= set(block.sizes):  # a query and a key axis to mask
-      block = dataclasses.replace(block, band=mask.band)
+    if (mask.positional or mask.data) and {"i", "j"} <= set(block.sizes):  # a query and a key axis to mask
+      block = dataclasses.replace(block, band=mask.band if mask.positional else None, data=mask.data)
     if self.work is not None:
       return self.work(block, causal=mask.causal, config=config if config is not None else self.configure())
     if self.make is None:

@@ -44,6 +44,7 @@ class Block:
     zigzag: for axes stored in zigzag order, their number of chunks.
     band: an attention program's positional mask, ``(lo, hi)``: it keeps ``lo <= query - key <= hi``
       (``programs.masks.AttentionMask.band``; None: none).
+    data: the program also masks by data (segment ids, a mask array), which hide pairs only known when running.
   """
 
   sizes: Mapping[str, int]
@@ -51,11 +52,12 @@ class Block:
   starts: Mapping[str, int] = dataclasses.field(default_factory=dict)
   zigzag: Mapping[str, int] = dataclasses.field(default_factory=dict)
   band: tuple | None = None
+  data: bool = False
 
   def renamed(self, names: Mapping[str, str]) -> "Block":
     """The same block with its axes renamed (``names``: old -> new; others kept)."""
     r = lambda m: {names.get(k, k): v for k, v in m.items()}
-    return Block(r(self.sizes), r(self.extents), r(self.starts), r(self.zigzag), self.band)
+    return Block(r(self.sizes), r(self.extents), r(self.starts), r(self.zigzag), self.band, self.data)
 
   def contiguous(self, axis: str) -> bool:
     """Whether the block's true positions along ``axis`` are consecutive (``BlockContext.contiguous``)."""
