@@ -276,3 +276,9 @@ def test_one_device_lowers_for_an_h100(causal):
   and the three causal loops, with two Q buffers per consumer, lower within an H100's shared memory."""
   text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, causal=causal)
   assert mosaic_kernels(text) == 1
+
+
+def test_the_pipelined_consumers_lower_with_one_q_buffer():
+  """Pipelined consumers without the Q prefetch (one Q buffer per consumer, as where two do not fit)."""
+  text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, pipelined=True, pipeline=Pipeline(prefetch_q=False))
+  assert mosaic_kernels(text) == 1

@@ -264,13 +264,9 @@ class Pipeline:
 
 BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
 # On one H100 (benchmarks/results/2026-11-25-ws_local-*): the Q prefetch gains 1-17% at S 4K-32K, and at S64K causal
-# loses 1-5% (two runs, KV 32 and 8; non-causal within 1%, either way): above 256 tiles of 128 keys, causal items
-# load their Q tiles one at a time.
+# KV 32 lost 2-6% in three runs (KV 8 and non-causal within 1%, either way): above 256 tiles of 128 keys, causal
+# items load their Q tiles one at a time.
 PREFETCH_MAX_CAUSAL_TILES = 256
-# The pipelined consumers (taking turns) on one H100 (2026-11-25-ws_local-f3949d0-H100.json): 1.1-3.1% faster
-# than the others at S 4K-32K, 1.0-3.5% slower at S64K (non-causal, KV 32 and 8): the default on one device up to
-# 256 tiles (rings keep the measured consumers: the turns have not run on two GPUs).
-PIPELINED_MAX_TILES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,8 +344,10 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     pipelined: each consumer issues tile ``t``'s ``Q K^T`` and tile
       ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
       ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
-      module docstring); not causal. None: on one device, non-causal items
-      of at most ``PIPELINED_MAX_TILES`` key tiles (where it measured faster).
+      module docstring); not causal. None: on one device without a mask
+      (measured faster there on an H100: 1-3% at S 4K-32K, within the
+      timings' spread at S64K; rings keep the other consumers, the turns
+      have not run on two GPUs).
     pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
@@ -368,7 +366,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
                             f"{CONSUMERS * block_q}: a work item is two query tiles")
   if pipelined is None:
-    pipelined = not causal and n_dev == 1 and s // block_kv <= PIPELINED_MAX_TILES
+    pipelined = not causal and n_dev == 1
   if pipelined and causal:
     raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
                             "pipelined=False")
@@ -632,8 +630,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l
 
-      def q_buffer(i):
-        return lax.rem(i, q_buffers) if q_buffers > 1 else 0
+      def q_buffer(i):  # traced even for one buffer: run_state cannot lower a constant index into the SMEM ref
+        return lax.rem(i, q_buffers)
 
       def issue_q(i):
         """Starts loading item ``i``'s Q tile into this consumer's buffer ``i % q_buffers``."""

@@ -41,11 +41,10 @@ def test_head_parallel_gradients_with_one_fused_cudnn_backward(causal):
   from jax.sharding import PartitionSpec as P
 
   from jaxmercury.lowering.local_backward import local_reason
-  from jaxmercury.tuner.autotuner import with_layouts
   n = len(jax.devices())
   prog = jm.programs.attention(1, 8 * n, 2 * n, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
   heads = P(None, None, "x", None)
-  schedule = with_layouts(jm.library(prog, gpu_mesh())["ulysses"], [heads] * 3, heads).patch("cudnn_attention")
+  schedule = jm.library(prog, gpu_mesh())["ulysses"].with_layouts([heads] * 3, heads).patch("cudnn_attention")
   assert local_reason(schedule) is None
   check_gradients(schedule)
 
