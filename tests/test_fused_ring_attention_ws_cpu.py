@@ -37,6 +37,8 @@ from jaxmercury.kernels.fused_ring_attention_ws import (
   INTERPRET_CTAS,
   Pipeline,
   WsBlocks,
+  _band,
+  _imbalance,
   _kernel,
   _SplitTail,
   fused_ring_attention_ws,
@@ -270,11 +272,13 @@ def test_the_blocks_count_their_shared_memory():
   assert "shared memory" in WsBlocks(64, 128, 3).problem(128)  # 232568 bytes > 227 KiB in Mosaic GPU
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["split-tail", "causal-balanced"])
-def test_one_device_lowers_for_an_h100(causal):
+@pytest.mark.parametrize("causal,s", [(False, 4096), (True, 4096), (True, 32768)],
+                         ids=["split-tail", "causal-balanced", "causal-banded"])
+def test_one_device_lowers_for_an_h100(causal, s):
   """One device, 1024 items over 132 CTAs: the split tail's parts (non-causal) or the longest-first snake order
-  and the three causal loops, with two Q buffers per consumer, lower within an H100's shared memory."""
-  text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, causal=causal)
+  (at S32K in bands of 8 query blocks) and the three causal loops, with two Q buffers per consumer, lower within
+  an H100's shared memory."""
+  text = _lower(1, 1, s, 32, 8, 128, num_ctas=132, causal=causal)
   assert mosaic_kernels(text) == 1
 
 
@@ -282,3 +286,13 @@ def test_the_pipelined_consumers_lower_with_one_q_buffer():
   """Pipelined consumers without the Q prefetch (one Q buffer per consumer, as where two do not fit)."""
   text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, pipelined=True, pipeline=Pipeline(prefetch_q=False))
   assert mosaic_kernels(text) == 1
+
+
+def test_the_balanced_order_in_bands_matches_the_reference():
+  """8 query blocks by 4 (batch, head) pairs over 4 CTAs: one band of 8 blocks, head after head (``_band``)."""
+  assert _band(8, 4, 4) == 8 and _band(8, 4, 3) == 1  # over 3 CTAs bands would leave one 2% busier
+  assert _imbalance(8, 4, 4, 8) == 1.0 and _imbalance(8, 2, 3, 8) > 1.2
+  q, k, v = local_inputs(2, 1024, 2, 1, 64)
+  params = dict(num_ctas=4, interpret=True, block_kv=128, causal=True)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v), q)

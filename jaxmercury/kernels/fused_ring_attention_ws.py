@@ -149,7 +149,8 @@ H100 and one H200 by ``benchmarks.ws_local``): causal tiles come in class
 order along a run (visible, then partial, then hidden), so each consumer runs
 three loops, the first without a branch or a mask; on one device causal items
 run longest first in snake order, which balances the CTAs (round-robin left
-5-28% more work on the busiest CTA at S 4K-16K); each consumer loads its next
+5-28% more work on the busiest CTA at S 4K-16K), in bands of query blocks
+head after head (``_band``) where that keeps the balance; each consumer loads its next
 item's Q tile into a second buffer while it computes this one; and on one
 device without a mask, when the items leave the last round part empty, its
 items' key tiles are shared out over every CTA and each item's parts merged
@@ -267,6 +268,28 @@ BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_ta
 # KV 32 lost 2-6% in three runs (KV 8 and non-causal within 1%, either way): above 256 tiles of 128 keys, causal
 # items load their Q tiles one at a time.
 PREFETCH_MAX_CAUSAL_TILES = 256
+
+
+def _imbalance(pairs: int, heads: int, grid: int, band: int) -> float:
+  """The busiest CTA's causal work over the mean, items in snake order by bands of ``band`` query blocks."""
+  rank = np.arange(pairs * heads)
+  rounds, c = np.divmod(rank, grid)
+  cta = np.where(rounds % 2 == 0, c, grid - 1 - c)
+  pair = pairs - 1 - rank // (band * heads) * band - rank % band
+  loads = np.bincount(cta, weights=pair + 1, minlength=grid)
+  return float(loads.max() / loads.mean())
+
+
+def _band(pairs: int, heads: int, grid: int) -> int:
+  """Query blocks per band of the balanced order: ranks go by decreasing block in bands of this many blocks,
+  each band head after head, so CTAs running together read the keys of fewer heads (with one block per band
+  they read every head's; at S64K, 32 heads of 128 rows, that lost 4-11% on an H100 and an H200 to round-robin,
+  whose CTAs share one head). The widest of 32, 16, 8 that divides ``pairs`` and keeps the busiest CTA within
+  0.2% of the mean, else 1."""
+  for band in (32, 16, 8):
+    if pairs % band == 0 and _imbalance(pairs, heads, grid, band) <= 1.002:
+      return band
+  return 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +455,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
+  band_pairs = _band(pairs, b * h, grid) if balanced else 1
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
@@ -465,7 +489,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     def item_of(i):
       if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing query block
         rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
-        pair, bh = pairs - 1 - rank // (b * h), lax.rem(rank, b * h)
+        band, within = rank // (band_pairs * b * h), lax.rem(rank, band_pairs * b * h)
+        pair, bh = pairs - 1 - band * band_pairs - lax.rem(within, band_pairs), within // band_pairs
         bi, hi, forwards = bh // h, lax.rem(bh, h), False
       else:
         index = cta + i * grid
