@@ -248,8 +248,8 @@ class Pipeline:
       order), not one loop that switches on each tile's class: the visible tiles' loop has no branch.
     balanced: on one device (no ring), items run longest first in snake order: CTA ``c`` takes rank
       ``i * grid + c`` in its even rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by
-      decreasing causal work (query block, then batch and head), so every CTA gets about the same work and the
-      last round holds the shortest items.
+      decreasing causal work (query block; in bands of blocks head after head, ``_band``), so every CTA gets
+      about the same work and the last round holds the shortest items.
     prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one;
       not for causal items of more than ``PREFETCH_MAX_CAUSAL_TILES`` key tiles (measured slower there).
     split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
@@ -283,9 +283,9 @@ def _imbalance(pairs: int, heads: int, grid: int, band: int) -> float:
 def _band(pairs: int, heads: int, grid: int) -> int:
   """Query blocks per band of the balanced order: ranks go by decreasing block in bands of this many blocks,
   each band head after head, so CTAs running together read the keys of fewer heads (with one block per band
-  they read every head's; at S64K, 32 heads of 128 rows, that lost 4-11% on an H100 and an H200 to round-robin,
-  whose CTAs share one head). The widest of 32, 16, 8 that divides ``pairs`` and keeps the busiest CTA within
-  0.2% of the mean, else 1."""
+  they read every head's; at S64K, 32 heads of 128 rows, that lost 2-9% to round-robin, whose CTAs share one
+  head, in three of four runs on an H100 and an H200). The widest of 32, 16, 8 that divides ``pairs`` and keeps
+  the busiest CTA within 0.2% of the mean, else 1."""
   for band in (32, 16, 8):
     if pairs % band == 0 and _imbalance(pairs, heads, grid, band) <= 1.002:
       return band
@@ -368,7 +368,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
       ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
       ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
       module docstring); not causal. None: on one device without a mask
-      (measured faster there on an H100: 1-3% at S 4K-32K, within the
+      (measured faster there on an H100: 1-4% at S 4K-32K, within the
       timings' spread at S64K; rings keep the other consumers, the turns
       have not run on two GPUs).
     pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
