@@ -31,6 +31,9 @@
 #                    Pallas Mosaic GPU grouped GEMM (and a padded einsum), forward and forward + backward
 #   moe-gemm         only the grouped GEMMs of stage moe (ragged_dot and the Mosaic grouped GEMM side by side)
 #   tests-moe        tests/gpu/test_grouped_gemm.py (the Mosaic grouped GEMM against ragged_dot; in a MoE schedule)
+#   ws-backward      one GPU: our one-pass attention backward kernel against cuDNN's flash backward, B1 H32 D128
+#                    S 4K-32K (benchmarks.ws_local --backward), its GPU tests, and the training steps of the fused ring
+#                    attention with cuDNN's backward and with ours at S 16K 32K GQA
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -91,6 +94,17 @@ for stage in "$@"; do
     moe) suite "$stage" 570 --suite moe ;;
     moe-gemm) suite "$stage" 570 --suite moe --moe_kinds grouped_gemm ;;
     tests-moe) tests "$stage" 540 tests/gpu/test_grouped_gemm.py ;;
+    ws-backward)
+      local_suite() {  # name, seconds, benchmarks.ws_local arguments...
+        local name=$1 limit=${STAGE_LIMIT:-$2}
+        shift 2
+        timeout "$limit" python3 -m benchmarks.ws_local --out "$W/$name.json" --time_budget $((limit - 30)) "$@" \
+          > "$W/$name.log" 2>&1
+        echo "$name rc=$?" | tee -a "$W/stages.txt"
+      }
+      local_suite "$stage" 200 --backward --seqs 4K 8K 16K 32K
+      tests "tests-ws-attention" 120 tests/gpu/test_ws_attention.py
+      local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

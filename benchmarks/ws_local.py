@@ -8,7 +8,10 @@ For each case (B1 H32 D128 bf16 by default), in one process on the same inputs, 
 (``BEFORE``) to the default, one change at a time (non-causal cases: the changes that apply to them). Outputs are
 checked against cuDNN's. ``--training`` times forward and backward instead: ``jax.vjp`` of cuDNN's attention
 against the ring schedule lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is
-the one jaxmercury runs for it. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
+the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
+backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
+output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours, gradients checked against
+cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 """
 
@@ -26,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
 from benchmarks import harness
-from jaxmercury.kernels import registry
+from jaxmercury.kernels import registry, ws_attention
+from jaxmercury.kernels.cudnn_attention import cudnn_backward
 from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
 
@@ -53,18 +57,38 @@ def _kernel_forward(mesh, causal: bool, smoke: bool, **params):
                                check_vma=False))
 
 
-def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fused_ring_attention_ws"):
-  """The training step of the ring schedule lowered with the fused kernel (or patched with a local ``kernel``),
-  on ``[b, s, h, d]`` inputs."""
+def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fused_ring_attention_ws", **params):
+  """The training step of the ring schedule lowered with the fused kernel at ``params`` (or patched with a local
+  ``kernel``), on ``[b, s, h, d]`` inputs."""
   prog = jm.programs.attention(b, h, kv, s, s, d, causal=causal, dtype=jnp.bfloat16)
-  ring = jm.library(prog, mesh)["ring"]
-  schedule = ring.lower_with(kernel) if kernel.startswith("fused") else ring.patch(kernel)
-  fn = schedule.compile(differentiable=True)
+  mode = registry.interpret_mode if smoke else contextlib.nullcontext
+  with mode():  # the kernels are chosen when built and made when traced: in interpret mode for --smoke
+    ring = jm.library(prog, mesh)["ring"]
+    schedule = ring.lower_with(kernel, **params) if kernel.startswith("fused") else ring.patch(kernel)
+    fn = schedule.compile(differentiable=True)
 
-  def traced(q, k, v):  # the kernel is made when traced: in interpret mode for --smoke
-    with registry.interpret_mode() if smoke else contextlib.nullcontext():
+  def traced(q, k, v):
+    with mode():
       return fn(q, k, v)
   return measure.training_step(traced)
+
+
+def _backward_inputs(inputs, key, causal: bool, smoke: bool):
+  """``(q, k, v, o, do, lse [b, s, h])``: the forward's output and log-sum-exp from the kernel (one device)."""
+  q, k, v = inputs
+  out, lse = jax.jit(lambda q, k, v: fused_ring_attention_ws(q, k, v, None, causal=causal, interpret=smoke))(q, k, v)
+  do = jax.random.normal(key, q.shape, q.dtype)
+  return [q, k, v, out, do, jnp.transpose(lse, (0, 2, 1))]
+
+
+def _cudnn_backward(causal: bool, smoke: bool):
+  if smoke:  # no cuDNN on the CPU: XLA's derivative of the plain attention
+    return jax.jit(lambda *a: registry.local("xla").backward.whole(*a, causal))
+  return jax.jit(lambda *a: cudnn_backward(*a, causal))
+
+
+def _ws_backward(causal: bool, smoke: bool):
+  return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke))
 
 
 def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict:
@@ -81,10 +105,22 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     contestants = [harness.Contestant("cudnn", "baseline", lambda: measure.training_step(cudnn), f"jax.vjp of {label}"),
                    harness.Contestant("ws", "jaxmercury", step,
                                       "ring schedule lowered with fused_ring_attention_ws, its own backward")]
+    contestants.append(harness.Contestant(
+        "ws_own", "jaxmercury",
+        lambda: _schedule_step(mesh, b, s, h, kv, d, causal, args.smoke, backward="ws_attention"),
+        "the same, configured with backward='ws_attention': our one-pass backward kernel",
+        record={"backward": "ws_attention"}))
     if not args.smoke:  # the same backward after cuDNN's forward: which half a gap is in
       contestants.append(harness.Contestant(
           "cudnn_blocks", "jaxmercury", lambda: _schedule_step(mesh, b, s, h, kv, d, causal, False, "cudnn_attention"),
           "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
+    tolerance = measure.gradient_tolerance(jnp.bfloat16)
+  elif args.backward:
+    inputs = _backward_inputs(inputs, keys[3], causal, args.smoke)
+    contestants = [harness.Contestant("cudnn", "baseline", lambda: _cudnn_backward(causal, args.smoke),
+                                      "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)"),
+                   harness.Contestant("ws", "jaxmercury", lambda: _ws_backward(causal, args.smoke),
+                                      "kernels.attention_backward_ws: dq, dk, dv in one pass (ws_attention.whole)")]
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
     steps = CAUSAL_STEPS if causal else NON_CAUSAL_STEPS
@@ -98,14 +134,15 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
                   "pipelined": params.get("pipelined")}))
     tolerance = harness.BF16_TOLERANCE
   seq = f"{s // 1024}K" if s >= 1024 else str(s)
-  name = f"B{b} S{seq} H{h} KV{kv} D{d}{' causal' if causal else ''}{' training' if args.training else ''}"
+  mode = " training" if args.training else " backward" if args.backward else ""
+  name = f"B{b} S{seq} H{h} KV{kv} D{d}{' causal' if causal else ''}{mode}"
   harness.log(f"case {name}")
   settings = harness.Settings(iters=args.iters, warmup=3, max_timing_s=args.max_timing_s, deadline=deadline,
                               tolerance=tolerance, min_timing_s=args.min_timing_s)
   records, ref = harness.run_contestants(contestants, inputs, settings)
-  flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.training else 1.0)
+  flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.training else 2.5 if args.backward else 1.0)
   case = {"name": name, "batch": b, "seq": s, "heads": h, "kv_heads": kv, "head_dim": d, "causal": causal,
-          "training": args.training}
+          "training": args.training, "backward": args.backward}
   return harness.finish(case, records, ref, flops_per_device=flops)
 
 
@@ -134,6 +171,7 @@ def main(argv=None):
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
   parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
+  parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)

@@ -23,6 +23,7 @@ from jaxmercury.kernels import (
                                 mosaic_grouped_gemm,
                                 mosaic_matmul,
                                 triton_attention,
+                                ws_attention,
                                 xla,
 )
 from jaxmercury.kernels.config import param
@@ -45,6 +46,7 @@ register(cudnn_attention.CUDNN_ATTENTION)
 register(flash_attention.PALLAS_ATTENTION)
 register(triton_attention.TRITON_ATTENTION)
 register(mosaic_attention.MOSAIC_ATTENTION)
+register(ws_attention.WS_ATTENTION)
 register(mosaic_matmul.MOSAIC_MATMUL)
 register(mosaic_matmul.JAX_MOSAIC_MATMUL)
 # Fused kernels.

@@ -301,7 +301,7 @@ def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
   for name, block in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv)):
     if s % block:
       raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of {name}={block}")
-  return ring_size(NAME, axis_name, interpret)
+  return 1 if axis_name is None else ring_size(NAME, axis_name, interpret)
 
 
 def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):

@@ -179,6 +179,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import fused_ring_attention as fra
+from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import INTERPRET_CTAS as INTERPRET_CTAS_FUSED
 from jaxmercury.kernels.fused_common import (
@@ -341,7 +342,7 @@ def _named():
     raise PreconditionError(message) from None
 
 
-def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, order: str = "natural",
+def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
                             max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool | None = None,
                             pipeline: Pipeline = Pipeline(), interpret: bool = False):
@@ -352,7 +353,8 @@ def fused_ring_attention_ws(q, k, v, axis_name: str, *, causal: bool = False, or
     k: this device's keys ``[b, s, kv, d]``, ``q``'s dtype; ``kv`` divides ``h``.
     v: this device's values, like ``k``.
     axis_name: the ``shard_map`` axis the sequence is sharded over; it must
-      span every device of the process when it has more than one.
+      span every device of the process when it has more than one. None: no
+      ring, this device's own keys (local attention, ``kernels.ws_attention``).
     causal: each query attends only to keys at global positions up to its
       own (``fused_ring_attention.positions``).
     order: ``"natural"`` or ``"zigzag"``, as for ``fused_ring_attention``.
@@ -855,30 +857,47 @@ def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
 # ------------------------------------------------------------------ as a fused kernel of ring schedules
 
 
+# The local kernels whose backward blocks a fused ring attention's dual programs may run (``WsRingConfig.backward``).
+BACKWARDS = (None, "ws_attention")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WsRingConfig:
-  """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots."""
+  """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots; and
+  ``backward``, the local kernel whose backward blocks run the dual programs (None: cuDNN's where the devices have
+  it, ``schedules.dual.backward_schedule``; ``"ws_attention"``: ours, ``kernels.attention_backward_ws``, dq, dk
+  and dv in one pass: the training step on one kernel family)."""
 
   OPEN = True
   block_q: int = param(64)
   block_kv: int = param(128)
   max_concurrent_steps: int = param(2)
+  backward: str | None = param(None, "ws_attention")
 
 
 def _problem(p, config: WsRingConfig) -> str | None:
   """The blocks at the program's head dimension; a work item's two query tiles and the key tiles in each device's
-  positions (each zigzag chunk's)."""
-  if reason := positive_ints(config):
+  positions (each zigzag chunk's); the backward kernel's blocks."""
+  if reason := positive_ints(config, "block_q", "block_kv", "max_concurrent_steps"):
     return reason
   blocks = WsBlocks(config.block_q, config.block_kv, config.max_concurrent_steps)
   if reason := blocks.problem(p.local_shape()[4], p.itemsize):
     return reason
+  if config.backward not in BACKWARDS:
+    return f"backward={config.backward!r} is not one of {list(BACKWARDS)}"
+  if config.backward is not None:
+    backward = BackwardBlocks()
+    reason = backward.problem(p.local_shape()[4], p.itemsize) or fra.rows_problem(
+        p, {"the backward's query tile": backward.block_q, "the backward's key pair": 2 * backward.block_kv})
+    if reason:
+      return f"backward={config.backward!r}: {reason}"
   return fra.rows_problem(p, {"2 x block_q": 2 * config.block_q, "block_kv": config.block_kv})
 
 
 def _make(p, config: WsRingConfig, interpret: bool):
+  blocks = {k: v for k, v in dataclasses.asdict(config).items() if k != "backward"}
   return fra.per_device(fused_ring_attention_ws, p, lambda: INTERPRET_CTAS_FUSED if interpret else None,
-                        interpret=interpret, **dataclasses.asdict(config))
+                        interpret=interpret, **blocks)
 
 
 FUSED_RING_ATTENTION_WS = FusedKernel(

@@ -70,7 +70,11 @@ class AttentionBackward:
       in one call, for schedules that keep each device's attention local; None: none.
     whole_limit: ``(program, per-device extents) -> reason | None``: where ``whole`` does not fit.
     everywhere: its blocks run every attention's backward where they apply, whatever kernel ran the forward
-      (cuDNN's: the fastest backward we have).
+      (cuDNN's: the fastest backward we have), unless that kernel's backward is ``own``.
+    own: its blocks run the backward of its own forward even where another kernel's are ``everywhere``.
+
+  A kernel declared ``interpret=True`` that runs in interpret mode gets ``interpret=True`` as a keyword of
+  ``joint`` and ``whole``; the others are called as above.
   """
 
   dq: "Kernel | None" = None
@@ -79,6 +83,7 @@ class AttentionBackward:
   whole: Callable | None = None
   whole_limit: Callable | None = None
   everywhere: bool = False
+  own: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,6 +100,8 @@ class Kernel:
     platforms: device platforms it runs on.
     supports: ``supports(device) -> reason | None`` for finer device requirements (Hopper).
     interpret: it runs on CPUs in Pallas interpret mode (``interpret_mode()``).
+    interpret_devices: in interpret mode, the most devices a mesh may have (Mosaic GPU's interpreter keeps one
+      state for every device and runs one device's kernels at a time); None: any.
     work: ``work(block, *, causal, config) -> Work`` of one call, on the pattern's axis names (cost model);
       ``block.band`` is the program's positional mask (causal, sliding window), ``block.data`` whether it masks
       by data too (segment ids, a mask array). None: the program's body
@@ -119,6 +126,7 @@ class Kernel:
   platforms: frozenset = ALL_PLATFORMS
   supports: Callable | None = None
   interpret: bool = False
+  interpret_devices: int | None = None
   work: Callable | None = None
   workspace: Callable | None = None
   backward: AttentionBackward | None = None
@@ -161,6 +169,11 @@ class Kernel:
       return (f"kernel computes masks {sorted(self.masks) or 'none'}, not the program's {sorted(missing)} "
               f"({mask.describe()})")
     return self.mask_problem(mask) if self.mask_problem else None
+
+  def interprets(self, mesh) -> dict:
+    """``{"interpret": True}`` where this kernel runs in interpret mode on ``mesh``'s devices, else ``{}``: the
+    keywords its backward's ``joint`` and ``whole`` take."""
+    return {"interpret": True} if _device_problem(self, mesh)[1] else {}
 
   def block(self, program, mesh, config=None) -> Callable:
     """The block function for ``program`` on ``mesh``; ``PreconditionError`` where it does not apply."""
@@ -218,7 +231,8 @@ class DualGemm:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DualPrograms:
   """A fused attention's backward: the dual dq and dk-dv programs of its ordinary schedule (cuDNN blocks where
-  the devices have them), fed by the kernel's own output and log-sum-exp."""
+  the devices have them, or the local kernel its configuration's ``backward`` field names), fed by the kernel's
+  own output and log-sum-exp."""
 
   description: str = "the dual programs, from the kernel's output and log-sum-exp"
 
@@ -463,6 +477,9 @@ def _device_problem(k: Kernel, mesh) -> tuple[str | None, bool]:
     return None, False  # an AbstractMesh plans; no devices to check
   device = mesh.devices.flat[0]
   if device.platform == "cpu" and k.interpret and interpreting():
+    if k.interpret_devices is not None and mesh.devices.size > k.interpret_devices:
+      return (f"its interpret mode runs on at most {k.interpret_devices} device(s) (Mosaic GPU's interpreter), the "
+              f"mesh has {mesh.devices.size}"), False
     return None, True
   if device.platform not in k.platforms:
     hint = "; it runs there in interpret mode (registry.interpret_mode())" if k.interpret else ""

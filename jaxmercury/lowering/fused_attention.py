@@ -25,9 +25,11 @@ def backward_schedule(schedule):
   That is the schedule without its lowering (the same layouts and ring) with
   its blocks on cuDNN where the mesh's devices run it
   (``schedules.dual.backward_schedule``): the dq and dk-dv programs run cuDNN's
-  flash backward blocks; elsewhere (CPU, interpret mode) XLA's body.
+  flash backward blocks; elsewhere (CPU, interpret mode) XLA's body. A kernel
+  configured with ``backward="ws_attention"`` runs ours instead
+  (``schedules.dual.fused_loop_nest``).
   """
-  return dual.backward_schedule(schedule.without("lower_with"))
+  return dual.backward_schedule(dual.fused_loop_nest(schedule))
 
 
 def attach(schedule, per_device):
@@ -44,4 +46,4 @@ def attach(schedule, per_device):
   def keeping_residuals(with_lse):
     return jax.jit(lower(with_lse, jit=False, per_device=functools.partial(per_device, with_lse=True)))
 
-  return differentiable(schedule.without("lower_with"), forward, forward_with_lse=keeping_residuals)
+  return differentiable(dual.fused_loop_nest(schedule), forward, forward_with_lse=keeping_residuals)

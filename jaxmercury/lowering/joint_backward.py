@@ -47,4 +47,5 @@ def joint_backward(dq, dkv, *, jit: bool = True) -> Callable | None:
   if joint_reason(dq, dkv) is not None:
     return None
   registry.lookup(dq.kernel or "xla", dq.program, dq.mesh)  # raises where the devices cannot run it
-  return lower_joint([dq, dkv], registry.backward_of(dq.kernel or "xla").joint(dq.program), jit=jit)
+  mode = registry.local(dq.kernel or "xla").interprets(dq.mesh)
+  return lower_joint([dq, dkv], registry.backward_of(dq.kernel or "xla").joint(dq.program, **mode), jit=jit)

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.kernels import registry
+from jaxmercury.lowering import types
 from jaxmercury.programs.masks import mask_of
 
 BUFFERS = ("q", "k", "v", "o")
@@ -95,14 +96,19 @@ def local_backward(schedule) -> Callable | None:
     return None
   plan, prog = schedule.plan(), schedule.program
   fused, _ = _whole(schedule)
+  mode = registry.local(schedule.kernel or "xla").interprets(schedule.mesh)
   causal = prog.params["causal"]
   specs = {b: plan.user_spec(b) for b in BUFFERS}
   rows = PartitionSpec(*(list(specs["o"]) + [None] * 3)[:3])
 
   def per_device(q, k, v, o, do, lse):
-    dq, dk, dv = fused(q, k, v, o, do, lse, causal)
+    dq, dk, dv = fused(q, k, v, o, do, lse, causal, **mode)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-  return jax.shard_map(per_device, mesh=schedule.mesh,
-                       in_specs=(specs["q"], specs["k"], specs["v"], specs["o"], specs["o"], rows),
-                       out_specs=(specs["q"], specs["k"], specs["v"]), check_vma=False)
+  in_specs = (specs["q"], specs["k"], specs["v"], specs["o"], specs["o"], rows)
+  mapped = jax.shard_map(per_device, mesh=schedule.mesh, in_specs=in_specs,
+                         out_specs=(specs["q"], specs["k"], specs["v"]), check_vma=False)
+
+  def run(*arrays):  # Explicit axes: each array's type must say its layout (a residual may be unsplit)
+    return mapped(*(types.constrain(x, schedule.mesh, spec) for x, spec in zip(arrays, in_specs)))
+  return run

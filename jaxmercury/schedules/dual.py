@@ -47,7 +47,9 @@ def backward_schedule(schedule: Schedule) -> Schedule:
 
   The backward needs only the output and log-sum-exp the forward saved, not
   the kernel that computed them, so its blocks may run another kernel's
-  backward. The kernel whose ``AttentionBackward`` is declared ``everywhere``
+  backward. A kernel whose backward is declared ``own`` (ours, ``ws_attention``)
+  keeps it: the schedule is returned as it is. Otherwise the kernel whose
+  ``AttentionBackward`` is declared ``everywhere``
   (cuDNN's flash backward, one call returning dq, dk and dv) is the fastest we
   have: JAX's Mosaic dq and dk-dv kernels recompute the probabilities twice
   and have no causal mask. The result is ``schedule`` patched with that
@@ -67,7 +69,7 @@ def backward_schedule(schedule: Schedule) -> Schedule:
   prog = schedule.program
   everywhere = registry.everywhere_backward()
   if prog.pattern != "attention" or prog.params.get("emit_lse") or everywhere is None \
-      or schedule.kernel == everywhere:
+      or schedule.kernel == everywhere or _own_backward(schedule.kernel):
     return schedule
   if schedule.lowering is not None:
     raise ScheduleError(f"{schedule.program.name}: lowered with {schedule.lowering!r}; take its loop-nest schedule "
@@ -78,6 +80,28 @@ def backward_schedule(schedule: Schedule) -> Schedule:
     return schedule.without("patch").patch(everywhere)
   except PreconditionError:
     return schedule
+
+
+def fused_loop_nest(schedule: Schedule) -> Schedule:
+  """A fused attention schedule's loop nest, whose dual programs run its backward: the schedule without its
+  lowering, patched with the local kernel its configuration's ``backward`` field names (``"ws_attention"``: our
+  one-pass backward kernel, an ``own`` backward that ``backward_schedule`` keeps); without one, as it is.
+
+  Before / after (a ``ring`` lowered with ``fused_ring_attention_ws(backward='ws_attention')``)::
+
+    lowered with fused_ring_attention_ws          parallel i0 in 8 @ x:
+      (one kernel per device, the ring inside)      for j0 in 8 (shift i0 @ x):
+                                                      ws_attention(o[i0], q[i0], k[j0], ..)
+  """
+  nest = schedule.without("lower_with")
+  kernel = getattr(schedule.lowering_config, "backward", None)
+  return nest if kernel is None else nest.without("patch").patch(kernel)
+
+
+def _own_backward(kernel: str | None) -> bool:
+  """Whether ``kernel`` declares its backward its own (``AttentionBackward.own``): kept, not cuDNN's."""
+  backward = registry.local(kernel).backward if kernel is not None else None
+  return backward is not None and backward.own
 
 
 def _full(spec, rank):

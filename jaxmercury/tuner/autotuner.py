@@ -53,7 +53,8 @@ import jax
 from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.analysis import placements
 from jaxmercury.analysis.memory import memory_per_device
-from jaxmercury.errors import ScheduleError
+from jaxmercury.errors import PreconditionError, ScheduleError
+from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
 from jaxmercury.schedules.library import library
 from jaxmercury.schedules.schedule import Schedule
@@ -186,7 +187,7 @@ def describe(schedule) -> str:
 
 
 def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels=None,
-                       in_shardings=None, out_sharding=None) -> list[Candidate]:
+                       in_shardings=None, out_sharding=None, training: bool = False) -> list[Candidate]:
   """The library strategies, then a sample of the design space, each with every applicable kernel.
 
   Each schedule is also offered with every fused kernel that applies to it
@@ -203,6 +204,8 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
   Args:
     kernels: the local kernels to try (``KernelChoice``s or names); default each that applies, at its
       defaults (``candidates.kernel_choices``).
+    training: also offer each fused kernel with every other backward its configuration names
+      (``_lowering_variants``: a fused ring attention's backward on our kernel as well as on cuDNN's).
   """
   base = [(name, LIBRARY, s, None) for name, s in library(program, mesh).items()]
   if math.prod(mesh.shape.values()) == 1:
@@ -233,12 +236,23 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       patched = s.copy() if k.name == "xla" else s.copy().patch(k)
       out.append(Candidate(name, patched, math.nan, 0, result=pruned, origin=origin))
     for lowering in _fused_lowerings(s, in_shardings, out_sharding):
-      lowered = s.copy().lower_with(lowering)
-      key = placements.signature(lowered)
-      if n < strategies or key not in kernels_seen:
-        kernels_seen.add(key)
-        out.append(Candidate(name, lowered, math.nan, 0, result=pruned, origin=origin))
+      for params in _lowering_variants(lowering, training):
+        try:
+          lowered = s.copy().lower_with(lowering, **params)
+        except PreconditionError:  # a backward whose blocks do not fit this schedule's
+          continue
+        key = (placements.signature(lowered), tuple(params.items()))
+        if n < strategies or key not in kernels_seen:
+          kernels_seen.add(key)
+          out.append(Candidate(name, lowered, math.nan, 0, result=pruned, origin=origin))
   return out
+
+
+def _lowering_variants(lowering: str, training: bool) -> list[dict]:
+  """The configurations a fused kernel is offered with: its defaults, and in training each other choice of its
+  configuration's ``backward`` field (the forward is the same kernel; only the backward differs)."""
+  choices = configs.choices(registry.fused(lowering).config).get("backward", ())
+  return [{}] + ([{"backward": b} for b in choices[1:]] if training else [])
 
 
 def grouped_gemm_variants(schedule) -> list:
@@ -713,7 +727,7 @@ def _plan(program, mesh, candidates, space, top_k, in_shardings, out_sharding, m
   resumed); process 0 only."""
   memory_budget = memory_budget if memory_budget is not None else _device_budget(mesh)
   proposed = _given(candidates) if candidates is not None else default_candidates(
-      program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding)
+      program, mesh, space=space, in_shardings=in_shardings, out_sharding=out_sharding, training=training)
   score = lambda c: _scored(c, program, mesh, machine, in_shardings, out_sharding, training)
   plain = [Candidate(p.name, p, math.nan, p.memory_bytes(), origin=PLAIN)
            for p in plain_programs(program, mesh, in_shardings, out_sharding)]

@@ -238,7 +238,7 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
       registry.lookup(dq_kernel, dq_program, mesh)
     except PreconditionError:
       continue
-    block = backward.joint(dq_program)
+    block = backward.joint(dq_program, **registry.local(name).interprets(mesh))
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
     rates[name], _ = kernel_figures(program, name, mesh, (2 << 30) if gpu else (16 << 20),
                                     GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))

@@ -48,7 +48,7 @@ from jaxmercury.kernels.registry import DualGemm
 from jaxmercury.kernels.work import Block
 from jaxmercury.lowering import storage_order
 from jaxmercury.programs.masks import mask_of
-from jaxmercury.schedules.dual import backward_schedule
+from jaxmercury.schedules.dual import backward_schedule, fused_loop_nest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +215,8 @@ def backward_seconds(schedule, machine: Machine) -> float:
   transposes to an all-gather of the output's stored block where the output
   is split over that level (a reduce-scatter), to nothing where it is whole
   there (an all-reduce: every device already holds the whole cotangent). A
-  fused ring attention's backward is that of its ``backward_schedule``
-  (``DualPrograms``: the kernel keeps its residuals); a fused GEMM's is
+  fused ring attention's backward is that of its loop nest (``DualPrograms``: the kernel keeps its residuals;
+  ``schedules.dual.fused_loop_nest``: on the kernel its configuration's ``backward`` names); a fused GEMM's is
   its dual fused GEMM and one local GEMM (``fused_gemm_backward_seconds``).
   """
   if schedule.dispatched is not None:
@@ -226,7 +226,7 @@ def backward_seconds(schedule, machine: Machine) -> float:
     return _nest_seconds(backward_schedule(schedule), machine.backward(), work=work, reductions=TRANSPOSED)
   if isinstance(registry.fused(schedule.lowering).backward, DualGemm):
     return fused_gemm_backward_seconds(schedule, machine)
-  return backward_seconds(backward_schedule(schedule.without("lower_with")), machine)
+  return backward_seconds(fused_loop_nest(schedule), machine)
 
 
 def fused_gemm_backward_seconds(schedule, machine: Machine) -> float:

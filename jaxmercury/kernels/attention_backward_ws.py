@@ -1,0 +1,413 @@
+"""Attention's backward in one warp-specialized Mosaic GPU kernel: dq, dk and dv in one pass (Hopper).
+
+From the forward's output ``o`` and log-sum-exp, the backward of softmax
+attention needs, per (query, key) pair, the probability ``p`` again and
+``ds = p (dp - delta)`` with ``dp = do . v`` and ``delta = rowsum(o * do)``;
+then ``dq = ds k``, ``dk = ds^T q``, ``dv = p^T do`` (scaled by
+``1 / sqrt(d)`` where the scores were). The dual programs
+(``programs.attention_backward``) run dq and dk-dv apart, so each block pair
+recomputes ``p`` twice; cuDNN's flash backward and this kernel compute all
+three from one pass over the pairs, as FlashAttention-2 and -3 do: dk and dv
+stay in registers while the queries stream by, and dq is added into a float32
+buffer in global memory (TMA reduce-add stores).
+
+Loop nest before (the dual programs, per device)::
+
+  for query tile t:                    # dq program
+    for key tile u: recompute p, ds; dq[t] += ds k[u]
+  for key tile u:                      # dk-dv program
+    for query tile t: recompute p, ds; dk[u] += ds^T q[t]; dv[u] += p^T do[t]
+
+After (this kernel; per CTA, three warpgroups run concurrently)::
+
+  memory warpgroup (40 registers):
+    for item (bi, kv head kh, key pair u) of this CTA:     # persistent grid, snake order
+      wait until the consumers stored the last item's dk, dv (K/V SMEM free)
+      TMA k, v rows [2 u block_kv, +2 block_kv) -> SMEM   # consumer w's tile: rows w block_kv ..
+      for query head hq of kh's group, for query tile t that sees the keys:
+        slot = tiles loaded so far % max_concurrent_steps; wait until both consumers released it
+        TMA q, lse (base 2), do, delta of (hq, t) -> slot
+
+  consumer warpgroup w in {0, 1} (232 registers):
+    for item (bi, kh, u) of this CTA:
+      dk, dv = 0 (registers, [block_kv, d] float32)
+      for (hq, t) as the memory warpgroup loads them:
+        s^T = k_w q^T; p^T = exp2(s^T scale - lse)          (masked on the diagonal: causal)
+        dv += p^T do; dp^T = v_w do^T; ds^T = p^T (dp^T - delta); dk += ds^T q
+        release the slot; ds^T -> SMEM rows w of ds[t % 2]
+        meet the other consumer (both halves of ds^T in SMEM)
+        dq[t, columns c_w] = scale * ds[t % 2]^T k[:, c_w]  # [block_q, d/2]: each consumer half the columns
+        TMA reduce-add dq -> dq_acc[bi, t rows, hq, c_w]     # float32, global memory
+      meet; dk scale, dv -> K/V SMEM rows w -> TMA store dk, dv [bi, rows, kh]; release K/V SMEM
+
+Head dimension 64 (half the columns would be 32, under a swizzled tile):
+each consumer computes all of dq's columns from its own key tile, and both
+add them.
+
+Barrier protocol, as ``fused_ring_attention_ws``'s: every warpgroup that
+waits on a barrier waits on every phase of it. Both consumers wait on every
+"loaded" phase and meet twice as often as each other; the memory
+warpgroup waits on every "consumed" phase (before refilling a slot, the last
+ones at the end) and every "K/V free" phase (before the next item's K/V, the
+last at the end). The two ``ds`` buffers alternate by tile: a consumer
+writes ``ds[t % 2]`` only after the meeting of tile ``t - 1``, which the
+other consumer reaches after its dq of tile ``t - 2`` (which read that
+buffer) retired.
+
+Causal: queries and keys share positions (``s_q == s_kv``, top-left
+aligned); an item's query tiles start at the first that sees its keys, and
+each consumer masks (``p = 0`` where key > query) the tiles that are not
+wholly visible to its key tile.
+
+Interpret mode (CPU, one CTA): the same warpgroups, barriers and loop nest;
+the interpreter's wgmma takes its left operand from SMEM only, so the
+products with ``p^T`` and ``ds^T`` in registers are plain dots there, and it
+has no reduce-add stores, so dq is added into its buffer by a load and a
+store (one CTA: nothing races).
+
+Preconditions (``PreconditionError`` otherwise): bf16 or fp16 ``q, k, v,
+do`` of one dtype; ``d`` 64 or 128; ``block_q`` and ``block_kv`` 64;
+``s_q`` a multiple of ``block_q``; ``s_kv`` a multiple of ``2 block_kv``;
+causal only with ``s_q == s_kv``; ``kv`` divides ``h``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels.config import param
+from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
+from jaxmercury.kernels.peer_gemm import sm_count
+
+NAME = "attention_backward_ws"
+LOG2E = math.log2(math.e)
+CONSUMERS = 2
+CONSUMER_REGISTERS = 232
+MEMORY_REGISTERS = 40
+INTERPRET_CTAS = 1  # interpret mode adds dq by loads and stores: one CTA, so that no two add to one row at once
+SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
+HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackwardBlocks:
+  """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
+  warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots."""
+
+  block_q: int = param(64)
+  block_kv: int = param(64)
+  max_concurrent_steps: int = param(2)
+
+  def smem_bytes(self, d: int, itemsize: int) -> int:
+    """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
+    bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
+    kv = 2 * CONSUMERS * bkv * d * itemsize
+    streamed = slots * (2 * bq * d * itemsize + 2 * 4 * bq)
+    ds = 2 * CONSUMERS * bkv * bq * itemsize
+    dq = CONSUMERS * bq * _dq_columns(d) * 4
+    return kv + streamed + ds + dq + SMEM_OVERHEAD
+
+  def problem(self, d: int, itemsize: int = 2) -> str | None:
+    """Why these tiles cannot compile for head dimension ``d``, or None."""
+    if self.block_q != 64 or self.block_kv != 64:
+      return (f"block_q={self.block_q} and block_kv={self.block_kv} must be 64 (the registers hold dk and dv of "
+              "64 keys and 64-query score tiles)")
+    if d not in (64, 128):
+      return f"head dimension {d} must be 64 or 128 (dk and dv of 64 keys in registers)"
+    if self.max_concurrent_steps < 2:
+      return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
+    if (need := self.smem_bytes(d, itemsize)) > SMEM_BYTES:
+      return f"needs {need} bytes of shared memory, over the {SMEM_BYTES} a CTA has"
+    return None
+
+
+def _dq_columns(d: int) -> int:
+  """dq columns each consumer computes: half of them where a half is whole swizzled tiles (64 columns)."""
+  return d // 2 if (d // 2) % 64 == 0 else d
+
+
+def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: BackwardBlocks = BackwardBlocks(),
+                          num_ctas: int | None = None, interpret: bool = False):
+  """``(dq, dk, dv)`` of softmax attention from its output and log-sum-exp, in one kernel.
+
+  Args:
+    q, do: ``[b, s_q, h, d]``, bf16 or fp16 (one dtype, ``k``'s and ``v``'s too).
+    o: the forward's output, ``[b, s_q, h, d]``, any float dtype (it gives ``delta = rowsum(o * do)``).
+    k, v: ``[b, s_kv, kv, d]``; ``kv`` divides ``h`` (query head ``hq`` reads kv head ``hq // (h / kv)``).
+    lse: ``[b, h, s_q]`` float32, natural log: the forward's log-sum-exp of the scaled scores (``-inf`` for a
+      row that kept no key: its gradients are zero).
+    causal: query ``i`` sees keys ``j <= i`` (``s_q == s_kv``).
+    blocks: the tiles (``BackwardBlocks``).
+    num_ctas: CTAs of the persistent grid (default the device's SM count; ``INTERPRET_CTAS`` in interpret mode).
+    interpret: Mosaic GPU interpret mode (CPU).
+
+  Returns:
+    ``dq [b, s_q, h, d]`` float32, ``dk, dv [b, s_kv, kv, d]`` in the inputs' dtype.
+
+  Raises:
+    PreconditionError: shapes, dtypes or tiles the kernel does not take (module docstring).
+  """
+  _check(q, k, v, o, do, lse, causal, blocks)
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+  lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)  # a row without keys: p = exp2(-inf) = 0
+  if interpret:
+    grid = INTERPRET_CTAS
+  else:
+    grid = num_ctas or sm_count() or INTERPRET_CTAS
+  return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, causal, blocks, grid, interpret)
+
+
+def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
+  if q.ndim != 4 or k.ndim != 4 or q.shape != o.shape or q.shape != do.shape or k.shape != v.shape:
+    raise PreconditionError(f"{NAME}: q, o, do must be [b, s_q, h, d] and k, v [b, s_kv, kv, d] of one shape "
+                            f"each; got q {q.shape}, k {k.shape}, v {v.shape}, o {o.shape}, do {do.shape}")
+  b, s, h, d = q.shape
+  kb, skv, kv, kd = k.shape
+  if (kb, kd) != (b, d) or h % kv:
+    raise PreconditionError(f"{NAME}: k {k.shape} must share q's batch {b} and head dimension {d}, and its "
+                            f"{kv} heads divide q's {h}")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, do)}
+  if len(dtypes) != 1 or not dtypes <= HALF:
+    raise PreconditionError(f"{NAME}: q, k, v, do must all be bfloat16 or all float16, got "
+                            f"{sorted(map(str, dtypes))}")
+  if lse.shape != (b, h, s):
+    raise PreconditionError(f"{NAME}: lse must be [b, h, s_q] = {(b, h, s)}, got {lse.shape}")
+  if reason := blocks.problem(d, q.dtype.itemsize):
+    raise PreconditionError(f"{NAME}: {reason}")
+  if s % blocks.block_q or skv % (CONSUMERS * blocks.block_kv):
+    raise PreconditionError(f"{NAME}: s_q={s} must be a multiple of block_q={blocks.block_q} and s_kv={skv} of "
+                            f"2 * block_kv = {CONSUMERS * blocks.block_kv} (a work item's two key tiles)")
+  if causal and s != skv:
+    raise PreconditionError(f"{NAME}: causal takes queries and keys at the same positions; s_q={s} != s_kv={skv}")
+
+
+def _add(target, staged):
+  """``target += staged`` by a load and a store: interpret mode's reduce-add store (one CTA)."""
+  target[...] = target[...] + staged[...]
+
+
+def first_tile(kv0, bq: int, causal: bool):
+  """The first query tile that sees key row ``kv0`` (causal; else 0)."""
+  return kv0 // bq if causal else 0
+
+
+def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_ctas: int, interpret: bool):
+  b, s, h, d = q.shape
+  skv, kv = k.shape[1], k.shape[2]
+  g = h // kv
+  dtype = q.dtype
+  bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
+  keys = CONSUMERS * bkv  # key rows per item
+  nq, pairs = s // bq, skv // keys
+  work = b * kv * pairs
+  grid = min(work, num_ctas)
+  dq_cols = _dq_columns(d)
+  split = dq_cols < d  # each consumer half of dq's columns, from both key tiles
+  scale = 1.0 / math.sqrt(d)
+  scale_log2 = LOG2E * scale
+  col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
+
+  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, q_smem, do_smem, lse_smem,
+           delta_smem, k_smem, v_smem, ds_smem, dq_smem, k_loaded, v_loaded, q_loaded, do_loaded, consumed,
+           kv_free, meeting):
+    cta = lax.axis_index("cta")
+    wg = lax.axis_index("wg")
+    items = (work - cta + grid - 1) // grid
+
+    def item_of(i):
+      """Item ``i`` of this CTA: ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones),
+      key pairs first (causal: the first pairs see the most queries)."""
+      rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
+      pair, bh = rank // (b * kv), lax.rem(rank, b * kv)
+      return bh // kv, lax.rem(bh, kv), pair * keys
+
+    # ------------------------------------------------------------------ memory warpgroup
+    @pl.when(wg == CONSUMERS)
+    def _memory():
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+      def item(i, loaded):
+        bi, kh, kv0 = item_of(i)
+        pl.when(i > 0)(lambda: plgpu.barrier_wait(kv_free))  # the last item's dk, dv left K/V SMEM
+        rows = pl.ds(kv0, keys)
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kh], k_smem, k_loaded)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kh], v_smem, v_loaded)
+        t0 = first_tile(kv0, bq, causal)
+
+        def head(j, loaded):
+          hq = kh * g + j
+
+          def tile(t, loaded):
+            slot = lax.rem(loaded, slots)
+            pl.when(loaded >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+            qrows = pl.ds(t * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, hq], q_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hq, qrows], lse_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, qrows, hq], do_smem.at[slot], do_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hq, qrows], delta_smem.at[slot], do_loaded.at[slot])
+            return loaded + 1
+
+          return lax.fori_loop(t0, nq, tile, loaded)
+
+        return lax.fori_loop(0, g, head, loaded)
+
+      loaded = lax.fori_loop(0, items, item, jnp.int32(0))
+
+      @pl.loop(jnp.maximum(loaded - slots, 0), loaded)
+      def _drain(n):  # observe the consumers' last releases (every waiter sees every phase)
+        plgpu.barrier_wait(consumed.at[lax.rem(n, slots)])
+
+      pl.when(items > 0)(lambda: plgpu.barrier_wait(kv_free))
+
+    # ------------------------------------------------------------------ consumer warpgroups
+    @pl.when(wg < CONSUMERS)
+    def _consumers():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      own = pl.ds(wg * bkv, bkv)  # this consumer's key rows in K/V SMEM
+      k_own, v_own = k_smem.at[own], v_smem.at[own]
+      if split:
+        dq_a, dq_b, dq_at = lambda buf: ds_smem.at[buf], k_smem.at[:, pl.ds(wg * dq_cols, dq_cols)], wg * dq_cols
+      else:
+        dq_a, dq_b, dq_at = lambda buf: ds_smem.at[buf, own], k_own, 0
+
+      def meet():
+        plgpu.barrier_arrive(meeting)
+        plgpu.barrier_wait(meeting)
+
+      def product(acc, a, b_smem):
+        """``acc + a @ b_smem`` for ``a`` in registers (the interpreter's wgmma takes SMEM only: a plain dot)."""
+        if interpret:
+          return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
+
+        def issue(acc_ref):
+          plgpu.wgmma(acc_ref, a, b_smem)
+          plgpu.wgmma_wait(0)
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+      def scores(a_smem, b_smem, shape):
+        """``a_smem @ b_smem`` from SMEM, float32."""
+        def issue(acc_ref):
+          plgpu.wgmma(acc_ref, a_smem, b_smem)
+          plgpu.wgmma_wait(0)
+          return acc_ref[...]
+        return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32))
+
+      def values_and_scores(dv, pt, slot):
+        """``(dv + p^T do, v_w do^T)``: both wgmmas issued together, one wait."""
+        do_tile, do_t = do_smem.at[slot], do_smem.at[slot].transpose((1, 0))
+        if interpret:
+          return product(dv, pt, do_tile), scores(v_own, do_t, (bkv, bq))
+
+        def issue(refs):
+          dv_ref, dpt_ref = refs
+          plgpu.wgmma(dv_ref, pt, do_tile)
+          plgpu.wgmma(dpt_ref, v_own, do_t)
+          plgpu.wgmma_wait(0)
+        zeros = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
+        return pl.run_state(issue)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+
+      def step(carry, n, bi, hq, t, mask_from):
+        """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added."""
+        dk, dv = carry
+        slot = lax.rem(n, slots)
+        plgpu.barrier_wait(q_loaded.at[slot])
+        st = scores(k_own, q_smem.at[slot].transpose((1, 0)), (bkv, bq))  # [keys, queries]
+        lse = plgpu.load(lse_smem.at[slot], layout=col)
+        pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+        if mask_from is not None:  # keep where query - key >= 0: column - row >= mask_from
+          rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+          pt = jnp.where(cols - rows >= mask_from, pt, 0.0)
+        plgpu.barrier_wait(do_loaded.at[slot])
+        dv, dpt = values_and_scores(dv, pt.astype(dtype), slot)
+        delta = plgpu.load(delta_smem.at[slot], layout=col)
+        dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
+        dk = product(dk, dst, q_smem.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])  # the wgmmas that read Q and dO retired
+        buf = lax.rem(n, 2)
+        ds_smem.at[buf, own][...] = dst
+        plgpu.commit_smem()
+        meet()  # both consumers' ds^T are in SMEM
+        dq = scores(dq_a(buf).transpose((1, 0)), dq_b, (bq, dq_cols)) * scale
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq store read the staging buffer
+        dq_smem.at[wg][...] = dq
+        plgpu.commit_smem()
+        target = dq_ref.at[bi, pl.ds(t * bq, bq), hq, pl.ds(dq_at, dq_cols)]
+        if interpret and not split:  # both add to one window: one after the other (the interpreter's threads)
+          pl.when(wg == 0)(lambda: _add(target, dq_smem.at[wg]))
+          meet()
+          pl.when(wg == 1)(lambda: _add(target, dq_smem.at[wg]))
+        elif interpret:
+          _add(target, dq_smem.at[wg])
+        else:
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], target, reduction_op="add")
+        return dk, dv
+
+      def item(i, n):
+        bi, kh, kv0 = item_of(i)
+        t0 = first_tile(kv0, bq, causal)
+        first_key = kv0 + wg * bkv
+        # Tiles from t_vis on see every key of this consumer's tile: query t bq >= the tile's last key.
+        t_vis = jnp.clip((first_key + bkv - 1 + bq - 1) // bq, t0, nq) if causal else t0
+        plgpu.barrier_wait(k_loaded)
+        plgpu.barrier_wait(v_loaded)
+        zeros = plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), plgpu.Layout.WGMMA)
+
+        def head(j, state):
+          n, carry = state
+          hq = kh * g + j
+          masked = lambda t, c: step(c, n + t - t0, bi, hq, t, first_key - t * bq)
+          visible = lambda t, c: step(c, n + t - t0, bi, hq, t, None)
+          carry = lax.fori_loop(t0, t_vis, masked, carry)
+          carry = lax.fori_loop(t_vis, nq, visible, carry)
+          return n + nq - t0, carry
+
+        n, (dk, dv) = lax.fori_loop(0, g, head, (n, (zeros, zeros)))
+        meet()  # the other consumer's last dq read this consumer's K rows
+        k_own[...] = (dk * scale).astype(dtype)
+        v_own[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        out_rows = pl.ds(first_key, bkv)
+        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[bi, out_rows, kh])
+        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[bi, out_rows, kh])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(kv_free)
+        return n
+
+      lax.fori_loop(0, items, item, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  tiles = _swizzled(d, dtype)
+  ds_tiles = _swizzled(bq, dtype)
+  dq_tiles = _swizzled(dq_cols, jnp.float32)
+  scratch = [plgpu.SMEM((slots, bq, d), dtype, transforms=tiles),  # q
+             plgpu.SMEM((slots, bq, d), dtype, transforms=tiles),  # do
+             plgpu.SMEM((slots, bq), jnp.float32),  # lse (base 2)
+             plgpu.SMEM((slots, bq), jnp.float32),  # delta
+             plgpu.SMEM((keys, d), dtype, transforms=tiles),  # k of both consumers; dk on the way out
+             plgpu.SMEM((keys, d), dtype, transforms=tiles),  # v; dv on the way out
+             plgpu.SMEM((2, keys, bq), dtype, transforms=ds_tiles),  # ds^T, two buffers
+             plgpu.SMEM((CONSUMERS, bq, dq_cols), jnp.float32, transforms=dq_tiles),  # dq staging
+             plgpu.Barrier(),  # K loaded
+             plgpu.Barrier(),  # V loaded
+             plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # Q and lse loaded
+             plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # dO and delta loaded
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # slot released by both consumers
+             plgpu.Barrier(num_arrivals=CONSUMERS),  # K/V SMEM free (dk, dv stored)
+             plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' meetings
+  dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  dk, dv = plgpu.kernel(
+      body, out_type=[kv_type, kv_type], scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      num_threads=CONSUMERS + 1, thread_name="wg",
+      compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, do, lse2, delta, dq_acc)
+  return dq_acc[...], dk, dv

@@ -1,0 +1,230 @@
+"""Attention blocks through our warp-specialized Mosaic GPU kernels, forward and backward (Hopper, bf16/fp16).
+
+Forward (``ws_attention``): ``fused_ring_attention_ws`` without a ring, on
+the block's own keys (two consumer warpgroups taking turns on the tensor
+cores, a memory warpgroup loading K and V; non-causal blocks on its
+pipelined consumers). Backward (``ws_attention_dq``, ``ws_attention_dkv``,
+their joint block and the per-device whole): ``attention_backward_ws``, dq,
+dk and dv in one pass over the block pair. So a schedule patched with it
+trains on one kernel family end to end; its ``AttentionBackward`` is its own
+(``own``): its backward blocks run where its forward ran, not cuDNN's.
+
+Causal blocks at traced offsets (ring steps) go by their position
+(``causal_dispatch``): visible ones unmasked, hidden ones skipped, a partly
+masked one of equal query and key blocks (the diagonal) on the kernels'
+causal paths. Blocks the kernels cannot take run the program's own body:
+query and key blocks of different lengths (forward), lengths that are not
+multiples of the tiles, keys that may hold padding, blocks spanning zigzag
+chunks, a head dimension the backward does not take (64 and 128 only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmercury.kernels import causal_dispatch
+from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws
+from jaxmercury.kernels.config import param
+from jaxmercury.kernels.fused_ring_attention_ws import WsBlocks, fused_ring_attention_ws
+from jaxmercury.kernels.mosaic_matmul import HALF_DTYPES, hopper_only
+from jaxmercury.kernels.registry import AttentionBackward, Kernel
+from jaxmercury.kernels.work import Block, Work
+from jaxmercury.programs.attention_backward import dq_dkv_block
+from jaxmercury.programs.masks import mask_of
+
+NAME = "ws_attention"
+F32 = jnp.float32
+BACKWARD = BackwardBlocks()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WsConfig:
+  """The forward kernel's tiles (``fused_ring_attention_ws``): ``block_q`` query rows per consumer warpgroup,
+  ``block_kv`` keys per K/V tile, ``max_concurrent_steps`` K/V slots. The backward's are ``BackwardBlocks``'."""
+
+  block_q: int = param(64)
+  block_kv: int = param(128)
+  max_concurrent_steps: int = param(2)
+
+
+# ------------------------------------------------------------------ where the kernels take a block
+
+
+def forward_problem(tq: int, tk: int, d: int, config: WsConfig, itemsize: int = 2) -> str | None:
+  """Why the forward kernel cannot take a [tq] x [tk] block pair of head dimension ``d`` (None: it can)."""
+  if tq != tk:
+    return f"query and key blocks of different lengths ({tq} and {tk})"
+  blocks = WsBlocks(config.block_q, config.block_kv, config.max_concurrent_steps)
+  if reason := blocks.problem(d, itemsize):
+    return reason
+  if tq % (2 * config.block_q) or tk % config.block_kv:
+    return f"blocks of {tq} positions are not a multiple of 2 * block_q = {2 * config.block_q} and block_kv"
+  return None
+
+
+def backward_problem(tq: int, tk: int, d: int, causal: bool, itemsize: int = 2) -> str | None:
+  """Why the backward kernel cannot take a [tq] x [tk] block pair (None: it can)."""
+  if reason := BACKWARD.problem(d, itemsize):
+    return reason
+  keys = 2 * BACKWARD.block_kv
+  if tq % BACKWARD.block_q or tk % keys:
+    return f"{tq} queries and {tk} keys are not multiples of {BACKWARD.block_q} and {keys}"
+  if causal and tq != tk:
+    return f"causal query and key blocks of different lengths ({tq} and {tk})"
+  return None
+
+
+def _whole(ctx, backward: bool) -> bool:
+  """No padded keys (nor queries, backward) and one chunk along each axis."""
+  padded = ctx.extents["j"] % ctx.sizes["j"] or (backward and ctx.extents["i"] % ctx.sizes["i"])
+  return not padded and ctx.contiguous("i") and ctx.contiguous("j")
+
+
+def _whole_block(block: Block, backward: bool) -> bool:
+  """``_whole`` before tracing."""
+  return (not block.padded("j") and not (backward and block.padded("i")) and block.contiguous("i")
+          and block.contiguous("j"))
+
+
+# ------------------------------------------------------------------ the kernels on one block pair
+
+
+def forward(q, k, v, *, causal: bool, config: WsConfig, interpret: bool):
+  """``(out [b, i, hk, g, d], lse [b, i, hk, g])`` float32 (natural log) of ``q [b, i, hk, g, d]`` over
+  ``k, v [b, j, hk, d]``."""
+  b, i, hk, g, d = q.shape
+  out, lse = fused_ring_attention_ws(q.reshape(b, i, hk * g, d), k, v, None, causal=causal, block_q=config.block_q,
+                                     block_kv=config.block_kv, max_concurrent_steps=config.max_concurrent_steps,
+                                     interpret=interpret)
+  return out.reshape(q.shape).astype(F32), jnp.transpose(lse, (0, 2, 1)).reshape(b, i, hk, g)
+
+
+def backward(q, k, v, o, do, lse, *, causal: bool, interpret: bool):
+  """``(dq, dk, dv)`` float32 of one block pair from the merged output ``o`` and natural-log ``lse [b, i, hk, g]``."""
+  b, i, hk, g, d = q.shape
+  heads = lambda x: x.reshape(b, i, hk * g, d)
+  rows = jnp.transpose(lse.reshape(b, i, hk * g), (0, 2, 1))
+  dq, dk, dv = attention_backward_ws(heads(q), k, v, heads(o), heads(do).astype(q.dtype), rows, causal=causal,
+                                     interpret=interpret)
+  return dq.reshape(q.shape), dk.astype(F32), dv.astype(F32)
+
+
+def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpret: bool, fallback):
+  """One attention block (``attention_block``'s contract) through the forward kernel, else ``fallback``."""
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not _whole(ctx, backward=False):
+    return fallback(ctx, q, k, v)
+  run = functools.partial(forward, config=config, interpret=interpret)
+  if not causal:
+    return run(q, k, v, causal=False)
+  return causal_dispatch.dispatch(ctx, (q, k, v), visible=functools.partial(run, causal=False),
+                                  hidden=causal_dispatch.empty_state, partial=functools.partial(run, causal=True))
+
+
+def _pick(part: str):
+  return {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
+          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
+
+
+def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, interpret: bool, fallback):
+  """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``) through the backward
+  kernel; hidden causal pairs give zeros, blocks it cannot take ``fallback``."""
+  blocks = (q, k, v, o, do, lse)
+  tq, tk = ctx.sizes["i"], ctx.sizes["j"]
+  if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not _whole(ctx, backward=True):
+    return fallback(ctx, *blocks)
+  pick = _pick(part)
+  run = lambda *x, causal=False: pick(*backward(*x, causal=causal, interpret=interpret))
+  if not causal:
+    return run(*blocks)
+  shapes = jax.eval_shape(run, *blocks)
+  partial = (lambda *x: run(*x, causal=True)) if tq == tk else functools.partial(fallback, ctx)
+  return causal_dispatch.dispatch(ctx, blocks, visible=run, partial=partial,
+                                  hidden=lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+
+def whole(q, k, v, o, do, lse, causal: bool, *, interpret: bool = False):
+  """``(dq, dk, dv)`` of a device's whole attention in one kernel call, in the inputs' dtypes: ``q, o, do
+  [b, i, heads, d]``, ``k, v [b, j, kv heads, d]``, ``lse [b, i, heads]`` (natural log)."""
+  dq, dk, dv = attention_backward_ws(q, k, v, o, do.astype(q.dtype), jnp.transpose(lse, (0, 2, 1)).astype(F32),
+                                     causal=causal, interpret=interpret)
+  return dq.astype(q.dtype), dk, dv
+
+
+def whole_limit(program, extents) -> str | None:
+  """Where one device's whole attention does not fit the backward kernel."""
+  reason = backward_problem(extents["i"], extents["j"], extents["d"], program.params["causal"])
+  return f"{NAME}'s backward: {reason}" if reason else None
+
+
+# ------------------------------------------------------------------ work, for the cost model
+
+
+def _work(block: Block, *, causal: bool, config: WsConfig) -> Work:
+  """``ws_attention_block``'s work: the kernel's blocks, and the XLA body's where it cannot take them."""
+  fits = forward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], config) is None
+  return causal_dispatch.dispatch_work(block, causal, fits and _whole_block(block, backward=False))
+
+
+def _backward_work(block: Block, *, causal: bool, config=None) -> Work:
+  """``ws_backward_block``'s work."""
+  del config
+  fits = backward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], False) is None
+  return causal_dispatch.dispatch_work(block, causal, fits and _whole_block(block, backward=True))
+
+
+def _forward_workspace(program, sizes, config) -> int:
+  """The float32 output state the block returns (the kernel's own output is the inputs' dtype)."""
+  del program, config
+  return 4 * sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"] * (sizes["d"] + 1)
+
+
+def _backward_workspace(program, sizes, config) -> int:
+  """float32 dq (the kernel's accumulator) and its copy, delta and the base-2 lse rows."""
+  del program, config
+  q = sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"]
+  return 2 * 4 * q * sizes["d"] + 2 * 4 * q
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+def _make(program, config: WsConfig, interpret: bool):
+  return functools.partial(ws_attention_block, causal=program.params["causal"], config=config, interpret=interpret,
+                           fallback=program.body)
+
+
+def _make_backward(part: str):
+  def make(program, config, interpret: bool):
+    del config
+    return functools.partial(ws_backward_block, causal=program.params["causal"], part=part, interpret=interpret,
+                             fallback=program.body)
+  return make
+
+
+def _joint(dq_program, *, interpret: bool = False):
+  """One backward kernel call per block pair for the dq and dk-dv programs run in one nest."""
+  return functools.partial(ws_backward_block, causal=dq_program.params["causal"], part="dq_dkv",
+                           interpret=interpret, fallback=functools.partial(dq_dkv_block,
+                                                                           mask=mask_of(dq_program.params)))
+
+
+def _backward_kernel(part: str) -> Kernel:
+  return Kernel(name=f"{NAME}_{part}", patterns=frozenset({f"attention_{part}"}), make=_make_backward(part),
+                dtypes=HALF_DTYPES, dtype_of="q", platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True,
+                interpret_devices=1, work=_backward_work, workspace=_backward_workspace,
+                description=f"our Mosaic GPU backward kernel (kernels.attention_backward_ws), its {part} part")
+
+
+WS_ATTENTION = Kernel(
+    name=NAME, patterns=frozenset({"attention"}), make=_make, config=WsConfig, dtypes=HALF_DTYPES, dtype_of="q",
+    platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True, interpret_devices=1, work=_work,
+    workspace=_forward_workspace,
+    backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
+                               whole_limit=whole_limit, own=True),
+    description="our warp-specialized Mosaic GPU kernels (kernels.fused_ring_attention_ws without a ring, "
+                "kernels.attention_backward_ws: dq, dk and dv in one pass); causal or no mask")
