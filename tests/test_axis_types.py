@@ -92,6 +92,23 @@ def test_library_schedules_forward_and_backward(case):
         assert _spec(g) == _spec(x), name
 
 
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_one_device_library_gradients(where):
+  """One device of Explicit axes (``jax.make_mesh((1,), ...)``, one GPU's mesh): every strategy's layouts name an
+  axis of size 1, which the caller's arrays do not say; the backward (one fused call per device) reshards into
+  them (it failed shard_map's check of its inputs before)."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  xs = _inputs(prog, mesh, where)
+  host = [jax.device_get(x) for x in xs]
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
+  want = jax.grad(lambda *a: jnp.sum(prog.reference(*a) * cot), argnums=(0, 1, 2))(*host)
+  for name, schedule in jm.library(prog, mesh).items():
+    with _context(mesh, where):
+      grads = _grads(schedule.compile(), xs, cot)
+    assert all(rel_err(g, w) < 2e-5 for g, w in zip(grads, want)), name
+
+
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_padded_axes_whose_output_is_split(kind):
   """Lengths the mesh does not divide: the crop of a split dimension leaves it whole, inside ``set_mesh``."""

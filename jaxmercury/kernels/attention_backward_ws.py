@@ -59,7 +59,7 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Interpret mode (CPU, one CTA): the same warpgroups, barriers and loop nest;
+Interpret mode (CPU): the same warpgroups, barriers and loop nest;
 the interpreter's wgmma takes its left operand from SMEM only, so the
 products with ``p^T`` and ``ds^T`` in registers are plain dots there, and it
 has no reduce-add stores, so dq is added into its buffer by a load and a
@@ -92,7 +92,7 @@ LOG2E = math.log2(math.e)
 CONSUMERS = 2
 CONSUMER_REGISTERS = 232
 MEMORY_REGISTERS = 40
-INTERPRET_CTAS = 1  # interpret mode adds dq by loads and stores: one CTA, so that no two add to one row at once
+INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose last is part empty, odd or even
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 
@@ -158,10 +158,9 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
   _check(q, k, v, o, do, lse, causal, blocks)
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)  # a row without keys: p = exp2(-inf) = 0
-  if interpret:
-    grid = INTERPRET_CTAS
-  else:
-    grid = num_ctas or sm_count() or INTERPRET_CTAS
+  grid = num_ctas if num_ctas is not None else (None if interpret else sm_count()) or INTERPRET_CTAS
+  if not isinstance(grid, int) or grid < 1:
+    raise PreconditionError(f"{NAME}: num_ctas={num_ctas!r} must be a positive int")
   return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, causal, blocks, grid, interpret)
 
 
@@ -190,7 +189,7 @@ def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
 
 
 def _add(target, staged):
-  """``target += staged`` by a load and a store: interpret mode's reduce-add store (one CTA)."""
+  """``target += staged`` by a load and a store: interpret mode's reduce-add store (into its CTA's own buffer)."""
   target[...] = target[...] + staged[...]
 
 
@@ -220,7 +219,8 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
            kv_free, meeting):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    items = (work - cta + grid - 1) // grid
+    full, last = divmod(work, grid)  # whole rounds; the last round's items go to its first CTAs if even, last if odd
+    items = full + ((cta < last) if full % 2 == 0 else (cta >= grid - last)).astype(jnp.int32)
 
     def item_of(i):
       """Item ``i`` of this CTA: ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones),
@@ -340,7 +340,8 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq store read the staging buffer
         dq_smem.at[wg][...] = dq
         plgpu.commit_smem()
-        target = dq_ref.at[bi, pl.ds(t * bq, bq), hq, pl.ds(dq_at, dq_cols)]
+        window = (bi, pl.ds(t * bq, bq), hq, pl.ds(dq_at, dq_cols))
+        target = dq_ref.at[(cta, *window) if interpret else window]
         if interpret and not split:  # both add to one window: one after the other (the interpreter's threads)
           pl.when(wg == 0)(lambda: _add(target, dq_smem.at[wg]))
           meet()
@@ -403,11 +404,13 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS),  # K/V SMEM free (dk, dv stored)
              plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' meetings
-  dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+  # dq is added into a float32 buffer; in interpret mode one per CTA (no reduce-add stores there), summed after
+  dq_acc = jax.new_ref(jnp.zeros(((grid,) if interpret else ()) + q.shape, jnp.float32))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   dk, dv = plgpu.kernel(
       body, out_type=[kv_type, kv_type], scratch_types=scratch, grid=(grid,), grid_names=("cta",),
       num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, do, lse2, delta, dq_acc)
-  return dq_acc[...], dk, dv
+  dq = dq_acc[...]
+  return (dq.sum(axis=0) if interpret else dq), dk, dv

@@ -115,6 +115,8 @@ class Kernel:
       ``segment_ids``, ``mask``); it does not apply to a program with another.
     mask_problem: ``mask_problem(mask) -> reason | None`` for finer requirements of a mask (a window only with
       the causal mask, ...).
+    unverified: why it is not yet trusted on GPUs (None: it is): ``candidates`` (what the tuner tries) leaves it
+      out there, ``patch`` still takes it.
   """
 
   name: str
@@ -134,6 +136,7 @@ class Kernel:
   description: str = ""
   masks: frozenset = frozenset({"causal"})
   mask_problem: Callable | None = None
+  unverified: str | None = None
 
   def configure(self, params: Mapping[str, Any] | None = None):
     """The kernel's configuration with ``params`` set (its defaults for none; None for a kernel without one)."""
@@ -420,8 +423,10 @@ def interpreting() -> bool:
 
 
 def candidates(program, mesh) -> list[str]:
-  """Names of the local kernels that can replace ``program``'s body on ``mesh``, in registration order."""
-  return [name for name, k in _KERNELS.items() if isinstance(k, Kernel) and k.why_not(program, mesh) is None]
+  """Names of the local kernels that can replace ``program``'s body on ``mesh``, in registration order; kernels
+  not yet trusted on GPUs (``Kernel.unverified``) only where they run in interpret mode."""
+  return [name for name, k in _KERNELS.items() if isinstance(k, Kernel) and k.why_not(program, mesh) is None
+          and (k.unverified is None or k.interprets(mesh))]
 
 
 def variants(program, mesh) -> list[KernelChoice]:

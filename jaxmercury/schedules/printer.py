@@ -86,8 +86,10 @@ def fused_summary(schedule) -> str:
   p = placements.of(schedule)
   level = p.level if not isinstance(p, str) else "?"
   mode = " (Mosaic GPU interpret mode)" if placements.interprets(k, schedule) else ""
+  own = getattr(schedule.lowering_config, "backward", None)
+  gradients = k.backward.description + (f", on {own}'s backward blocks" if own else "")
   return (f"lowered with {k.label(schedule.lowering_config)}{mode}: the whole nest runs as one fused kernel per "
-          f"device, the ring over {level} inside it; gradients: {k.backward.description}\n  {k.description}")
+          f"device, the ring over {level} inside it; gradients: {gradients}\n  {k.description}")
 
 
 def _step_list(ring) -> str:

@@ -236,7 +236,7 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       patched = s.copy() if k.name == "xla" else s.copy().patch(k)
       out.append(Candidate(name, patched, math.nan, 0, result=pruned, origin=origin))
     for lowering in _fused_lowerings(s, in_shardings, out_sharding):
-      for params in _lowering_variants(lowering, training):
+      for params in _lowering_variants(lowering, mesh, training):
         try:
           lowered = s.copy().lower_with(lowering, **params)
         except PreconditionError:  # a backward whose blocks do not fit this schedule's
@@ -248,11 +248,15 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
   return out
 
 
-def _lowering_variants(lowering: str, training: bool) -> list[dict]:
+def _lowering_variants(lowering: str, mesh, training: bool) -> list[dict]:
   """The configurations a fused kernel is offered with: its defaults, and in training each other choice of its
-  configuration's ``backward`` field (the forward is the same kernel; only the backward differs)."""
+  configuration's ``backward`` field (the forward is the same kernel; only the backward differs) whose kernel is
+  trusted on ``mesh``'s devices (``Kernel.unverified``; interpret mode tries it)."""
+  if not training:
+    return [{}]
   choices = configs.choices(registry.fused(lowering).config).get("backward", ())
-  return [{}] + ([{"backward": b} for b in choices[1:]] if training else [])
+  trusted = lambda k: registry.local(k).unverified is None or registry.local(k).interprets(mesh)
+  return [{}] + [{"backward": b} for b in choices[1:] if trusted(b)]
 
 
 def grouped_gemm_variants(schedule) -> list:

@@ -1,0 +1,280 @@
+"""Our one-pass attention backward kernel and ``ws_attention`` without a GPU.
+
+The kernel (``kernels.attention_backward_ws``) runs in Mosaic GPU interpret mode on one device against the
+float32 derivative of plain attention, on persistent grids whose last round of items is whole, part-filled in
+an even round and part-filled in an odd one (the snake order hands an odd round's items to the last CTAs); its
+input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local kernel)
+on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
+attention configured with ``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the
+interpreter cannot run: it keeps one state for all devices) with its kernels stood in by XLA, which shows the
+ring's dk-dv partials travel right. The tuner offers our backward in training tunes, and not on GPUs while the
+kernel is unverified there.
+"""
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
+from jax.sharding import AxisType
+from test_training import _check_grads
+
+import jaxmercury as jm
+from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels import registry, ws_attention
+from jaxmercury.kernels.attention_backward_ws import attention_backward_ws
+from jaxmercury.programs import attention_backward as ab
+from jaxmercury.schedules import dual
+from jaxmercury.tuner import autotuner
+
+GRAD_TOL = 2e-2  # bf16 inputs: gradients' relative norm error
+
+
+def _reference(q, k, v, causal):
+  """Float32 attention ``(o [b, s, h, d], lse [b, h, s])`` over grouped kv heads."""
+  b, s, h, d = q.shape
+  g = h // k.shape[2]
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d)
+  if causal:
+    scores = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None], scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
+
+
+def _problem(b, s, skv, h, kv, d, causal):
+  """Fresh bf16 inputs, the float32 forward's o (bf16) and lse, and the float32 gradients of the same values."""
+  keys = jax.random.split(fresh_key(), 4)
+  q = jax.random.normal(keys[0], (b, s, h, d)).astype(jnp.bfloat16)
+  k, v = (jax.random.normal(key, (b, skv, kv, d)).astype(jnp.bfloat16) for key in keys[1:3])
+  do = jax.random.normal(keys[3], (b, s, h, d)).astype(jnp.bfloat16)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  (o, lse), vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal), *f32[:3])
+  return (q, k, v, o.astype(jnp.bfloat16), do, lse), vjp((f32[3], jnp.zeros_like(lse)))
+
+
+# (b, s_q, s_kv, h, kv, d, causal, CTAs): items b * kv * s_kv / 128 over the CTAs
+KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one whole round, the odd last part-filled
+                (1, 256, 256, 4, 2, 64, True, 3),
+                (2, 128, 384, 2, 1, 128, False, 2),   # MQA, more keys than queries: 6 items, 3 whole rounds
+                (1, 384, 384, 4, 4, 64, True, 5)]     # MHA: 12 items, 5 CTAs: the even last round part-filled
+
+
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas", KERNEL_CASES)
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
+  args, want = _problem(b, s, skv, h, kv, d, causal)
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas, interpret=True))(*args)
+  for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
+    assert g.shape == w.shape and g.dtype == dtype
+    err = rel_err(g, w)
+    assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
+
+
+def test_rows_without_keys_have_no_gradient():
+  """A query row whose log-sum-exp is -inf kept no key: its dq is zero and it adds nothing to dk and dv."""
+  (q, k, v, o, do, lse), _ = _problem(1, 128, 128, 2, 1, 64, False)
+  lse = lse.at[:, :, 5].set(-jnp.inf)
+  dq, dk, dv = jax.jit(lambda *a: attention_backward_ws(*a, interpret=True))(q, k, v, o, do, lse)
+  assert not np.any(np.asarray(dq[:, 5]))
+  kept = jnp.ones(128, bool).at[5].set(False)
+  _, vjp = jax.vjp(lambda k, v: _reference(q[:, kept].astype(jnp.float32), k, v, False), k.astype(jnp.float32),
+                   v.astype(jnp.float32))
+  want_dk, want_dv = vjp((do[:, kept].astype(jnp.float32), jnp.zeros((1, 2, 127))))
+  assert rel_err(dk, want_dk) < GRAD_TOL and rel_err(dv, want_dv) < GRAD_TOL
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(d=96), "head dimension 96 must be 64 or 128"),
+    (dict(dtype=jnp.float32), "must all be bfloat16 or all float16"),
+    (dict(skv=256, causal=True), "causal takes queries and keys at the same positions"),
+    (dict(s=160), "s_q=160 must be a multiple of block_q=64 and s_kv=128 of 2 \\* block_kv = 128"),
+    (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
+    (dict(num_ctas=0), "num_ctas=0 must be a positive int")])
+def test_bad_inputs_are_named(change, message):
+  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
+  s = jax.ShapeDtypeStruct
+  q = s((1, p["s"], 2, p["d"]), p["dtype"])
+  k = s((1, p["skv"], 1, p["d"]), p["dtype"])
+  lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
+  with pytest.raises(PreconditionError, match=message):
+    jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"],
+                                     interpret=True), q, k, k, q, q, lse)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_for_hopper(d, causal):
+  """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
+  s = jax.ShapeDtypeStruct
+  q, k, lse = s((1, 512, 8, d), jnp.bfloat16), s((1, 512, 2, d), jnp.bfloat16), s((1, 8, 512), jnp.float32)
+  text = lower_for_gpus(functools.partial(attention_backward_ws, causal=causal), q, k, k, q, q, lse,
+                        mesh=h100_mesh(1))
+  assert mosaic_kernels(text) == 1
+
+
+# ------------------------------------------------------------------ ws_attention's blocks at ring offsets
+
+
+def _blocks(n, causal_lse=False):
+  """Fresh bf16 blocks q [1, n, 2, 2, 64], k, v [1, n, 2, 64], o, do, and a consistent lse."""
+  keys = jax.random.split(fresh_key(), 5)
+  q = jax.random.normal(keys[0], (1, n, 2, 2, 64)).astype(jnp.bfloat16)
+  k, v = (jax.random.normal(x, (1, n, 2, 64)).astype(jnp.bfloat16) for x in keys[1:3])
+  o, do = (jax.random.normal(x, q.shape).astype(jnp.bfloat16) for x in keys[3:])
+  sizes = {"i": n, "j": n}
+  lse = jm.programs.attention(1, 4, 2, n, n, 64).body(jm.BlockContext({}, sizes, sizes), q, k, v)[1]
+  return q, k, v, o, do, lse
+
+
+# (query start, key start) of a 128-position block in a 512-position ring: visible, diagonal, hidden
+STARTS = [(256, 0), (128, 128), (0, 256)]
+
+
+def _ctx(starts, extents=512):
+  return jm.BlockContext({"i": starts[0], "j": starts[1]}, {"i": 128, "j": 128}, {"i": extents, "j": extents})
+
+
+def test_forward_blocks_by_position():
+  q, k, v, *_ = _blocks(128)
+  config = ws_attention.WsConfig()
+
+  @jax.jit
+  def both(starts, q, k, v):
+    body = jm.programs.attention(1, 4, 2, 512, 512, 64, causal=True).body
+    got = ws_attention.ws_attention_block(_ctx(starts), q, k, v, causal=True, config=config, interpret=True,
+                                          fallback=body)
+    return got, body(_ctx(starts), q, k, v)
+
+  for at in STARTS:
+    (out, lse), (want_out, want_lse) = both(jnp.array(at, jnp.int32), q, k, v)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    assert (rel_err(out, want_out) < 1e-2) if np.any(want_out) else not np.any(out)
+
+
+@pytest.mark.parametrize("extents", [512, 500])  # 500: keys past the end are padding, which the body computes
+def test_backward_blocks_by_position(extents):
+  xs = _blocks(128)
+
+  @jax.jit
+  def both(starts, *xs):
+    ctx = _ctx(starts, extents)
+    got = ws_attention.ws_backward_block(ctx, *xs, causal=True, part="dq_dkv", interpret=True,
+                                         fallback=functools.partial(ab.dq_dkv_block, causal=True))
+    return got, ab.dq_dkv_block(ctx, *xs, causal=True)
+
+  for at in STARTS:
+    got, want = both(jnp.array(at, jnp.int32), *xs)
+    for g, w in zip(got, want):
+      assert g.shape == w.shape and g.dtype == jnp.float32
+      assert (rel_err(g, w) < GRAD_TOL) if np.any(w) else not np.any(g)
+
+
+# ------------------------------------------------------------------ in schedules
+
+
+def _one_device(axis_type):
+  return jax.make_mesh((1,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("causal,axis_type,inside", [(True, AxisType.Explicit, True), (False, AxisType.Auto, False)])
+def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside):
+  """One device: our forward, and our backward as one call for the device's whole attention (``whole``)."""
+  mesh = _one_device(axis_type)
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
+  with registry.interpret_mode(), (jax.set_mesh(mesh) if inside else contextlib.nullcontext()):
+    s = jm.Schedule(prog, mesh).patch("ws_attention")
+    assert dual.backward_schedule(s).kernel == "ws_attention"  # an own backward: not cuDNN's
+    _check_grads(s)
+
+
+def test_fused_ring_attention_with_our_backward():
+  mesh = _one_device(AxisType.Explicit)
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  with registry.interpret_mode():
+    ring = jm.library(prog, mesh)["ring"]
+    s = ring.copy().lower_with("fused_ring_attention_ws", backward="ws_attention")
+    assert dual.fused_loop_nest(s).kernel == "ws_attention"
+    assert dual.fused_loop_nest(ring.copy().lower_with("fused_ring_attention_ws")).kernel is None
+    assert "fused_ring_attention_ws(backward=ws_attention)" in str(s) and "on ws_attention's backward blocks" in str(s)
+    _check_grads(s)
+    with pytest.raises(PreconditionError, match=r"backward='cudnn' is not one of \[None, 'ws_attention'\]"):
+      ring.lower_with("fused_ring_attention_ws", backward="cudnn")
+    wide = jm.programs.attention(1, 4, 2, 256, 256, 192, causal=True, dtype=jnp.bfloat16)  # the forward takes it
+    with pytest.raises(PreconditionError, match="backward='ws_attention': head dimension 192 must be 64 or 128"):
+      jm.library(wide, mesh)["ring"].lower_with("fused_ring_attention_ws", block_kv=64, backward="ws_attention")
+
+
+def test_own_backward_is_kept_where_cudnn_would_run():
+  """On GPUs a schedule's backward runs cuDNN's blocks, unless its kernel's backward is its own (ours)."""
+  prog = jm.programs.attention(1, 8, 2, 4096, 4096, 128, causal=True, dtype=jnp.bfloat16)
+  gpus = h100_mesh(8)
+  ring = jm.library(prog, gpus)["ring"]
+  assert dual.backward_schedule(ring.copy().patch("mosaic_attention")).kernel == "cudnn_attention"
+  assert dual.backward_schedule(ring.copy().patch("ws_attention")).kernel == "ws_attention"
+  _, dq, dkv = dual.attention_duals(ring.copy().patch("ws_attention"), joint=True)
+  assert (dq.kernel, dkv.kernel) == ("ws_attention_dq", "ws_attention_dkv")
+
+
+def test_unverified_on_gpus_offered_in_interpret_mode():
+  """Not yet trusted on GPUs: the tuner leaves our backward out there; interpret mode tries it."""
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  assert ws_attention.WS_ATTENTION.unverified
+  assert "ws_attention" not in registry.candidates(prog, h100_mesh(1))
+  assert "cudnn_attention" in registry.candidates(prog, h100_mesh(1))
+  mesh = _one_device(AxisType.Explicit)
+  with registry.interpret_mode():
+    assert "ws_attention" in registry.candidates(prog, mesh)
+    lowered = lambda training: [c.schedule.lowering_config for c in autotuner.default_candidates(
+        prog, mesh, training=training) if c.schedule.lowering == "fused_ring_attention_ws"]
+    with_ours = [c.backward for c in lowered(True)]
+    assert with_ours.count("ws_attention") == with_ours.count(None) > 0  # each strategy both ways
+    assert {c.backward for c in lowered(False)} == {None}
+
+
+# ------------------------------------------------------------------ a ring of 8 devices, kernels stood in by XLA
+
+
+def _standin_forward(q, k, v, *, causal, config, interpret, calls):
+  """``ws_attention.forward``'s contract in XLA: top-left causal within the block."""
+  del config, interpret
+  calls["forward"] += 1
+  b, i, hk, g, d = q.shape
+  s = jnp.einsum("bihgd,bjhd->bihgj", q.astype(jnp.float32), k.astype(jnp.float32)) / np.sqrt(d)
+  if causal:
+    s = jnp.where((jnp.arange(i)[:, None] >= jnp.arange(k.shape[1])[None])[None, :, None, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  return jnp.einsum("bihgj,bjhd->bihgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse
+
+
+def _standin_backward(q, k, v, o, do, lse, *, causal, interpret, calls):
+  """``ws_attention.backward``'s contract in XLA, from the merged output and log-sum-exp."""
+  del interpret
+  calls["backward"] += 1
+  f32 = lambda x: x.astype(jnp.float32)
+  i, d = q.shape[1], q.shape[-1]
+  s = jnp.einsum("bihgd,bjhd->bihgj", f32(q), f32(k)) / np.sqrt(d)
+  p = jnp.exp(s - lse[..., None])
+  if causal:
+    p = jnp.where((jnp.arange(i)[:, None] >= jnp.arange(k.shape[1])[None])[None, :, None, None], p, 0.0)
+  ds = p * (jnp.einsum("bihgd,bjhd->bihgj", f32(do), f32(v)) - jnp.sum(f32(o) * f32(do), -1)[..., None])
+  dq = jnp.einsum("bihgj,bjhd->bihgd", ds, f32(k)) / np.sqrt(d)
+  dk = jnp.einsum("bihgj,bihgd->bjhd", ds, f32(q)) / np.sqrt(d)
+  return dq, dk, jnp.einsum("bihgj,bihgd->bjhd", p, f32(do))
+
+
+def test_ring_of_eight_with_standins(monkeypatch):
+  """The ring's joint backward runs one of our blocks per block pair, its dk-dv partials travelling the ring home."""
+  calls = {"forward": 0, "backward": 0}
+  monkeypatch.setattr(ws_attention, "forward", functools.partial(_standin_forward, calls=calls))
+  monkeypatch.setattr(ws_attention, "backward", functools.partial(_standin_backward, calls=calls))
+  for name in ("ws_attention", "ws_attention_dq", "ws_attention_dkv"):  # the interpreter's one-device limit
+    monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(registry.local(name), interpret_devices=None))
+  prog = jm.programs.attention(1, 4, 2, 1024, 1024, 64, causal=True, dtype=jnp.bfloat16)
+  with registry.interpret_mode():
+    s = jm.library(prog, make_mesh("8", AxisType.Explicit))["ring"].patch("ws_attention")
+    _check_grads(s)
+  assert calls["forward"] and calls["backward"]
