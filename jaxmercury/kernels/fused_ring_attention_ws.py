@@ -156,9 +156,11 @@ device without a mask, when the items leave the last round part empty, its
 items' key tiles are shared out over every CTA and each item's parts merged
 after the kernel by their log-sum-exps (``_SplitTail``).
 
-Not done yet: a backward kernel (the backward is ``DualPrograms``: on one
-device one cuDNN flash backward call from this kernel's output and
-log-sum-exp); the pipelined consumers for causal attention; a causal
+Backward: ``DualPrograms``, on one device one cuDNN flash backward call from
+this kernel's output and log-sum-exp; configured ``backward="ws_attention"``,
+our one-pass kernel (``kernels.attention_backward_ws``) instead, one call per
+device or per ring block pair. Not done yet: the pipelined consumers for
+causal attention; a causal
 forwarder loads every K and V tile, hidden ones too, to pass them on; in a
 ring, natural-order causal work is unbalanced (zigzag balances it).
 """
