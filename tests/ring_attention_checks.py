@@ -1,5 +1,5 @@
 """Inputs, runner and check shared by the CPU and GPU tests of the fused ring-attention kernels (one warpgroup,
-warp-specialized)."""
+warp-specialized), and the backward problems of the one-pass backward kernel's."""
 
 import math
 
@@ -119,3 +119,28 @@ def check_matches_cudnn(kernel, mesh):
 
   want = jax.jit(jax.shard_map(cudnn, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ, check_vma=False))(q, k, v)
   assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2
+
+
+def grouped_reference(q, k, v, causal):
+  """Float32 attention ``(o [b, s, h, d], lse [b, h, s])`` of ``q [b, s, h, d]`` over grouped kv heads ``k, v
+  [b, s_kv, kv, d]`` (query head ``hq`` reads kv head ``hq // (h / kv)``), causal top-left aligned."""
+  b, s, h, d = q.shape
+  g = h // k.shape[2]
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d)
+  if causal:
+    scores = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None], scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
+
+
+def backward_problem(b, s, skv, h, kv, d, causal, dtype=jnp.bfloat16):
+  """Fresh ``(q, k, v, o, do, lse)`` in ``dtype`` (lse float32; their float32 values exact: o from the float32
+  forward, rounded) and the float32 gradients ``(dq, dk, dv)`` of the same values."""
+  keys = jax.random.split(fresh_key(), 4)
+  q = jax.random.normal(keys[0], (b, s, h, d)).astype(dtype)
+  k, v = (jax.random.normal(key, (b, skv, kv, d)).astype(dtype) for key in keys[1:3])
+  do = jax.random.normal(keys[3], (b, s, h, d)).astype(dtype)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  (o, lse), vjp = jax.vjp(lambda q, k, v: grouped_reference(q, k, v, causal), *f32[:3])
+  return (q, k, v, o.astype(dtype), do, lse), vjp((f32[3], jnp.zeros_like(lse)))

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
 from jax.sharding import AxisType
+from ring_attention_checks import backward_problem, grouped_reference
 from test_training import _check_grads
 
 import jaxmercury as jm
@@ -34,29 +35,6 @@ from jaxmercury.tuner import autotuner
 GRAD_TOL = 2e-2  # bf16 inputs: gradients' relative norm error
 
 
-def _reference(q, k, v, causal):
-  """Float32 attention ``(o [b, s, h, d], lse [b, h, s])`` over grouped kv heads."""
-  b, s, h, d = q.shape
-  g = h // k.shape[2]
-  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d)
-  if causal:
-    scores = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None], scores, -jnp.inf)
-  lse = jax.nn.logsumexp(scores, axis=-1)
-  return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
-
-
-def _problem(b, s, skv, h, kv, d, causal):
-  """Fresh bf16 inputs, the float32 forward's o (bf16) and lse, and the float32 gradients of the same values."""
-  keys = jax.random.split(fresh_key(), 4)
-  q = jax.random.normal(keys[0], (b, s, h, d)).astype(jnp.bfloat16)
-  k, v = (jax.random.normal(key, (b, skv, kv, d)).astype(jnp.bfloat16) for key in keys[1:3])
-  do = jax.random.normal(keys[3], (b, s, h, d)).astype(jnp.bfloat16)
-  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o, lse), vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal), *f32[:3])
-  return (q, k, v, o.astype(jnp.bfloat16), do, lse), vjp((f32[3], jnp.zeros_like(lse)))
-
-
 # (b, s_q, s_kv, h, kv, d, causal, CTAs): items b * kv * s_kv / 128 over the CTAs
 KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one whole round, the odd last part-filled
                 (1, 256, 256, 4, 2, 64, True, 3),
@@ -66,7 +44,7 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas", KERNEL_CASES)
 def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
-  args, want = _problem(b, s, skv, h, kv, d, causal)
+  args, want = backward_problem(b, s, skv, h, kv, d, causal)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas, interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
     assert g.shape == w.shape and g.dtype == dtype
@@ -76,12 +54,12 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
 
 def test_rows_without_keys_have_no_gradient():
   """A query row whose log-sum-exp is -inf kept no key: its dq is zero and it adds nothing to dk and dv."""
-  (q, k, v, o, do, lse), _ = _problem(1, 128, 128, 2, 1, 64, False)
+  (q, k, v, o, do, lse), _ = backward_problem(1, 128, 128, 2, 1, 64, False)
   lse = lse.at[:, :, 5].set(-jnp.inf)
   dq, dk, dv = jax.jit(lambda *a: attention_backward_ws(*a, interpret=True))(q, k, v, o, do, lse)
   assert not np.any(np.asarray(dq[:, 5]))
   kept = jnp.ones(128, bool).at[5].set(False)
-  _, vjp = jax.vjp(lambda k, v: _reference(q[:, kept].astype(jnp.float32), k, v, False), k.astype(jnp.float32),
+  _, vjp = jax.vjp(lambda k, v: grouped_reference(q[:, kept].astype(jnp.float32), k, v, False), k.astype(jnp.float32),
                    v.astype(jnp.float32))
   want_dk, want_dv = vjp((do[:, kept].astype(jnp.float32), jnp.zeros((1, 2, 127))))
   assert rel_err(dk, want_dk) < GRAD_TOL and rel_err(dv, want_dv) < GRAD_TOL

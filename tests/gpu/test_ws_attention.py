@@ -10,10 +10,10 @@ barrier protocol that deadlocks hangs rather than fails).
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from conftest import fresh_key, rel_err
+from conftest import rel_err
 from jax.sharding import AxisType
+from ring_attention_checks import backward_problem
 
 import jaxmercury as jm
 from gpu.checks import check_gradients, check_schedule
@@ -25,37 +25,17 @@ pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="need
 GRAD_TOL = 3e-2
 
 
-def _reference(q, k, v, causal):
-  """Float32 attention ``(o [b, s, h, d], lse [b, h, s])`` over grouped kv heads."""
-  b, s, h, d = q.shape
-  g = h // k.shape[2]
-  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d)
-  if causal:
-    scores = jnp.where(jnp.arange(s)[:, None] >= jnp.arange(k.shape[1])[None], scores, -jnp.inf)
-  lse = jax.nn.logsumexp(scores, axis=-1)
-  return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(scores - lse[..., None]), vv), lse
-
-
-def _problem(b, s, skv, h, kv, d, causal, dtype=jnp.bfloat16):
-  """Fresh inputs in ``dtype`` (their float32 values exact), the float32 forward's o and lse, and its gradients."""
-  keys = jax.random.split(fresh_key(), 4)
-  q = jax.random.normal(keys[0], (b, s, h, d)).astype(dtype)
-  k, v = (jax.random.normal(key, (b, skv, kv, d)).astype(dtype) for key in keys[1:3])
-  do = jax.random.normal(keys[3], (b, s, h, d)).astype(dtype)
-  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o, lse), vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal), *f32[:3])
-  grads = vjp((f32[3], jnp.zeros_like(lse)))
-  return (q, k, v, o.astype(dtype), do, lse), grads
-
-
-@pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
-    (1, 1024, 1024, 4, 4, 128, False), (1, 1024, 1024, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True),
-    (1, 2048, 2048, 4, 2, 64, False), (1, 512, 1536, 4, 2, 128, False), (1, 4096, 4096, 8, 2, 128, True)])
-def test_kernel_matches_float32(b, s, skv, h, kv, d, causal):
-  """MHA, GQA and MQA, head dims 64 and 128, causal and not, more keys than queries, several items per CTA."""
-  args, want = _problem(b, s, skv, h, kv, d, causal)
-  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal))(*args)
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas", [
+    (1, 1024, 1024, 4, 4, 128, False, None), (1, 1024, 1024, 8, 2, 128, True, None), (2, 512, 512, 4, 1, 64, True, None),
+    (1, 2048, 2048, 4, 2, 64, False, None), (1, 512, 1536, 4, 2, 128, False, None),
+    (1, 4096, 4096, 8, 2, 128, True, None),
+    (1, 4096, 4096, 32, 8, 128, False, None),  # 256 items over the SMs: a part-filled odd last round (H100, H200)
+    (1, 1024, 1024, 4, 2, 128, True, 3)])  # 16 items over 3 CTAs: the same, causal
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
+  """MHA, GQA and MQA, head dims 64 and 128, causal and not, more keys than queries, several items per CTA, grids
+  whose last round of items is whole and part-filled."""
+  args, want = backward_problem(b, s, skv, h, kv, d, causal)
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas))(*args)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert g.shape == w.shape
     err = rel_err(g.astype(jnp.float32), w)
@@ -66,7 +46,7 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_cudnn(causal, dtype):
   """The same gradients as cuDNN's flash backward from the same output and log-sum-exp."""
-  (q, k, v, o, do, lse), _ = _problem(1, 2048, 2048, 8, 2, 128, causal, dtype)
+  (q, k, v, o, do, lse), _ = backward_problem(1, 2048, 2048, 8, 2, 128, causal, dtype)
   ours = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal))(q, k, v, o, do, lse)
   theirs = jax.jit(lambda *a: cudnn_backward(*a, causal))(q, k, v, o, do, jnp.transpose(lse, (0, 2, 1)))
   for name, g, w in zip(("dq", "dk", "dv"), ours, theirs):
