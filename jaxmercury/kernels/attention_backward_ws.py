@@ -46,7 +46,7 @@ add them.
 
 Barrier protocol, as ``fused_ring_attention_ws``'s: every warpgroup that
 waits on a barrier waits on every phase of it. Both consumers wait on every
-"loaded" phase and meet twice as often as each other; the memory
+"loaded" phase and meet equally often (once per tile, once per item); the memory
 warpgroup waits on every "consumed" phase (before refilling a slot, the last
 ones at the end) and every "K/V free" phase (before the next item's K/V, the
 last at the end). The two ``ds`` buffers alternate by tile: a consumer
@@ -59,11 +59,19 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Interpret mode (CPU): the same warpgroups, barriers and loop nest;
-the interpreter's wgmma takes its left operand from SMEM only, so the
-products with ``p^T`` and ``ds^T`` in registers are plain dots there, and it
-has no reduce-add stores, so dq is added into its buffer by a load and a
-store (one CTA: nothing races).
+Items: the grid is persistent (one CTA per SM). Rank ``r`` is key pair
+``r // (b kv)`` of (batch, kv head) ``r % (b kv)``, so the key pairs that see
+the most causal queries come first; CTA ``c`` takes ranks ``i grid + c`` in its
+even rounds and ``i grid + grid - 1 - c`` in its odd ones (snake order, which
+evens out causal work), so a part-filled last round goes to the first CTAs if
+it is even and to the last ones if it is odd.
+
+Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
+interpreter's wgmma takes its left operand from SMEM only, so the products
+with ``p^T`` and ``ds^T`` in registers are plain dots there, and it has no
+reduce-add stores, so each CTA adds its dq by loads and stores into a buffer
+of its own (the two consumers' columns apart, or one after the other),
+summed after the kernel.
 
 Preconditions (``PreconditionError`` otherwise): bf16 or fp16 ``q, k, v,
 do`` of one dtype; ``d`` 64 or 128; ``block_q`` and ``block_kv`` 64;
@@ -193,7 +201,7 @@ def _add(target, staged):
   target[...] = target[...] + staged[...]
 
 
-def first_tile(kv0, bq: int, causal: bool):
+def _first_tile(kv0, bq: int, causal: bool):
   """The first query tile that sees key row ``kv0`` (causal; else 0)."""
   return kv0 // bq if causal else 0
 
@@ -240,7 +248,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         rows = pl.ds(kv0, keys)
         plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kh], k_smem, k_loaded)
         plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kh], v_smem, v_loaded)
-        t0 = first_tile(kv0, bq, causal)
+        t0 = _first_tile(kv0, bq, causal)
 
         def head(j, loaded):
           hq = kh * g + j
@@ -354,7 +362,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
 
       def item(i, n):
         bi, kh, kv0 = item_of(i)
-        t0 = first_tile(kv0, bq, causal)
+        t0 = _first_tile(kv0, bq, causal)
         first_key = kv0 + wg * bkv
         # Tiles from t_vis on see every key of this consumer's tile: query t bq >= the tile's last key.
         t_vis = jnp.clip((first_key + bkv - 1 + bq - 1) // bq, t0, nq) if causal else t0
