@@ -19,6 +19,20 @@ from jaxmercury.kernels.work import Block, Work, body_share
 VISIBLE, HIDDEN, PARTIAL = 0, 1, 2
 
 
+def takes_whole(block, *, backward: bool) -> bool:
+  """Whether a kernel may take ``block`` (a ``BlockContext`` when traced, a ``Block`` when planning) at all: no
+  padded keys (nor queries, backward) and one chunk along each axis."""
+  padded = block.extents["j"] % block.sizes["j"] or (backward and block.extents["i"] % block.sizes["i"])
+  return not padded and block.contiguous("i") and block.contiguous("j")
+
+
+def pick(part: str):
+  """``(dq, dk, dv) ->`` what a backward block of ``part`` returns: ``dq``, ``[dk, dv]`` stacked on axis 3
+  (``"dkv"``) or both (``"dq_dkv"``, a joint nest's block)."""
+  return {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
+          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
+
+
 def position_case(ctx):
   """``VISIBLE`` if every key of the block precedes every query, ``HIDDEN`` if every key follows, else ``PARTIAL``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]

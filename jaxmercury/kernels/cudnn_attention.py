@@ -124,12 +124,6 @@ def _backward(q, k, v, o, do, lse, causal=False, window=None, keep=None):
 
 
 # ------------------------------------------------------------------ the dispatch, shared by forward and backward
-def _whole(sizes, extents, contiguous, backward: bool) -> bool:
-  """Whether cuDNN may take the block at all: no padded keys (nor queries, backward), one chunk along each axis."""
-  padded = extents["j"] % sizes["j"] or (backward and extents["i"] % sizes["i"])
-  return not padded and contiguous("i") and contiguous("j")
-
-
 def _band_window(band, data: bool, tq: int, tk: int):
   """``(takes, window)``: whether cuDNN's causal mask (with ``sliding_window_length = window``, None: none) is the
   mask of the diagonal block of ``tq`` queries and ``tk`` keys, for a positional mask ``band`` (``lo <= query -
@@ -173,15 +167,10 @@ def _dispatch(ctx, mask: AttentionMask, extras, operands, *, run, empty, fallbac
 
 def cudnn_attention_block(ctx, q, k, v, *extras, mask: AttentionMask, fallback):
   """One attention block (same contract as ``attention_block``) through cuDNN."""
-  if not _whole(ctx.sizes, ctx.extents, ctx.contiguous, backward=False):
+  if not causal_dispatch.takes_whole(ctx, backward=False):
     return fallback(ctx, q, k, v, *extras)  # padded keys, or a block spanning zigzag chunks
   return _dispatch(ctx, mask, extras, (q, k, v), run=_forward, empty=causal_dispatch.empty_state,
                    fallback=lambda *x: fallback(ctx, *x, *extras))
-
-
-def _pick(part: str):
-  return {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
-          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
 
 
 def cudnn_backward_block(ctx, q, k, v, o, do, lse, *extras, mask: AttentionMask, part: str, fallback):
@@ -191,9 +180,9 @@ def cudnn_backward_block(ctx, q, k, v, o, do, lse, *extras, mask: AttentionMask,
   Dispatches as ``cudnn_attention_block`` does; hidden pairs give zeros.
   """
   blocks = (q, k, v, o, do, lse)
-  if not _whole(ctx.sizes, ctx.extents, ctx.contiguous, backward=True):
+  if not causal_dispatch.takes_whole(ctx, backward=True):
     return fallback(ctx, *blocks, *extras)
-  pick = _pick(part)
+  pick = causal_dispatch.pick(part)
   run = lambda *x, **masks: pick(*_backward(*x, **masks))
   shapes = jax.eval_shape(run, *blocks)
   return _dispatch(ctx, mask, extras, blocks, run=run,
@@ -224,13 +213,13 @@ def _work(block: Block, whole: bool) -> Work:
 def cudnn_work(block: Block, *, causal: bool, config=None) -> Work:
   """``cudnn_attention_block``'s work: what runs on cuDNN and what on the XLA body."""
   del causal, config  # the block's band and data say it
-  return _work(block, _whole(block.sizes, block.extents, block.contiguous, backward=False))
+  return _work(block, causal_dispatch.takes_whole(block, backward=False))
 
 
 def cudnn_backward_work(block: Block, *, causal: bool, config=None) -> Work:
   """``cudnn_backward_block``'s work."""
   del causal, config
-  return _work(block, _whole(block.sizes, block.extents, block.contiguous, backward=True))
+  return _work(block, causal_dispatch.takes_whole(block, backward=True))
 
 
 # ------------------------------------------------------------------ the kernel

@@ -88,18 +88,6 @@ def backward_problem(tq: int, tk: int, d: int, causal: bool, itemsize: int = 2) 
   return None
 
 
-def _whole(ctx, backward: bool) -> bool:
-  """No padded keys (nor queries, backward) and one chunk along each axis."""
-  padded = ctx.extents["j"] % ctx.sizes["j"] or (backward and ctx.extents["i"] % ctx.sizes["i"])
-  return not padded and ctx.contiguous("i") and ctx.contiguous("j")
-
-
-def _whole_block(block: Block, backward: bool) -> bool:
-  """``_whole`` before tracing."""
-  return (not block.padded("j") and not (backward and block.padded("i")) and block.contiguous("i")
-          and block.contiguous("j"))
-
-
 # ------------------------------------------------------------------ the kernels on one block pair
 
 
@@ -126,7 +114,8 @@ def backward(q, k, v, o, do, lse, *, causal: bool, interpret: bool):
 def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpret: bool, fallback):
   """One attention block (``attention_block``'s contract) through the forward kernel, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not _whole(ctx, backward=False):
+  takes = causal_dispatch.takes_whole(ctx, backward=False)
+  if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not takes:
     return fallback(ctx, q, k, v)
   run = functools.partial(forward, config=config, interpret=interpret)
   if not causal:
@@ -135,19 +124,15 @@ def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpre
                                   hidden=causal_dispatch.empty_state, partial=functools.partial(run, causal=True))
 
 
-def _pick(part: str):
-  return {"dq": lambda dq, dk, dv: dq, "dkv": lambda dq, dk, dv: jnp.stack([dk, dv], axis=3),
-          "dq_dkv": lambda dq, dk, dv: (dq, jnp.stack([dk, dv], axis=3))}[part]
-
-
 def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, interpret: bool, fallback):
   """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``) through the backward
   kernel; hidden causal pairs give zeros, blocks it cannot take ``fallback``."""
   blocks = (q, k, v, o, do, lse)
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not _whole(ctx, backward=True):
+  takes = causal_dispatch.takes_whole(ctx, backward=True)
+  if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not takes:
     return fallback(ctx, *blocks)
-  pick = _pick(part)
+  pick = causal_dispatch.pick(part)
   run = lambda *x, causal=False: pick(*backward(*x, causal=causal, interpret=interpret))
   if not causal:
     return run(*blocks)
@@ -177,14 +162,14 @@ def whole_limit(program, extents) -> str | None:
 def _work(block: Block, *, causal: bool, config: WsConfig) -> Work:
   """``ws_attention_block``'s work: the kernel's blocks, and the XLA body's where it cannot take them."""
   fits = forward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], config) is None
-  return causal_dispatch.dispatch_work(block, causal, fits and _whole_block(block, backward=False))
+  return causal_dispatch.dispatch_work(block, causal, fits and causal_dispatch.takes_whole(block, backward=False))
 
 
 def _backward_work(block: Block, *, causal: bool, config=None) -> Work:
   """``ws_backward_block``'s work."""
   del config
   fits = backward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], False) is None
-  return causal_dispatch.dispatch_work(block, causal, fits and _whole_block(block, backward=True))
+  return causal_dispatch.dispatch_work(block, causal, fits and causal_dispatch.takes_whole(block, backward=True))
 
 
 def _forward_workspace(program, sizes, config) -> int:
