@@ -92,6 +92,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels.config import param
+from jaxmercury.kernels.fused_common import snake_order
 from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
 from jaxmercury.kernels.peer_gemm import sm_count
 
@@ -227,13 +228,12 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
            kv_free, meeting):
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    full, last = divmod(work, grid)  # whole rounds; the last round's items go to its first CTAs if even, last if odd
-    items = full + ((cta < last) if full % 2 == 0 else (cta >= grid - last)).astype(jnp.int32)
+    items, rank_of = snake_order(work, grid, cta)
 
     def item_of(i):
       """Item ``i`` of this CTA: ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones),
       key pairs first (causal: the first pairs see the most queries)."""
-      rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
+      rank = rank_of(i)
       pair, bh = rank // (b * kv), lax.rem(rank, b * kv)
       return bh // kv, lax.rem(bh, kv), pair * keys
 

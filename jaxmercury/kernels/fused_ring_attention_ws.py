@@ -189,6 +189,7 @@ from jaxmercury.kernels.fused_common import (
   positive_ints,
   ring_attention_memory,
   ring_attention_seconds,
+  snake_order,
 )
 from jaxmercury.kernels.fused_ring_attention import (
   HIDDEN,
@@ -479,9 +480,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       first_part = first_unit // split.tiles
       items = split.full + jnp.where(end_unit > first_unit, (end_unit - 1) // split.tiles - first_part + 1, 0)
     elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
-      full, last = divmod(work, grid)
-      in_last = cta < last if full % 2 == 0 else cta >= grid - last
-      items = full + in_last.astype(jnp.int32)
+      items, snake_rank = snake_order(work, grid, cta)
     else:
       items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
     if peers:
@@ -492,7 +491,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
     def item_of(i):
       if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing query block
-        rank = i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
+        rank = snake_rank(i)
         band, within = rank // (band_pairs * b * h), lax.rem(rank, band_pairs * b * h)
         pair, bh = pairs - 1 - band * band_pairs - lax.rem(within, band_pairs), within // band_pairs
         bi, hi, forwards = bh // h, lax.rem(bh, h), False
