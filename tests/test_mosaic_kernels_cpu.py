@@ -30,9 +30,9 @@ from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_ker
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels import causal_dispatch, registry
 from jaxmercury.kernels import mosaic_attention as ma
 from jaxmercury.kernels import mosaic_matmul as mm
-from jaxmercury.kernels import registry
 from jaxmercury.programs import attention_backward as ab
 
 MOSAIC = ("mosaic_attention", "mosaic_attention_dq", "mosaic_attention_dkv", "mosaic_matmul", "jax_mosaic_matmul")
@@ -234,7 +234,7 @@ def test_attention_shared_memory_estimates(cuda_runtime, d):
         admitted = False
       else:
         admitted = True
-      run = lambda *x, config=config, part=part: ma._pick(part)(*ma.backward(*x, config))
+      run = lambda *x, config=config, part=part: causal_dispatch.pick(part)(*ma.backward(*x, config))
       _assert_lowers_iff(admitted, run, q, k, k, q, q, lse)
 
 

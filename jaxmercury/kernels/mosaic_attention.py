@@ -215,16 +215,11 @@ def backward(q, k, v, o, do, lse, config):
 # ------------------------------------------------------------------ block dispatch
 
 
-def _whole(ctx) -> bool:
-  """Whether the block's keys hold no padding and neither axis spans zigzag chunks."""
-  return ctx.extents["j"] % ctx.sizes["j"] == 0 and ctx.contiguous("i") and ctx.contiguous("j")
-
-
 def mosaic_attention_block(ctx, q, k, v, *, causal: bool, params: dict, fallback):
   """One attention block (``attention_block``'s contract) through attention_mgpu, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   config = _forward_config(tq, tk, q.shape[-1], params)
-  if config is None or not _whole(ctx):
+  if config is None or not causal_dispatch.takes_whole(ctx, backward=False):
     return fallback(ctx, q, k, v)
   if not causal:
     return forward(q, k, v, config)
@@ -236,12 +231,6 @@ def mosaic_attention_block(ctx, q, k, v, *, causal: bool, params: dict, fallback
                                   hidden=causal_dispatch.empty_state, partial=partial)
 
 
-def _pick(part: str):
-  if part == "dq":
-    return lambda dq, dk, dv: dq
-  return lambda dq, dk, dv: jnp.stack([dk, dv], axis=3)
-
-
 def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, params: dict, fallback):
   """One block pair's dq (``part="dq"``) or stacked [dk, dv] (``"dkv"``) through attention_mgpu's backward.
 
@@ -250,9 +239,9 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
   """
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   config = _backward_config(tq, tk, q.shape[-1], part, params)
-  if config is None or ctx.extents["i"] % tq or not _whole(ctx):
+  if config is None or not causal_dispatch.takes_whole(ctx, backward=True):
     return fallback(ctx, q, k, v, o, do, lse)
-  pick = _pick(part)
+  pick = causal_dispatch.pick(part)
   run = lambda *x: pick(*backward(*x, config))
   if not causal:
     return run(q, k, v, o, do, lse)
@@ -265,15 +254,11 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
 # ------------------------------------------------------------------ work, for the cost model
 
 
-def _whole_block(block: Block) -> bool:
-  """``_whole`` before tracing."""
-  return not block.padded("j") and block.contiguous("i") and block.contiguous("j")
-
-
 def mosaic_work(block: Block, *, causal: bool, config: ForwardConfig) -> Work:
   """``mosaic_attention_block``'s work: what runs on attention_mgpu and what on the XLA body."""
   params = dataclasses.asdict(config)
-  whole = _forward_fits(block.sizes["i"], block.sizes["j"], block.sizes["d"], params) and _whole_block(block)
+  fits = _forward_fits(block.sizes["i"], block.sizes["j"], block.sizes["d"], params)
+  whole = fits and causal_dispatch.takes_whole(block, backward=False)
   return causal_dispatch.dispatch_work(block, causal, whole)
 
 
@@ -282,7 +267,7 @@ def _backward_work(part: str):
     """``mosaic_backward_block``'s work: visible pairs on the kernel, diagonal ones on the XLA body."""
     params = dataclasses.asdict(config)
     fits = _backward_warpgroups(block.sizes["i"], block.sizes["j"], block.sizes["d"], part, params) is not None
-    whole = fits and not block.padded("i") and _whole_block(block)
+    whole = fits and causal_dispatch.takes_whole(block, backward=True)
     return causal_dispatch.dispatch_work(block, causal, whole, diagonal=False)
   return work
 
