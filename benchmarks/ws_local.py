@@ -10,8 +10,9 @@ checked against cuDNN's. ``--training`` times forward and backward instead: ``ja
 against the ring schedule lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is
 the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
 backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
-output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours, gradients checked against
-cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
+output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours under each of its ways of
+waiting on the tensor cores (``BackwardBlocks.waits``), gradients checked against cuDNN's. TFLOP/s count a causal
+mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 """
 
@@ -30,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from benchmarks import harness
 from jaxmercury.kernels import registry, ws_attention
+from jaxmercury.kernels.attention_backward_ws import WAITS
 from jaxmercury.kernels.cudnn_attention import cudnn_backward
 from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
@@ -87,8 +89,9 @@ def _cudnn_backward(causal: bool, smoke: bool):
   return jax.jit(lambda *a: cudnn_backward(*a, causal))
 
 
-def _ws_backward(causal: bool, smoke: bool):
-  return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke))
+def _ws_backward(causal: bool, smoke: bool, waits: str):
+  blocks = dataclasses.replace(ws_attention.BACKWARD, waits=waits)
+  return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke, blocks=blocks))
 
 
 def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict:
@@ -118,9 +121,13 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   elif args.backward:
     inputs = _backward_inputs(inputs, keys[3], causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", lambda: _cudnn_backward(causal, args.smoke),
-                                      "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)"),
-                   harness.Contestant("ws", "jaxmercury", lambda: _ws_backward(causal, args.smoke),
-                                      "kernels.attention_backward_ws: dq, dk, dv in one pass (ws_attention.whole)")]
+                                      "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
+    for waits in WAITS:  # each way of waiting on the tensor cores, the first as first written
+      default = " (the default)" if waits == ws_attention.BACKWARD.waits else ""
+      contestants.append(harness.Contestant(
+          f"ws_{waits}", "jaxmercury", lambda w=waits: _ws_backward(causal, args.smoke, w),
+          f"kernels.attention_backward_ws with waits={waits!r}{default}: dq, dk, dv in one pass (ws_attention.whole)",
+          record={"waits": waits}))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
     steps = CAUSAL_STEPS if causal else NON_CAUSAL_STEPS

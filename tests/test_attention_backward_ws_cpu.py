@@ -27,7 +27,7 @@ from test_training import _check_grads
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import attention_backward_ws
+from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.schedules import dual
 from jaxmercury.tuner import autotuner
@@ -42,10 +42,16 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
                 (1, 384, 384, 4, 4, 64, True, 5)]     # MHA: 12 items, 5 CTAs: the even last round part-filled
 
 
-@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas", KERNEL_CASES)
-def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
+# each case under the serial waits, two under the paired ones (interpret mode runs overlapped as paired)
+WAITS_CASES = [(*case, "serial") for case in KERNEL_CASES] + [(*case, "paired") for case in KERNEL_CASES[1::2]]
+
+
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,waits", WAITS_CASES)
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, waits):
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas, interpret=True))(*args)
+  blocks = BackwardBlocks(waits=waits)
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, num_ctas=ctas,
+                                                 interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
     assert g.shape == w.shape and g.dtype == dtype
     err = rel_err(g, w)
@@ -71,26 +77,28 @@ def test_rows_without_keys_have_no_gradient():
     (dict(skv=256, causal=True), "causal takes queries and keys at the same positions"),
     (dict(s=160), "s_q=160 must be a multiple of block_q=64 and s_kv=128 of 2 \\* block_kv = 128"),
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
-    (dict(num_ctas=0), "num_ctas=0 must be a positive int")])
+    (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
+    (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]")])
 def test_bad_inputs_are_named(change, message):
-  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
+  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial") | change
   s = jax.ShapeDtypeStruct
   q = s((1, p["s"], 2, p["d"]), p["dtype"])
   k = s((1, p["skv"], 1, p["d"]), p["dtype"])
   lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
   with pytest.raises(PreconditionError, match=message):
     jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"],
-                                     interpret=True), q, k, k, q, q, lse)
+                                     blocks=BackwardBlocks(waits=p["waits"]), interpret=True), q, k, k, q, q, lse)
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_lowers_for_hopper(d, causal):
+@pytest.mark.parametrize("waits", WAITS)
+def test_lowers_for_hopper(d, causal, waits):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
   q, k, lse = s((1, 512, 8, d), jnp.bfloat16), s((1, 512, 2, d), jnp.bfloat16), s((1, 8, 512), jnp.float32)
-  text = lower_for_gpus(functools.partial(attention_backward_ws, causal=causal), q, k, k, q, q, lse,
-                        mesh=h100_mesh(1))
+  run = functools.partial(attention_backward_ws, causal=causal, blocks=BackwardBlocks(waits=waits))
+  text = lower_for_gpus(run, q, k, k, q, q, lse, mesh=h100_mesh(1))
   assert mosaic_kernels(text) == 1
 
 

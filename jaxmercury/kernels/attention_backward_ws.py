@@ -40,6 +40,15 @@ After (this kernel; per CTA, three warpgroups run concurrently)::
         TMA reduce-add dq -> dq_acc[bi, t rows, hq, c_w]     # float32, global memory
       meet; dk scale, dv -> K/V SMEM rows w -> TMA store dk, dv [bi, rows, kh]; release K/V SMEM
 
+How a consumer's step waits on its wgmmas (``BackwardBlocks.waits``; the
+loop nest above is ``serial``, four waits per tile: s^T; dv with dp^T; dk;
+dq):
+
+  paired       s^T and dp^T issued together (neither needs the other), then
+               dv and dk together, then dq: three waits per tile
+  overlapped   as paired, but dk, dv and dq in one wait: the ds^T store and
+               the meeting run while the tensor cores compute dk and dv
+
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
 add them.
@@ -104,16 +113,19 @@ MEMORY_REGISTERS = 40
 INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose last is part empty, odd or even
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
+SERIAL, PAIRED, OVERLAPPED = WAITS = ("serial", "paired", "overlapped")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackwardBlocks:
   """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
-  warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots."""
+  warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots; ``waits``, how a
+  consumer's step waits on its tensor-core products (``SERIAL``, ``PAIRED`` or ``OVERLAPPED``, module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
   max_concurrent_steps: int = param(2)
+  waits: str = param("serial", "paired", "overlapped")
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -131,6 +143,8 @@ class BackwardBlocks:
               "64 keys and 64-query score tiles)")
     if d not in (64, 128):
       return f"head dimension {d} must be 64 or 128 (dk and dv of 64 keys in registers)"
+    if self.waits not in WAITS:
+      return f"waits={self.waits!r} must be one of {list(WAITS)}"
     if self.max_concurrent_steps < 2:
       return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
     if (need := self.smem_bytes(d, itemsize)) > SMEM_BYTES:
@@ -221,6 +235,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   split = dq_cols < d  # each consumer half of dq's columns, from both key tiles
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
+  waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, q_smem, do_smem, lse_smem,
@@ -322,29 +337,89 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         zeros = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
         return pl.run_state(issue)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
 
+      def two_scores(slot):
+        """``(k_w q^T, v_w do^T)`` float32: both wgmmas issued together, one wait."""
+        def issue(st_ref, dpt_ref):
+          plgpu.wgmma(st_ref, k_own, q_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(dpt_ref, v_own, do_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma_wait(0)
+          return st_ref[...], dpt_ref[...]
+        return pl.run_scoped(issue, plgpu.ACC((bkv, bq), jnp.float32), plgpu.ACC((bkv, bq), jnp.float32))
+
+      def keys_and_values(dk, dv, dst, pt, slot):
+        """``(dk + ds^T q, dv + p^T do)``: both wgmmas issued together, one wait."""
+        q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+        if interpret:
+          return product(dk, dst, q_tile), product(dv, pt, do_tile)
+
+        def issue(refs):
+          dk_ref, dv_ref = refs
+          plgpu.wgmma(dv_ref, pt, do_tile)
+          plgpu.wgmma(dk_ref, dst, q_tile)
+          plgpu.wgmma_wait(0)
+        return pl.run_state(issue)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+      def share(dst, buf):
+        """This consumer's ``ds^T`` into SMEM, then meet the other's (both halves there)."""
+        ds_smem.at[buf, own][...] = dst
+        plgpu.commit_smem()
+        meet()
+
+      def query_grads(buf):
+        """This consumer's columns of ``ds k`` over both key tiles (its own key tile's: ``d`` 64), float32."""
+        return scores(dq_a(buf).transpose((1, 0)), dq_b, (bq, dq_cols))
+
+      def overlapped(dk, dv, dst, pt, slot, buf):
+        """``keys_and_values`` and ``query_grads`` with one wait: the ds^T store and the meeting happen while the
+        tensor cores run dk and dv."""
+        zeros = plgpu.layout_cast(jnp.zeros((bq, dq_cols), jnp.float32), plgpu.Layout.WGMMA)
+
+        def issue(refs):
+          dk_ref, dv_ref, dq_ref = refs
+          plgpu.wgmma(dv_ref, pt, do_smem.at[slot])
+          plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
+          share(dst, buf)
+          plgpu.wgmma(dq_ref, dq_a(buf).transpose((1, 0)), dq_b)
+          plgpu.wgmma_wait(0)
+        return pl.run_state(issue)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+
+      def probabilities(st, slot, mask_from):
+        """``p^T = exp2(s^T scale - lse)``, zero where a key is after its query (``mask_from``: causal tiles)."""
+        lse = plgpu.load(lse_smem.at[slot], layout=col)
+        pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+        if mask_from is None:
+          return pt
+        rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
+        cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
+        return jnp.where(cols - rows >= mask_from, pt, 0.0)
+
       def step(carry, n, bi, hq, t, mask_from):
         """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added."""
         dk, dv = carry
-        slot = lax.rem(n, slots)
+        slot, buf = lax.rem(n, slots), lax.rem(n, 2)
         plgpu.barrier_wait(q_loaded.at[slot])
-        st = scores(k_own, q_smem.at[slot].transpose((1, 0)), (bkv, bq))  # [keys, queries]
-        lse = plgpu.load(lse_smem.at[slot], layout=col)
-        pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
-        if mask_from is not None:  # keep where query - key >= 0: column - row >= mask_from
-          rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
-          cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-          pt = jnp.where(cols - rows >= mask_from, pt, 0.0)
-        plgpu.barrier_wait(do_loaded.at[slot])
-        dv, dpt = values_and_scores(dv, pt.astype(dtype), slot)
+        if waits == SERIAL:  # four waits: s^T; p^T do with v_w do^T; ds^T q; dq
+          pt = probabilities(scores(k_own, q_smem.at[slot].transpose((1, 0)), (bkv, bq)), slot, mask_from)
+          plgpu.barrier_wait(do_loaded.at[slot])
+          dv, dpt = values_and_scores(dv, pt.astype(dtype), slot)
+        else:  # s^T and dp^T together
+          plgpu.barrier_wait(do_loaded.at[slot])
+          st, dpt = two_scores(slot)
+          pt = probabilities(st, slot, mask_from)
         delta = plgpu.load(delta_smem.at[slot], layout=col)
         dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
-        dk = product(dk, dst, q_smem.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])  # the wgmmas that read Q and dO retired
-        buf = lax.rem(n, 2)
-        ds_smem.at[buf, own][...] = dst
-        plgpu.commit_smem()
-        meet()  # both consumers' ds^T are in SMEM
-        dq = scores(dq_a(buf).transpose((1, 0)), dq_b, (bq, dq_cols)) * scale
+        if waits == OVERLAPPED:
+          dk, dv, dq = overlapped(dk, dv, dst, pt.astype(dtype), slot, buf)
+          plgpu.barrier_arrive(consumed.at[slot])  # the wgmmas that read Q and dO retired
+        else:
+          if waits == SERIAL:
+            dk = product(dk, dst, q_smem.at[slot])
+          else:
+            dk, dv = keys_and_values(dk, dv, dst, pt.astype(dtype), slot)
+          plgpu.barrier_arrive(consumed.at[slot])
+          share(dst, buf)
+          dq = query_grads(buf)
+        dq = dq * scale
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq store read the staging buffer
         dq_smem.at[wg][...] = dq
         plgpu.commit_smem()

@@ -17,7 +17,7 @@ from ring_attention_checks import backward_problem
 
 import jaxmercury as jm
 from gpu.checks import check_gradients, check_schedule
-from jaxmercury.kernels.attention_backward_ws import attention_backward_ws
+from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws
 from jaxmercury.kernels.cudnn_attention import cudnn_backward
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
@@ -38,6 +38,19 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas))(*args)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert g.shape == w.shape
+    err = rel_err(g.astype(jnp.float32), w)
+    assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("waits", WAITS)
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
+    (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
+def test_waits_match_float32(b, s, skv, h, kv, d, causal, waits):
+  """Every way of waiting on the tensor cores (``BackwardBlocks.waits``) gives the float32 derivative."""
+  args, want = backward_problem(b, s, skv, h, kv, d, causal)
+  blocks = BackwardBlocks(waits=waits)
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks))(*args)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
     err = rel_err(g.astype(jnp.float32), w)
     assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
 
