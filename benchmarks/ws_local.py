@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
 from benchmarks import harness
-from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import WAITS
+from jaxmercury.kernels import config, registry, ws_attention
+from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
 from jaxmercury.kernels.cudnn_attention import cudnn_backward
 from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
@@ -45,6 +45,12 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "split_tail": dict(pipeline=Pipeline(), pipelined=False),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
          "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
+# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``).
+BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs"),
+                  "ws_paired": BackwardBlocks(waits="paired", order="pairs"),
+                  "ws_overlapped": BackwardBlocks(waits="overlapped", order="pairs"),
+                  "ws_heads": BackwardBlocks(waits="overlapped", order="heads"),
+                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads")}
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 
@@ -89,8 +95,7 @@ def _cudnn_backward(causal: bool, smoke: bool):
   return jax.jit(lambda *a: cudnn_backward(*a, causal))
 
 
-def _ws_backward(causal: bool, smoke: bool, waits: str):
-  blocks = dataclasses.replace(ws_attention.BACKWARD, waits=waits)
+def _ws_backward(causal: bool, smoke: bool, blocks: BackwardBlocks):
   return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke, blocks=blocks))
 
 
@@ -122,12 +127,13 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     inputs = _backward_inputs(inputs, keys[3], causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", lambda: _cudnn_backward(causal, args.smoke),
                                       "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
-    for waits in WAITS:  # each way of waiting on the tensor cores, the first as first written
-      default = " (the default)" if waits == ws_attention.BACKWARD.waits else ""
+    for name in args.backward_steps:
+      blocks = BACKWARD_STEPS[name]
+      default = " (the default)" if blocks == ws_attention.BACKWARD else ""
       contestants.append(harness.Contestant(
-          f"ws_{waits}", "jaxmercury", lambda w=waits: _ws_backward(causal, args.smoke, w),
-          f"kernels.attention_backward_ws with waits={waits!r}{default}: dq, dk, dv in one pass (ws_attention.whole)",
-          record={"waits": waits}))
+          name, "jaxmercury", lambda x=blocks: _ws_backward(causal, args.smoke, x),
+          f"kernels.attention_backward_ws, {config.changed(blocks) or 'its defaults'}{default}: dq, dk, dv in one "
+          "pass (ws_attention.whole)", record={"blocks": dataclasses.asdict(blocks)}))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
     steps = CAUSAL_STEPS if causal else NON_CAUSAL_STEPS
@@ -179,6 +185,7 @@ def main(argv=None):
   parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
+  parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)

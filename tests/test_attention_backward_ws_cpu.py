@@ -42,14 +42,16 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
                 (1, 384, 384, 4, 4, 64, True, 5)]     # MHA: 12 items, 5 CTAs: the even last round part-filled
 
 
-# each case under the serial waits, two under the paired ones (interpret mode runs overlapped as paired)
-WAITS_CASES = [(*case, "serial") for case in KERNEL_CASES] + [(*case, "paired") for case in KERNEL_CASES[1::2]]
+# each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
+# side by side order (two batches among them)
+VARIANT_CASES = ([(*case, "serial", "pairs") for case in KERNEL_CASES]
+                 + [(*case, "paired", "heads") for case in KERNEL_CASES[1:]])
 
 
-@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,waits", WAITS_CASES)
-def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, waits):
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,waits,order", VARIANT_CASES)
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, waits, order):
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  blocks = BackwardBlocks(waits=waits)
+  blocks = BackwardBlocks(waits=waits, order=order)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, num_ctas=ctas,
                                                  interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
@@ -78,16 +80,18 @@ def test_rows_without_keys_have_no_gradient():
     (dict(s=160), "s_q=160 must be a multiple of block_q=64 and s_kv=128 of 2 \\* block_kv = 128"),
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
     (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
-    (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]")])
+    (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
+    (dict(order="rows"), "order='rows' must be one of \\['pairs', 'heads'\\]")])
 def test_bad_inputs_are_named(change, message):
-  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial") | change
+  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial",
+           order="pairs") | change
   s = jax.ShapeDtypeStruct
   q = s((1, p["s"], 2, p["d"]), p["dtype"])
   k = s((1, p["skv"], 1, p["d"]), p["dtype"])
   lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
   with pytest.raises(PreconditionError, match=message):
     jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"],
-                                     blocks=BackwardBlocks(waits=p["waits"]), interpret=True), q, k, k, q, q, lse)
+                                     blocks=BackwardBlocks(waits=p["waits"], order=p["order"]), interpret=True), q, k, k, q, q, lse)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -68,12 +68,16 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Items: the grid is persistent (one CTA per SM). Rank ``r`` is key pair
-``r // (b kv)`` of (batch, kv head) ``r % (b kv)``, so the key pairs that see
-the most causal queries come first; CTA ``c`` takes ranks ``i grid + c`` in its
-even rounds and ``i grid + grid - 1 - c`` in its odd ones (snake order, which
-evens out causal work), so a part-filled last round goes to the first CTAs if
-it is even and to the last ones if it is odd.
+Items: the grid is persistent (one CTA per SM). Under ``order="pairs"``
+rank ``r`` is key pair ``r // (b kv)`` of (batch, kv head) ``r % (b kv)``,
+so the key pairs that see the most causal queries come first and every head
+runs at once; under ``"heads"`` it is key pair ``r % pairs`` of (batch, kv
+head) ``r // pairs``, so the CTAs running side by side share a head: its
+queries, and the dq rows they add into, are read once into L2 for all of
+them (the longest causal pairs still first within a head). CTA ``c`` takes
+ranks ``i grid + c`` in its even rounds and ``i grid + grid - 1 - c`` in its
+odd ones (snake order, which evens out causal work), so a part-filled last
+round goes to the first CTAs if it is even and to the last ones if it is odd.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
@@ -114,18 +118,21 @@ INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose 
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 SERIAL, PAIRED, OVERLAPPED = WAITS = ("serial", "paired", "overlapped")
+PAIRS, HEADS = ORDERS = ("pairs", "heads")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackwardBlocks:
   """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
   warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots; ``waits``, how a
-  consumer's step waits on its tensor-core products (``SERIAL``, ``PAIRED`` or ``OVERLAPPED``, module docstring)."""
+  consumer's step waits on its tensor-core products (``SERIAL``, ``PAIRED`` or ``OVERLAPPED``), ``order``, which
+  items run side by side (``PAIRS`` or ``HEADS``; module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
   max_concurrent_steps: int = param(2)
   waits: str = param("serial", "paired", "overlapped")
+  order: str = param("pairs", "heads")
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -145,6 +152,8 @@ class BackwardBlocks:
       return f"head dimension {d} must be 64 or 128 (dk and dv of 64 keys in registers)"
     if self.waits not in WAITS:
       return f"waits={self.waits!r} must be one of {list(WAITS)}"
+    if self.order not in ORDERS:
+      return f"order={self.order!r} must be one of {list(ORDERS)}"
     if self.max_concurrent_steps < 2:
       return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
     if (need := self.smem_bytes(d, itemsize)) > SMEM_BYTES:
@@ -246,10 +255,14 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
     items, rank_of = snake_order(work, grid, cta)
 
     def item_of(i):
-      """Item ``i`` of this CTA: ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones),
-      key pairs first (causal: the first pairs see the most queries)."""
+      """Item ``i`` of this CTA: ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones) over
+      key pairs, then (batch, kv head) (``PAIRS``), or the other way round (``HEADS``); causal: the first pairs see
+      the most queries."""
       rank = rank_of(i)
-      pair, bh = rank // (b * kv), lax.rem(rank, b * kv)
+      if blocks.order == PAIRS:
+        pair, bh = rank // (b * kv), lax.rem(rank, b * kv)
+      else:
+        bh, pair = rank // pairs, lax.rem(rank, pairs)
       return bh // kv, lax.rem(bh, kv), pair * keys
 
     # ------------------------------------------------------------------ memory warpgroup
