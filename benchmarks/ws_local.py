@@ -50,7 +50,8 @@ BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs"),
                   "ws_paired": BackwardBlocks(waits="paired", order="pairs"),
                   "ws_overlapped": BackwardBlocks(waits="overlapped", order="pairs"),
                   "ws_heads": BackwardBlocks(waits="overlapped", order="heads"),
-                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads")}
+                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads"),
+                  "ws_default": BackwardBlocks()}  # overlapped; heads order without a mask, pairs under a causal one
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

@@ -7,8 +7,8 @@ input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and
 on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
 attention configured with ``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the
 interpreter cannot run: it keeps one state for all devices) with its kernels stood in by XLA, which shows the
-ring's dk-dv partials travel right. The tuner offers our backward in training tunes, and not on GPUs while the
-kernel is unverified there.
+ring's dk-dv partials travel right. The tuner offers our backward in training tunes, on GPUs too, and leaves a
+kernel marked unverified out there.
 """
 
 import contextlib
@@ -81,7 +81,7 @@ def test_rows_without_keys_have_no_gradient():
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
     (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
     (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
-    (dict(order="rows"), "order='rows' must be one of \\['pairs', 'heads'\\]")])
+    (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]")])
 def test_bad_inputs_are_named(change, message):
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial",
            order="pairs") | change
@@ -209,10 +209,14 @@ def test_own_backward_is_kept_where_cudnn_would_run():
   assert (dq.kernel, dkv.kernel) == ("ws_attention_dq", "ws_attention_dkv")
 
 
-def test_unverified_on_gpus_offered_in_interpret_mode():
-  """Not yet trusted on GPUs: the tuner leaves our backward out there; interpret mode tries it."""
+def test_offered_on_gpus_unless_unverified(monkeypatch):
+  """The tuner tries our kernels on GPUs (their GPU run passed); a kernel marked unverified it leaves out there,
+  and interpret mode still tries it."""
   prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
-  assert ws_attention.WS_ATTENTION.unverified
+  assert ws_attention.WS_ATTENTION.unverified is None
+  assert {"ws_attention", "cudnn_attention"} <= set(registry.candidates(prog, h100_mesh(1)))
+  monkeypatch.setitem(registry._KERNELS, "ws_attention",
+                      dataclasses.replace(ws_attention.WS_ATTENTION, unverified="not yet run on a GPU"))
   assert "ws_attention" not in registry.candidates(prog, h100_mesh(1))
   assert "cudnn_attention" in registry.candidates(prog, h100_mesh(1))
   mesh = _one_device(AxisType.Explicit)

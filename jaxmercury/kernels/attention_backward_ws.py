@@ -46,8 +46,9 @@ dq):
 
   paired       s^T and dp^T issued together (neither needs the other), then
                dv and dk together, then dq: three waits per tile
-  overlapped   as paired, but dk, dv and dq in one wait: the ds^T store and
-               the meeting run while the tensor cores compute dk and dv
+  overlapped   (the default) as paired, but dk, dv and dq in one wait: the
+               ds^T store and the meeting run while the tensor cores compute
+               dk and dv
 
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
@@ -74,7 +75,10 @@ so the key pairs that see the most causal queries come first and every head
 runs at once; under ``"heads"`` it is key pair ``r % pairs`` of (batch, kv
 head) ``r // pairs``, so the CTAs running side by side share a head: its
 queries, and the dq rows they add into, are read once into L2 for all of
-them (the longest causal pairs still first within a head). CTA ``c`` takes
+them (the longest causal pairs still first within a head, but a round then
+holds the longest pairs of one head beside the shortest of the last: causal
+work runs in ``"pairs"`` order, the default ``"auto"``'s choice, and
+unmasked work in ``"heads"`` order). CTA ``c`` takes
 ranks ``i grid + c`` in its even rounds and ``i grid + grid - 1 - c`` in its
 odd ones (snake order, which evens out causal work), so a part-filled last
 round goes to the first CTAs if it is even and to the last ones if it is odd.
@@ -118,21 +122,22 @@ INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose 
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 SERIAL, PAIRED, OVERLAPPED = WAITS = ("serial", "paired", "overlapped")
-PAIRS, HEADS = ORDERS = ("pairs", "heads")
+AUTO, PAIRS, HEADS = ORDERS = ("auto", "pairs", "heads")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BackwardBlocks:
   """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
   warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots; ``waits``, how a
-  consumer's step waits on its tensor-core products (``SERIAL``, ``PAIRED`` or ``OVERLAPPED``), ``order``, which
-  items run side by side (``PAIRS`` or ``HEADS``; module docstring)."""
+  consumer's step waits on its tensor-core products (``OVERLAPPED``, ``PAIRED`` or ``SERIAL``), ``order``, which
+  items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: heads without a mask, pairs under a causal one; module
+  docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
   max_concurrent_steps: int = param(2)
-  waits: str = param("serial", "paired", "overlapped")
-  order: str = param("pairs", "heads")
+  waits: str = param("overlapped", "paired", "serial")
+  order: str = param("auto", "pairs", "heads")
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -245,6 +250,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
+  order = (PAIRS if causal else HEADS) if blocks.order == AUTO else blocks.order
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, q_smem, do_smem, lse_smem,
@@ -259,7 +265,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       key pairs, then (batch, kv head) (``PAIRS``), or the other way round (``HEADS``); causal: the first pairs see
       the most queries."""
       rank = rank_of(i)
-      if blocks.order == PAIRS:
+      if order == PAIRS:
         pair, bh = rank // (b * kv), lax.rem(rank, b * kv)
       else:
         bh, pair = rank // pairs, lax.rem(rank, pairs)

@@ -39,14 +39,9 @@ from jaxmercury.programs.masks import mask_of
 NAME = "ws_attention"
 F32 = jnp.float32
 BACKWARD = BackwardBlocks()
-# Its one GPU run (one H200, 2026-11-26, at 0d95c97, benchmarks/results/2026-11-26-ws_backward-*): its GPU tests
-# passed where the persistent grid's items fill whole rounds (the kernel against float32 and against cuDNN's backward,
-# ws_attention schedules trained on one GPU), and the benchmark's gradients were wrong wherever the last round was
-# part-filled in an odd round: the snake order gives those items to the last CTAs, and each CTA counted its items
-# round-robin. Fixed since and checked in interpret mode on such grids; until that runs on a GPU the tuner does not
-# try it there.
-UNVERIFIED = ("its backward kernel's fix of 2026-11-26 (the items of a part-filled odd last round) has not run on a "
-              "GPU yet; the run before it gave wrong gradients on such grids")
+# Its GPU runs: one H200, 2026-11-26, gave wrong gradients where the persistent grid's last round of items was
+# part-filled and odd (fixed in 4e39a15); one H100, 2026-11-27, passed its GPU tests and matched cuDNN's gradients
+# on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*). The tuner measures it beside cuDNN's.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,6 +217,5 @@ WS_ATTENTION = Kernel(
     workspace=_forward_workspace,
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
                                whole_limit=whole_limit, own=True),
-    unverified=UNVERIFIED,
     description="our warp-specialized Mosaic GPU kernels (kernels.fused_ring_attention_ws without a ring, "
                 "kernels.attention_backward_ws: dq, dk and dv in one pass); causal or no mask")
