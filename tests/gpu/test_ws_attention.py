@@ -1,8 +1,8 @@
 """Our one-pass attention backward kernel and ``ws_attention`` on a real GPU (skipped on CPU).
 
 The kernel (``attention_backward_ws``) against the float32 derivative of plain attention and against cuDNN's
-flash backward from the same output and log-sum-exp; the ``ws_attention`` local kernel and the fused ring
-attention configured with ``backward="ws_attention"`` trained on one GPU against the float32 reference.
+flash backward from the same output and log-sum-exp; the ``ws_attention`` local kernel trained on one GPU and the
+fused ring attention configured with ``backward="ws_attention"`` on every GPU against the float32 reference.
 
 Run: ``JAX_PLATFORMS=cuda timeout 300 python3 -m pytest tests/gpu/test_ws_attention.py -x -q`` (the timeout: a
 barrier protocol that deadlocks hangs rather than fails).
@@ -82,8 +82,10 @@ def test_ws_attention_trains(causal, axis_type):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_ring_attention_with_our_backward(causal):
-  """The fused ring attention (one GPU) configured with backward="ws_attention": one kernel family end to end."""
-  mesh = jax.make_mesh((1,), ("x",))  # Explicit axes, as users get them
-  prog = jm.programs.attention(1, 8, 2, 2048, 2048, 128, causal=causal, dtype=jnp.bfloat16)
+  """The fused ring attention over every GPU configured with backward="ws_attention": one kernel family end to end
+  (on several GPUs the ring passes our backward blocks' dk-dv partials)."""
+  n = len(jax.devices())
+  mesh = jax.make_mesh((n,), ("x",))  # Explicit axes, as users get them
+  prog = jm.programs.attention(1, 8, 2, 2048 * n, 2048 * n, 128, causal=causal, dtype=jnp.bfloat16)
   schedule = jm.library(prog, mesh)["ring"].lower_with("fused_ring_attention_ws", backward="ws_attention")
   check_gradients(schedule)
