@@ -10,9 +10,9 @@ checked against cuDNN's. ``--training`` times forward and backward instead: ``ja
 against the ring schedule lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is
 the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
 backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
-output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours under each of its ways of
-waiting on the tensor cores (``BackwardBlocks.waits``), gradients checked against cuDNN's. TFLOP/s count a causal
-mask's visible half; the backward counts as 2.5 forwards.
+output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours in each of
+``BACKWARD_STEPS`` (its waits and item orders, ``BackwardBlocks``), gradients checked against cuDNN's. TFLOP/s
+count a causal mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 """
 

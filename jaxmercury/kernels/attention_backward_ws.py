@@ -69,19 +69,22 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Items: the grid is persistent (one CTA per SM). Under ``order="pairs"``
-rank ``r`` is key pair ``r // (b kv)`` of (batch, kv head) ``r % (b kv)``,
-so the key pairs that see the most causal queries come first and every head
-runs at once; under ``"heads"`` it is key pair ``r % pairs`` of (batch, kv
-head) ``r // pairs``, so the CTAs running side by side share a head: its
-queries, and the dq rows they add into, are read once into L2 for all of
-them (the longest causal pairs still first within a head, but a round then
-holds the longest pairs of one head beside the shortest of the last: causal
-work runs in ``"pairs"`` order, the default ``"auto"``'s choice, and
-unmasked work in ``"heads"`` order). CTA ``c`` takes
-ranks ``i grid + c`` in its even rounds and ``i grid + grid - 1 - c`` in its
-odd ones (snake order, which evens out causal work), so a part-filled last
-round goes to the first CTAs if it is even and to the last ones if it is odd.
+Items: the grid is persistent (one CTA per SM), its items ranked by
+``order``:
+
+  pairs   rank ``r`` is key pair ``r // (b kv)`` of (batch, kv head)
+          ``r % (b kv)``: every head runs at once, the key pairs that see
+          the most causal queries first
+  heads   key pair ``r % pairs`` of (batch, kv head) ``r // pairs``: the
+          CTAs running side by side share a head (its queries and dq rows
+          in L2); causal, a round would hold the longest pairs of one head
+          beside the shortest of the last
+  auto    (the default) heads without a mask, pairs under a causal one
+
+CTA ``c`` takes ranks ``i grid + c`` in its even rounds and
+``i grid + grid - 1 - c`` in its odd ones (snake order, which evens out
+causal work), so a part-filled last round goes to the first CTAs if it is
+even and to the last ones if it is odd.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
