@@ -29,6 +29,7 @@ from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import registry, ws_attention
 from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws
 from jaxmercury.programs import attention_backward as ab
+from jaxmercury.programs.attention import attention_block
 from jaxmercury.schedules import dual
 from jaxmercury.tuner import autotuner
 
@@ -232,32 +233,26 @@ def test_offered_on_gpus_unless_unverified(monkeypatch):
 # ------------------------------------------------------------------ a ring of 8 devices, kernels stood in by XLA
 
 
+def _at_origin(q, k):
+  """A block context whose queries and keys both start at 0: the programs' own blocks, causal top-left."""
+  sizes = {"i": q.shape[1], "j": k.shape[1]}
+  return jm.BlockContext({"i": 0, "j": 0}, sizes, sizes)
+
+
 def _standin_forward(q, k, v, *, causal, config, interpret, calls):
-  """``ws_attention.forward``'s contract in XLA: top-left causal within the block."""
+  """``ws_attention.forward``'s contract in XLA: the attention program's own block."""
   del config, interpret
   calls["forward"] += 1
-  b, i, hk, g, d = q.shape
-  s = jnp.einsum("bihgd,bjhd->bihgj", q.astype(jnp.float32), k.astype(jnp.float32)) / np.sqrt(d)
-  if causal:
-    s = jnp.where((jnp.arange(i)[:, None] >= jnp.arange(k.shape[1])[None])[None, :, None, None], s, -jnp.inf)
-  lse = jax.nn.logsumexp(s, axis=-1)
-  return jnp.einsum("bihgj,bjhd->bihgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse
+  return attention_block(_at_origin(q, k), q, k, v, causal=causal)
 
 
 def _standin_backward(q, k, v, o, do, lse, *, causal, interpret, calls):
-  """``ws_attention.backward``'s contract in XLA, from the merged output and log-sum-exp."""
+  """``ws_attention.backward``'s contract in XLA, from the merged output and log-sum-exp: the joint dq and dk-dv
+  block of the backward programs."""
   del interpret
   calls["backward"] += 1
-  f32 = lambda x: x.astype(jnp.float32)
-  i, d = q.shape[1], q.shape[-1]
-  s = jnp.einsum("bihgd,bjhd->bihgj", f32(q), f32(k)) / np.sqrt(d)
-  p = jnp.exp(s - lse[..., None])
-  if causal:
-    p = jnp.where((jnp.arange(i)[:, None] >= jnp.arange(k.shape[1])[None])[None, :, None, None], p, 0.0)
-  ds = p * (jnp.einsum("bihgd,bjhd->bihgj", f32(do), f32(v)) - jnp.sum(f32(o) * f32(do), -1)[..., None])
-  dq = jnp.einsum("bihgj,bjhd->bihgd", ds, f32(k)) / np.sqrt(d)
-  dk = jnp.einsum("bihgj,bihgd->bjhd", ds, f32(q)) / np.sqrt(d)
-  return dq, dk, jnp.einsum("bihgj,bihgd->bjhd", p, f32(do))
+  dq, dkv = ab.dq_dkv_block(_at_origin(q, k), q, k, v, o, do, lse, causal=causal)
+  return dq, dkv[:, :, :, 0], dkv[:, :, :, 1]
 
 
 def test_ring_of_eight_with_standins(monkeypatch):
