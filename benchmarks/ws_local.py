@@ -46,12 +46,16 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
          "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
 # The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``).
-BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs"),
-                  "ws_paired": BackwardBlocks(waits="paired", order="pairs"),
-                  "ws_overlapped": BackwardBlocks(waits="overlapped", order="pairs"),
-                  "ws_heads": BackwardBlocks(waits="overlapped", order="heads"),
-                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads"),
-                  "ws_default": BackwardBlocks()}  # overlapped; heads order without a mask, pairs under a causal one
+BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", registers=232),
+                  "ws_paired": BackwardBlocks(waits="paired", order="pairs", registers=232),
+                  "ws_overlapped": BackwardBlocks(waits="overlapped", order="pairs", registers=232),
+                  "ws_heads": BackwardBlocks(waits="overlapped", order="heads", registers=232),
+                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads", registers=232),
+                  "ws_regs232": BackwardBlocks(registers=232),  # the default before the wider register split
+                  "ws_early": BackwardBlocks(early_loads=True, registers=232),
+                  "ws_early_regs240": BackwardBlocks(early_loads=True),
+                  "ws_paired_regs240": BackwardBlocks(waits="paired"),
+                  "ws_default": BackwardBlocks()}  # overlapped; heads without a mask, pairs under one; 240 registers
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

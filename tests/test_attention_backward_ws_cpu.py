@@ -44,15 +44,17 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 
 
 # each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
-# side by side order (two batches among them)
-VARIANT_CASES = ([(*case, "serial", "pairs") for case in KERNEL_CASES]
-                 + [(*case, "paired", "heads") for case in KERNEL_CASES[1:]])
+# side by side order (two batches among them); two with the rows read early and the narrower register split
+EARLY = dict(waits="paired", early_loads=True, registers=232)
+VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
+                 + [(*case, dict(waits="paired", order="heads")) for case in KERNEL_CASES[1:]]
+                 + [(*case, EARLY) for case in KERNEL_CASES[::3]])
 
 
-@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,waits,order", VARIANT_CASES)
-def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, waits, order):
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  blocks = BackwardBlocks(waits=waits, order=order)
+  blocks = BackwardBlocks(**changes)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, num_ctas=ctas,
                                                  interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
@@ -82,27 +84,30 @@ def test_rows_without_keys_have_no_gradient():
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
     (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
     (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
-    (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]")])
+    (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]"),
+    (dict(registers=248), "registers=248 must be one of \\[240, 232\\]")])
 def test_bad_inputs_are_named(change, message):
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial",
-           order="pairs") | change
+           order="pairs", registers=240) | change
   s = jax.ShapeDtypeStruct
   q = s((1, p["s"], 2, p["d"]), p["dtype"])
   k = s((1, p["skv"], 1, p["d"]), p["dtype"])
   lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
   with pytest.raises(PreconditionError, match=message):
     jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"],
-                                     blocks=BackwardBlocks(waits=p["waits"], order=p["order"]), interpret=True), q, k, k, q, q, lse)
+                                     blocks=BackwardBlocks(waits=p["waits"], order=p["order"],
+                                                                          registers=p["registers"]),
+                                     interpret=True), q, k, k, q, q, lse)
 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("waits", WAITS)
-def test_lowers_for_hopper(d, causal, waits):
+@pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS] + [BackwardBlocks(**EARLY)])
+def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
   q, k, lse = s((1, 512, 8, d), jnp.bfloat16), s((1, 512, 2, d), jnp.bfloat16), s((1, 8, 512), jnp.float32)
-  run = functools.partial(attention_backward_ws, causal=causal, blocks=BackwardBlocks(waits=waits))
+  run = functools.partial(attention_backward_ws, causal=causal, blocks=blocks)
   text = lower_for_gpus(run, q, k, k, q, q, lse, mesh=h100_mesh(1))
   assert mosaic_kernels(text) == 1
 

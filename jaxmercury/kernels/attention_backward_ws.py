@@ -20,7 +20,7 @@ Loop nest before (the dual programs, per device)::
 
 After (this kernel; per CTA, three warpgroups run concurrently)::
 
-  memory warpgroup (40 registers):
+  memory warpgroup (24 registers; 40 with ``registers=232``):
     for item (bi, kv head kh, key pair u) of this CTA:     # persistent grid, snake order
       wait until the consumers stored the last item's dk, dv (K/V SMEM free)
       TMA k, v rows [2 u block_kv, +2 block_kv) -> SMEM   # consumer w's tile: rows w block_kv ..
@@ -28,7 +28,7 @@ After (this kernel; per CTA, three warpgroups run concurrently)::
         slot = tiles loaded so far % max_concurrent_steps; wait until both consumers released it
         TMA q, lse (base 2), do, delta of (hq, t) -> slot
 
-  consumer warpgroup w in {0, 1} (232 registers):
+  consumer warpgroup w in {0, 1} (``registers``: 240, or 232, per thread):
     for item (bi, kh, u) of this CTA:
       dk, dv = 0 (registers, [block_kv, d] float32)
       for (hq, t) as the memory warpgroup loads them:
@@ -49,6 +49,11 @@ dq):
   overlapped   (the default) as paired, but dk, dv and dq in one wait: the
                ds^T store and the meeting run while the tensor cores compute
                dk and dv
+
+With ``early_loads`` (paired and overlapped waits), a step reads its lse and
+delta from SMEM between issuing s^T, dp^T and waiting on them, so that the
+shared-memory latency hides under the tensor cores; without, after the wait
+(an H100 profile at S16K showed the first uses of those rows stalled there).
 
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
@@ -119,8 +124,7 @@ from jaxmercury.kernels.peer_gemm import sm_count
 NAME = "attention_backward_ws"
 LOG2E = math.log2(math.e)
 CONSUMERS = 2
-CONSUMER_REGISTERS = 232
-MEMORY_REGISTERS = 40
+REGISTER_SPLITS = {240: 24, 232: 40}  # a consumer warpgroup's registers per thread: the memory warpgroup's
 INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose last is part empty, odd or even
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
@@ -133,14 +137,18 @@ class BackwardBlocks:
   """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
   warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots; ``waits``, how a
   consumer's step waits on its tensor-core products (``OVERLAPPED``, ``PAIRED`` or ``SERIAL``), ``order``, which
-  items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: heads without a mask, pairs under a causal one; module
-  docstring)."""
+  items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: heads without a mask, pairs under a causal one);
+  ``registers``, per-thread registers of a consumer warpgroup (a key of ``REGISTER_SPLITS``: the memory
+  warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
+  the tensor cores rather than after (``paired`` and ``overlapped`` waits; module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
   max_concurrent_steps: int = param(2)
   waits: str = param("overlapped", "paired", "serial")
   order: str = param("auto", "pairs", "heads")
+  registers: int = param(240, 232)
+  early_loads: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -162,6 +170,8 @@ class BackwardBlocks:
       return f"waits={self.waits!r} must be one of {list(WAITS)}"
     if self.order not in ORDERS:
       return f"order={self.order!r} must be one of {list(ORDERS)}"
+    if self.registers not in REGISTER_SPLITS:
+      return f"registers={self.registers} must be one of {list(REGISTER_SPLITS)} (consumer warpgroups' per thread)"
     if self.max_concurrent_steps < 2:
       return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
     if (need := self.smem_bytes(d, itemsize)) > SMEM_BYTES:
@@ -277,7 +287,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
     # ------------------------------------------------------------------ memory warpgroup
     @pl.when(wg == CONSUMERS)
     def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+      plgpu.set_max_registers(REGISTER_SPLITS[blocks.registers], action="decrease")
 
       def item(i, loaded):
         bi, kh, kv0 = item_of(i)
@@ -315,7 +325,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
     # ------------------------------------------------------------------ consumer warpgroups
     @pl.when(wg < CONSUMERS)
     def _consumers():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(blocks.registers, action="increase")
       own = pl.ds(wg * bkv, bkv)  # this consumer's key rows in K/V SMEM
       k_own, v_own = k_smem.at[own], v_smem.at[own]
       if split:
@@ -359,13 +369,19 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         zeros = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
         return pl.run_state(issue)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
 
+      def rows(slot):
+        """The step's lse (base 2) and delta, one per query column of this thread's tile elements."""
+        return plgpu.load(lse_smem.at[slot], layout=col), plgpu.load(delta_smem.at[slot], layout=col)
+
       def two_scores(slot):
-        """``(k_w q^T, v_w do^T)`` float32: both wgmmas issued together, one wait."""
+        """``(k_w q^T, v_w do^T, lse, delta)``, the products float32: both wgmmas issued together, one wait; the
+        rows read from SMEM while the tensor cores run (``early_loads``) or after."""
         def issue(st_ref, dpt_ref):
           plgpu.wgmma(st_ref, k_own, q_smem.at[slot].transpose((1, 0)))
           plgpu.wgmma(dpt_ref, v_own, do_smem.at[slot].transpose((1, 0)))
+          early = rows(slot) if blocks.early_loads else None
           plgpu.wgmma_wait(0)
-          return st_ref[...], dpt_ref[...]
+          return st_ref[...], dpt_ref[...], *(early or rows(slot))
         return pl.run_scoped(issue, plgpu.ACC((bkv, bq), jnp.float32), plgpu.ACC((bkv, bq), jnp.float32))
 
       def keys_and_values(dk, dv, dst, pt, slot):
@@ -405,9 +421,8 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
           plgpu.wgmma_wait(0)
         return pl.run_state(issue)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
 
-      def probabilities(st, slot, mask_from):
+      def probabilities(st, lse, mask_from):
         """``p^T = exp2(s^T scale - lse)``, zero where a key is after its query (``mask_from``: causal tiles)."""
-        lse = plgpu.load(lse_smem.at[slot], layout=col)
         pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
         if mask_from is None:
           return pt
@@ -421,14 +436,15 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         slot, buf = lax.rem(n, slots), lax.rem(n, 2)
         plgpu.barrier_wait(q_loaded.at[slot])
         if waits == SERIAL:  # four waits: s^T; p^T do with v_w do^T; ds^T q; dq
-          pt = probabilities(scores(k_own, q_smem.at[slot].transpose((1, 0)), (bkv, bq)), slot, mask_from)
+          st = scores(k_own, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          pt = probabilities(st, plgpu.load(lse_smem.at[slot], layout=col), mask_from)
           plgpu.barrier_wait(do_loaded.at[slot])
           dv, dpt = values_and_scores(dv, pt.astype(dtype), slot)
+          delta = plgpu.load(delta_smem.at[slot], layout=col)
         else:  # s^T and dp^T together
           plgpu.barrier_wait(do_loaded.at[slot])
-          st, dpt = two_scores(slot)
-          pt = probabilities(st, slot, mask_from)
-        delta = plgpu.load(delta_smem.at[slot], layout=col)
+          st, dpt, lse, delta = two_scores(slot)
+          pt = probabilities(st, lse, mask_from)
         dst = (pt * (dpt - lax.broadcast_in_dim(delta, (bkv, bq), [1]))).astype(dtype)
         if waits == OVERLAPPED:
           dk, dv, dq = overlapped(dk, dv, dst, pt.astype(dtype), slot, buf)
@@ -513,7 +529,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   dq_acc = jax.new_ref(jnp.zeros(((grid,) if interpret else ()) + q.shape, jnp.float32))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   dk, dv = plgpu.kernel(
-      body, out_type=[kv_type, kv_type], scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      body, out_type=[kv_type, kv_type], scratch_types=scratch, grid=(grid,), grid_names=("cta",), kernel_name=NAME,
       num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, do, lse2, delta, dq_acc)

@@ -422,7 +422,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
              plgpu.SMEM((bq,), jnp.float32),
              plgpu.Barrier(num_barriers=1)]
   results = plgpu.kernel(
-      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",), kernel_name=NAME,
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
   return results[0], results[1]

@@ -826,7 +826,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   if pipelined and interpret:
     scratch.append(plgpu.SMEM((CONSUMERS, bq, d), jnp.float32))  # the accumulators (on GPUs: registers)
   results = plgpu.kernel(
-      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",),
+      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",), kernel_name=NAME,
       num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)

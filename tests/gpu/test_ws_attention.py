@@ -42,15 +42,17 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
     assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
 
 
-@pytest.mark.parametrize("waits,order", [(w, "pairs") for w in WAITS] + [("overlapped", "heads"),
-                                                                          ("serial", "heads")])
+@pytest.mark.parametrize("changes", [dict(waits=w, order="pairs") for w in WAITS]
+                         + [dict(waits="overlapped", order="heads"), dict(waits="serial", order="heads")]
+                         + [dict(early_loads=True), dict(registers=232), dict(waits="paired", early_loads=True,
+                                                                             registers=232)])
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
     (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
-def test_variants_match_float32(b, s, skv, h, kv, d, causal, waits, order):
-  """Every way of waiting on the tensor cores and both item orders (``BackwardBlocks``) give the float32
-  derivative."""
+def test_variants_match_float32(b, s, skv, h, kv, d, causal, changes):
+  """Every way of waiting on the tensor cores, both item orders, the early rows and both register splits
+  (``BackwardBlocks``) give the float32 derivative."""
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  blocks = BackwardBlocks(waits=waits, order=order)
+  blocks = BackwardBlocks(**changes)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks))(*args)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     err = rel_err(g.astype(jnp.float32), w)

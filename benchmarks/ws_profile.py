@@ -1,0 +1,59 @@
+"""One attention backward case for a profiler: cuDNN's flash backward and ours (``attention_backward_ws``), run apart.
+
+    ncu -k regex:'attention_backward_ws|bprop' --section WarpStateStats ... \\
+        python3 -m benchmarks.ws_profile --seq 16K --kv 32 [--causal] [--variants ws_default ws_serial]
+
+Each contestant runs ``--reps`` times after one warm-up call, so that a profiler filtering by kernel name
+(``--launch-skip``/``--launch-count``) sees compiled, warm launches. The inputs are ``benchmarks.ws_local``'s
+(B1 H32 D128 bf16, the forward's output and log-sum-exp from our forward kernel); our gradients are checked against
+cuDNN's before the profiled calls, so a profile is never of a kernel that computes something else.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import ws_local
+from jaxmercury.tuner import measure
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", default="16K")
+  parser.add_argument("--kv", type=int, default=32)
+  parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--variants", nargs="+", default=["ws_default"], choices=list(ws_local.BACKWARD_STEPS))
+  parser.add_argument("--reps", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=32)
+  parser.add_argument("--head_dim", type=int, default=128)
+  parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
+  args = parser.parse_args(argv)
+  s, h, d = ws_local._seq(args.seq), args.heads, args.head_dim
+  if args.smoke:
+    s, args.kv, h, d = 256, 2, 4, 64
+  keys = jax.random.split(jax.random.key(s + 7 * args.kv + args.causal), 4)
+  inputs = [jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)]
+  inputs += [jax.random.normal(key, (1, s, args.kv, d), jnp.bfloat16) for key in keys[1:3]]
+  inputs = ws_local._backward_inputs(inputs, keys[3], args.causal, args.smoke)
+  contestants = {"cudnn": ws_local._cudnn_backward(args.causal, args.smoke)}
+  contestants |= {name: ws_local._ws_backward(args.causal, args.smoke, ws_local.BACKWARD_STEPS[name])
+                  for name in args.variants}
+  reference = jax.block_until_ready(contestants["cudnn"](*inputs))
+  tolerance = measure.gradient_tolerance(jnp.bfloat16)
+  for name, fn in contestants.items():
+    grads = jax.block_until_ready(fn(*inputs))  # the warm-up call, checked
+    for label, got, want in zip(("dq", "dk", "dv"), grads, reference):
+      want = want.astype(jnp.float32)
+      err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+      if not err <= tolerance:
+        raise SystemExit(f"{name}: {label} differs from cuDNN's by {err:.3g} (relative Frobenius, over {tolerance})")
+    for _ in range(args.reps):
+      jax.block_until_ready(fn(*inputs))
+    print(f"{name}: {args.reps} profiled calls, gradients within {tolerance} of cuDNN's (relative)", flush=True)
+
+
+if __name__ == "__main__":
+  main()
