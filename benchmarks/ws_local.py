@@ -55,6 +55,7 @@ BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", reg
                   "ws_early": BackwardBlocks(early_loads=True, registers=232),
                   "ws_early_regs240": BackwardBlocks(early_loads=True),
                   "ws_paired_regs240": BackwardBlocks(waits="paired"),
+                  "ws_specialized": BackwardBlocks(specialized=True),
                   "ws_default": BackwardBlocks()}  # overlapped; heads without a mask, pairs under one; 240 registers
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only

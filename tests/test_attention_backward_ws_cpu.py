@@ -44,11 +44,14 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 
 
 # each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
-# side by side order (two batches among them); two with the rows read early and the narrower register split
+# side by side order (two batches among them); two with the rows read early and the narrower register split; two
+# with a copy of the code per consumer (d 64 and 128)
 EARLY = dict(waits="paired", early_loads=True, registers=232)
+SPECIALIZED = dict(waits="paired", specialized=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
                  + [(*case, dict(waits="paired", order="heads")) for case in KERNEL_CASES[1:]]
-                 + [(*case, EARLY) for case in KERNEL_CASES[::3]])
+                 + [(*case, EARLY) for case in KERNEL_CASES[::3]]
+                 + [(*case, SPECIALIZED) for case in KERNEL_CASES[:2]])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -102,7 +105,8 @@ def test_bad_inputs_are_named(change, message):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS] + [BackwardBlocks(**EARLY)])
+@pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
+                         + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

@@ -54,6 +54,10 @@ With ``early_loads`` (paired and overlapped waits), a step reads its lse and
 delta from SMEM between issuing s^T, dp^T and waiting on them, so that the
 shared-memory latency hides under the tensor cores; without, after the wait
 (an H100 profile at S16K showed the first uses of those rows stalled there).
+With ``specialized``, the kernel holds the consumers' loop nest twice, once
+per warpgroup, so that the offsets of its key rows, dq columns and staging
+buffer are constants (the same profile showed the consumers reloading
+spilled SMEM addresses before their wgmmas).
 
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
@@ -107,6 +111,7 @@ causal only with ``s_q == s_kv``; ``kv`` divides ``h``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -140,7 +145,8 @@ class BackwardBlocks:
   items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: heads without a mask, pairs under a causal one);
   ``registers``, per-thread registers of a consumer warpgroup (a key of ``REGISTER_SPLITS``: the memory
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
-  the tensor cores rather than after (``paired`` and ``overlapped`` waits; module docstring)."""
+  the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
+  warpgroup its own copy of the code, its SMEM offsets constants rather than registers (module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -149,6 +155,7 @@ class BackwardBlocks:
   order: str = param("auto", "pairs", "heads")
   registers: int = param(240, 232)
   early_loads: bool = param(False, True)
+  specialized: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -323,9 +330,8 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       pl.when(items > 0)(lambda: plgpu.barrier_wait(kv_free))
 
     # ------------------------------------------------------------------ consumer warpgroups
-    @pl.when(wg < CONSUMERS)
-    def _consumers():
-      plgpu.set_max_registers(blocks.registers, action="increase")
+    def consumer(wg):
+      """Consumer warpgroup ``wg`` (an int: ``specialized``; else the traced warpgroup index)."""
       own = pl.ds(wg * bkv, bkv)  # this consumer's key rows in K/V SMEM
       k_own, v_own = k_smem.at[own], v_smem.at[own]
       if split:
@@ -506,6 +512,15 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
 
       lax.fori_loop(0, items, item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumers():
+      plgpu.set_max_registers(blocks.registers, action="increase")
+      if blocks.specialized:  # a copy of the code per consumer, its SMEM offsets constants
+        for w in range(CONSUMERS):
+          pl.when(wg == w)(functools.partial(consumer, w))
+      else:
+        consumer(wg)
 
   tiles = _swizzled(d, dtype)
   ds_tiles = _swizzled(bq, dtype)
