@@ -102,7 +102,7 @@ for stage in "$@"; do
           > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       }
-      local_suite "$stage" 200 --backward --backward_steps ws_regs232 ws_default --seqs 4K 8K 16K 32K
+      local_suite "$stage" 200 --backward --backward_steps ws_shared ws_default --seqs 4K 8K 16K 32K
       tests "tests-ws-attention" 240 tests/gpu/test_ws_attention.py
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;

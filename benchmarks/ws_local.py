@@ -56,7 +56,8 @@ BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", reg
                   "ws_early_regs240": BackwardBlocks(early_loads=True),
                   "ws_paired_regs240": BackwardBlocks(waits="paired"),
                   "ws_specialized": BackwardBlocks(specialized=True),
-                  "ws_default": BackwardBlocks()}  # overlapped; heads without a mask, pairs under one; 240 registers
+                  "ws_shared": BackwardBlocks(specialized=False),  # the default before specialized consumers
+                  "ws_default": BackwardBlocks()}  # overlapped, 240 registers; without a mask heads, specialized
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

@@ -88,18 +88,18 @@ def test_rows_without_keys_have_no_gradient():
     (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
     (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
     (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]"),
-    (dict(registers=248), "registers=248 must be one of \\[240, 232\\]")])
+    (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
+    (dict(specialized="yes"), "specialized='yes' must be None \\(by the mask\\), True or False")])
 def test_bad_inputs_are_named(change, message):
-  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None, waits="serial",
-           order="pairs", registers=240) | change
+  fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
+  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
+  blocks = BackwardBlocks(**{name: value for name, value in p.items() if name in fields})
   s = jax.ShapeDtypeStruct
   q = s((1, p["s"], 2, p["d"]), p["dtype"])
   k = s((1, p["skv"], 1, p["d"]), p["dtype"])
   lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
   with pytest.raises(PreconditionError, match=message):
-    jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"],
-                                     blocks=BackwardBlocks(waits=p["waits"], order=p["order"],
-                                                                          registers=p["registers"]),
+    jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"], blocks=blocks,
                                      interpret=True), q, k, k, q, q, lse)
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness, ws_local
+from benchmarks import harness, ws_local, ws_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -267,3 +267,17 @@ def test_ws_local_smoke(tmp_path):
   assert case["causal"] and case["agree"]
   assert [r["name"] for r in case["contestants"]] == ["cudnn", "before", "default"]
   assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])
+
+
+def test_ws_profile_smoke(capsys, monkeypatch):
+  """The profiler's driver runs each backward after checking its gradients, and refuses one that computes others."""
+  ws_profile.main(["--smoke", "--variants", "ws_default", "--reps", "2"])
+  assert "ws_default: 2 profiled calls" in capsys.readouterr().out
+  real = ws_local._ws_backward
+
+  def swapped(*args):  # dk and dv exchanged: a kernel that computes something else
+    fn = real(*args)
+    return lambda *a: (lambda dq, dk, dv: (dq, dv, dk))(*fn(*a))
+  monkeypatch.setattr(ws_local, "_ws_backward", swapped)
+  with pytest.raises(SystemExit, match="ws_default: dk differs from cuDNN's"):
+    ws_profile.main(["--smoke", "--variants", "ws_default"])

@@ -57,7 +57,11 @@ shared-memory latency hides under the tensor cores; without, after the wait
 With ``specialized``, the kernel holds the consumers' loop nest twice, once
 per warpgroup, so that the offsets of its key rows, dq columns and staging
 buffer are constants (the same profile showed the consumers reloading
-spilled SMEM addresses before their wgmmas).
+spilled SMEM addresses before their wgmmas; ptxas spills none then). The
+default (``None``) specializes without a mask, not under a causal one: on an
+H100 it was 1-7% faster on every non-causal case and 2-27% slower on four of
+five causal ones (whose items run a masked and an unmasked copy of the step
+already; the instruction cache is the suspect, not measured).
 
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
@@ -146,7 +150,8 @@ class BackwardBlocks:
   ``registers``, per-thread registers of a consumer warpgroup (a key of ``REGISTER_SPLITS``: the memory
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
-  warpgroup its own copy of the code, its SMEM offsets constants rather than registers (module docstring)."""
+  warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
+  not under a causal one; module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -155,7 +160,7 @@ class BackwardBlocks:
   order: str = param("auto", "pairs", "heads")
   registers: int = param(240, 232)
   early_loads: bool = param(False, True)
-  specialized: bool = param(False, True)
+  specialized: bool | None = param(None, True, False)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -177,6 +182,8 @@ class BackwardBlocks:
       return f"waits={self.waits!r} must be one of {list(WAITS)}"
     if self.order not in ORDERS:
       return f"order={self.order!r} must be one of {list(ORDERS)}"
+    if self.specialized not in (None, True, False):
+      return f"specialized={self.specialized!r} must be None (by the mask), True or False"
     if self.registers not in REGISTER_SPLITS:
       return f"registers={self.registers} must be one of {list(REGISTER_SPLITS)} (consumer warpgroups' per thread)"
     if self.max_concurrent_steps < 2:
@@ -271,6 +278,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
   order = (PAIRS if causal else HEADS) if blocks.order == AUTO else blocks.order
+  specialized = not causal if blocks.specialized is None else blocks.specialized
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, q_smem, do_smem, lse_smem,
@@ -516,7 +524,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
     @pl.when(wg < CONSUMERS)
     def _consumers():
       plgpu.set_max_registers(blocks.registers, action="increase")
-      if blocks.specialized:  # a copy of the code per consumer, its SMEM offsets constants
+      if specialized:  # a copy of the code per consumer, its SMEM offsets constants
         for w in range(CONSUMERS):
           pl.when(wg == w)(functools.partial(consumer, w))
       else:
