@@ -54,6 +54,8 @@ With ``early_loads`` (paired and overlapped waits), a step reads its lse and
 delta from SMEM between issuing s^T, dp^T and waiting on them, so that the
 shared-memory latency hides under the tensor cores; without, after the wait
 (an H100 profile at S16K showed the first uses of those rows stalled there).
+It took 8-49% longer (H200): the rows, held across the wait, made ptxas spill
+more (docs/benchmarks.md).
 With ``specialized``, the kernel holds the consumers' loop nest twice, once
 per warpgroup, so that the offsets of its key rows, dq columns and staging
 buffer are constants (the same profile showed the consumers reloading
