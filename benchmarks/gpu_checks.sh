@@ -34,6 +34,9 @@
 #   ws-backward      one GPU: our one-pass attention backward kernel against cuDNN's flash backward, B1 H32 D128
 #                    S 4K-32K (benchmarks.ws_local --backward), its GPU tests, and the training steps of the fused ring
 #                    attention with cuDNN's backward and with ours at S 16K 32K GQA
+#   ws-profile       one GPU: ptxas's registers and spills for each of our backward's PROFILE_VARIANTS (compiled at
+#                    S1K, causal and not), then Nsight Compute on cuDNN's backward and ours at S16K KV32
+#                    (PROFILE_ARGS, e.g. "--causal"): report, details page, the stall summary (benchmarks.ncu_source)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -105,6 +108,25 @@ for stage in "$@"; do
       local_suite "$stage" 200 --backward --backward_steps ws_shared ws_default --seqs 4K 8K 16K 32K
       tests "tests-ws-attention" 240 tests/gpu/test_ws_attention.py
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
+    ws-profile)
+      variants=${PROFILE_VARIANTS:-ws_shared ws_default ws_one_step ws_one_step_specialized}
+      for causal in "" --causal; do  # ptxas -v of each kernel as it compiles
+        MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 -m benchmarks.ws_profile --seq 1K --kv 8 $causal --variants $variants \
+          > "$W/$stage-ptxas$causal.log" 2>&1
+        echo "$stage-ptxas$causal rc=$?" | tee -a "$W/stages.txt"
+      done
+      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$ncu" --target-processes all \
+        -k 'regex:attention_backward_ws|bprop' --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters \
+        --section LaunchStats -o "$W/$stage" python3 -m benchmarks.ws_profile --seq 16K --kv 32 --variants $variants \
+        ${PROFILE_ARGS:-} > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt"
+      "$ncu" -i "$W/$stage.ncu-rep" --page details > "$W/$stage-details.txt" 2>&1
+      "$ncu" -i "$W/$stage.ncu-rep" --page source --csv --print-source sass > "$W/$stage-source.csv" 2>&1
+      for kernel in bprop attention_backward_ws; do
+        python3 -m benchmarks.ncu_source "$W/$stage-source.csv" "$kernel" >> "$W/$stage-stalls.txt" 2>&1
+      done ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

@@ -45,9 +45,9 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 
 # each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
 # side by side order (two batches among them); two with the rows read early and the narrower register split; two
-# with a copy of the code per consumer (d 64 and 128)
+# with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not)
 EARLY = dict(waits="paired", early_loads=True, registers=232)
-SPECIALIZED = dict(waits="paired", specialized=True)
+SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
                  + [(*case, dict(waits="paired", order="heads")) for case in KERNEL_CASES[1:]]
                  + [(*case, EARLY) for case in KERNEL_CASES[::3]]
@@ -106,7 +106,7 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
-                         + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True)])
+                         + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

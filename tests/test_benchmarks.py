@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness, ws_local, ws_profile
+from benchmarks import harness, ncu_source, ws_local, ws_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -281,3 +281,24 @@ def test_ws_profile_smoke(capsys, monkeypatch):
   monkeypatch.setattr(ws_local, "_ws_backward", swapped)
   with pytest.raises(SystemExit, match="ws_default: dk differs from cuDNN's"):
     ws_profile.main(["--smoke", "--variants", "ws_default"])
+
+
+def test_ncu_source_summary(tmp_path, capsys):
+  """The stall summary of each launch of the named kernel: shares per opcode and the busiest instruction."""
+  columns = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_wait"'
+  page = "\n".join([
+      '"Kernel Name","other_kernel",', columns, '"0x10","FFMA R1, R2, R3, R4","99","1","0","99"',
+      '"Kernel Name","attention_backward_ws_mosaic_gpu_kernel",', columns,
+      '"0x20","HGMMA.64x64x16.F32.BF16 R8, gdesc[UR4], R8","10","8","0","10"',
+      '"0x30","WARPGROUP.DEPBAR.LE gsb0, 0x0","30","8","30","0"',
+      '"0x40","@!P1  BRA 0x20","60","4","0","60"'])
+  path = tmp_path / "source.csv"
+  path.write_text(page)
+  ncu_source.main([str(path), "backward_ws", "--top", "1"])
+  out = capsys.readouterr().out
+  assert out.startswith("== attention_backward_ws_mosaic_gpu_kernel, launch 1 of 1\n3 instructions, 100 samples, "
+                        "20 executed")
+  assert "BRA          samples  60.0%" in out and "WARPGROUP    samples  30.0%" in out and "FFMA" not in out
+  assert "stall reasons: wait 70.0%, barrier 30.0%" in out and out.rstrip().endswith("wait")
+  with pytest.raises(SystemExit, match="no kernel whose name contains 'gemm'"):
+    ncu_source.main([str(path), "gemm"])

@@ -64,6 +64,11 @@ default (``None``) specializes without a mask, not under a causal one: on an
 H100 it was 1-7% faster on every non-causal case and 2-27% slower on four of
 five causal ones (whose items run a masked and an unmasked copy of the step
 already; the instruction cache is the suspect, not measured).
+With ``one_step``, an item's tiles run one copy of the step: under a causal
+mask every tile is masked (a visible tile's mask keeps every pair, at a
+compare and a select per element), without one the masked loop, which runs
+no tile, is not emitted; so a consumer's hot code is one step, not two (not
+yet measured on a GPU).
 
 Head dimension 64 (half the columns would be 32, under a swizzled tile):
 each consumer computes all of dq's columns from its own key tile, and both
@@ -153,7 +158,7 @@ class BackwardBlocks:
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
   warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
-  not under a causal one; module docstring)."""
+  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles (module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -163,6 +168,7 @@ class BackwardBlocks:
   registers: int = param(240, 232)
   early_loads: bool = param(False, True)
   specialized: bool | None = param(None, True, False)
+  one_step: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -504,8 +510,11 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
           hq = kh * g + j
           masked = lambda t, c: step(c, n + t - t0, bi, hq, t, first_key - t * bq)
           visible = lambda t, c: step(c, n + t - t0, bi, hq, t, None)
-          carry = lax.fori_loop(t0, t_vis, masked, carry)
-          carry = lax.fori_loop(t_vis, nq, visible, carry)
+          if not blocks.one_step:
+            carry = lax.fori_loop(t0, t_vis, masked, carry)
+            carry = lax.fori_loop(t_vis, nq, visible, carry)
+          else:  # the mask keeps every pair of a visible tile
+            carry = lax.fori_loop(t0, nq, masked if causal else visible, carry)
           return n + nq - t0, carry
 
         n, (dk, dv) = lax.fori_loop(0, g, head, (n, (zeros, zeros)))

@@ -46,12 +46,13 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
                          + [dict(waits="overlapped", order="heads"), dict(waits="serial", order="heads")]
                          + [dict(early_loads=True), dict(registers=232),
                             dict(waits="paired", early_loads=True, registers=232),
-                            dict(specialized=True), dict(specialized=True, order="pairs")])
+                            dict(specialized=True), dict(specialized=True, order="pairs"), dict(one_step=True),
+                            dict(one_step=True, specialized=True)])
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
     (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
 def test_variants_match_float32(b, s, skv, h, kv, d, causal, changes):
-  """Every way of waiting on the tensor cores, both item orders, the early rows, both register splits and the
-  consumers' own copies of the code (``BackwardBlocks``) give the float32 derivative."""
+  """Every way of waiting on the tensor cores, both item orders, the early rows, both register splits, the
+  consumers' own copies of the code and one copy of the step (``BackwardBlocks``) give the float32 derivative."""
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
   blocks = BackwardBlocks(**changes)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks))(*args)
