@@ -64,7 +64,8 @@ CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 
 
-def _seq(text: str) -> int:
+def seq_length(text: str) -> int:
+  """A sequence length from ``"16K"`` (times 1024) or ``"500"``."""
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
 
 
@@ -90,7 +91,7 @@ def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fus
   return measure.training_step(traced)
 
 
-def _backward_inputs(inputs, key, causal: bool, smoke: bool):
+def backward_inputs(inputs, key, causal: bool, smoke: bool):
   """``(q, k, v, o, do, lse [b, s, h])``: the forward's output and log-sum-exp from the kernel (one device)."""
   q, k, v = inputs
   out, lse = jax.jit(lambda q, k, v: fused_ring_attention_ws(q, k, v, None, causal=causal, interpret=smoke))(q, k, v)
@@ -98,13 +99,15 @@ def _backward_inputs(inputs, key, causal: bool, smoke: bool):
   return [q, k, v, out, do, jnp.transpose(lse, (0, 2, 1))]
 
 
-def _cudnn_backward(causal: bool, smoke: bool):
+def cudnn_backward_of(causal: bool, smoke: bool):
+  """``(q, k, v, o, do, lse [b, s, h]) -> (dq, dk, dv)``, jitted: cuDNN's flash backward (``smoke``: XLA's)."""
   if smoke:  # no cuDNN on the CPU: XLA's derivative of the plain attention
     return jax.jit(lambda *a: registry.local("xla").backward.whole(*a, causal))
   return jax.jit(lambda *a: cudnn_backward(*a, causal))
 
 
-def _ws_backward(causal: bool, smoke: bool, blocks: BackwardBlocks):
+def ws_backward_of(causal: bool, smoke: bool, blocks: BackwardBlocks):
+  """The same signature, jitted: our one-pass backward with ``blocks`` (``smoke``: in interpret mode)."""
   return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke, blocks=blocks))
 
 
@@ -133,14 +136,14 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
           "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   elif args.backward:
-    inputs = _backward_inputs(inputs, keys[3], causal, args.smoke)
-    contestants = [harness.Contestant("cudnn", "baseline", lambda: _cudnn_backward(causal, args.smoke),
+    inputs = backward_inputs(inputs, keys[3], causal, args.smoke)
+    contestants = [harness.Contestant("cudnn", "baseline", lambda: cudnn_backward_of(causal, args.smoke),
                                       "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
     for name in args.backward_steps:
       blocks = BACKWARD_STEPS[name]
       default = " (the default)" if blocks == ws_attention.BACKWARD else ""
       contestants.append(harness.Contestant(
-          name, "jaxmercury", lambda x=blocks: _ws_backward(causal, args.smoke, x),
+          name, "jaxmercury", lambda x=blocks: ws_backward_of(causal, args.smoke, x),
           f"kernels.attention_backward_ws, {config.changed(blocks) or 'its defaults'}{default}: dq, dk, dv in one "
           "pass (ws_attention.whole)", record={"blocks": dataclasses.asdict(blocks)}))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
@@ -213,7 +216,7 @@ def main(argv=None):
   out = harness.header("ws_local", [])
   out["command"] = "python -m benchmarks.ws_local " + " ".join(sys.argv[1:] if argv is None else argv)
   out["cases"] = []
-  for s in map(_seq, args.seqs):
+  for s in map(seq_length, args.seqs):
     for kv in args.kv:
       for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
         if time.time() > deadline:

@@ -31,15 +31,15 @@ def main(argv=None):
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
   args = parser.parse_args(argv)
-  s, h, d = ws_local._seq(args.seq), args.heads, args.head_dim
+  s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
   keys = jax.random.split(jax.random.key(s + 7 * args.kv + args.causal), 4)
   inputs = [jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)]
   inputs += [jax.random.normal(key, (1, s, args.kv, d), jnp.bfloat16) for key in keys[1:3]]
-  inputs = ws_local._backward_inputs(inputs, keys[3], args.causal, args.smoke)
-  contestants = {"cudnn": ws_local._cudnn_backward(args.causal, args.smoke)}
-  contestants |= {name: ws_local._ws_backward(args.causal, args.smoke, ws_local.BACKWARD_STEPS[name])
+  inputs = ws_local.backward_inputs(inputs, keys[3], args.causal, args.smoke)
+  contestants = {"cudnn": ws_local.cudnn_backward_of(args.causal, args.smoke)}
+  contestants |= {name: ws_local.ws_backward_of(args.causal, args.smoke, ws_local.BACKWARD_STEPS[name])
                   for name in args.variants}
   reference = jax.block_until_ready(contestants["cudnn"](*inputs))
   tolerance = measure.gradient_tolerance(jnp.bfloat16)

@@ -273,12 +273,12 @@ def test_ws_profile_smoke(capsys, monkeypatch):
   """The profiler's driver runs each backward after checking its gradients, and refuses one that computes others."""
   ws_profile.main(["--smoke", "--variants", "ws_default", "--reps", "2"])
   assert "ws_default: 2 profiled calls" in capsys.readouterr().out
-  real = ws_local._ws_backward
+  real = ws_local.ws_backward_of
 
   def swapped(*args):  # dk and dv exchanged: a kernel that computes something else
     fn = real(*args)
     return lambda *a: (lambda dq, dk, dv: (dq, dv, dk))(*fn(*a))
-  monkeypatch.setattr(ws_local, "_ws_backward", swapped)
+  monkeypatch.setattr(ws_local, "ws_backward_of", swapped)
   with pytest.raises(SystemExit, match="ws_default: dk differs from cuDNN's"):
     ws_profile.main(["--smoke", "--variants", "ws_default"])
 
