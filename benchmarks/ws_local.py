@@ -11,7 +11,7 @@ against the ring schedule lowered with the kernel (``lower_with("fused_ring_atte
 the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
 backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
 output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours in each of
-``BACKWARD_STEPS`` (its waits and item orders, ``BackwardBlocks``), gradients checked against cuDNN's. TFLOP/s
+``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``), gradients checked against cuDNN's. TFLOP/s
 count a causal mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 """
@@ -91,6 +91,12 @@ def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fus
   return measure.training_step(traced)
 
 
+def random_qkv(keys, b: int, s: int, h: int, kv: int, d: int) -> list:
+  """Fresh bf16 ``q [b, s, h, d]``, ``k, v [b, s, kv, d]`` from the first three of ``keys``."""
+  q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
+  return [q] + [jax.random.normal(key, (b, s, kv, d), jnp.bfloat16) for key in keys[1:3]]
+
+
 def backward_inputs(inputs, key, causal: bool, smoke: bool):
   """``(q, k, v, o, do, lse [b, s, h])``: the forward's output and log-sum-exp from the kernel (one device)."""
   q, k, v = inputs
@@ -114,8 +120,7 @@ def ws_backward_of(causal: bool, smoke: bool, blocks: BackwardBlocks):
 def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict:
   b, h, d = args.batch, args.heads, args.head_dim
   keys = jax.random.split(jax.random.key(args.seed + s + 7 * kv + causal), 4)
-  inputs = [jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)]
-  inputs += [jax.random.normal(key, (b, s, kv, d), jnp.bfloat16) for key in keys[1:3]]
+  inputs = random_qkv(keys, b, s, h, kv, d)
   impl = "xla" if args.smoke else "cudnn"
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
   label = f'jax.nn.dot_product_attention(implementation="{impl}")'

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks import ws_local
+from benchmarks import harness, ws_local
 from jaxmercury.tuner import measure
 
 
@@ -35,9 +35,7 @@ def main(argv=None):
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
   keys = jax.random.split(jax.random.key(s + 7 * args.kv + args.causal), 4)
-  inputs = [jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)]
-  inputs += [jax.random.normal(key, (1, s, args.kv, d), jnp.bfloat16) for key in keys[1:3]]
-  inputs = ws_local.backward_inputs(inputs, keys[3], args.causal, args.smoke)
+  inputs = ws_local.backward_inputs(ws_local.random_qkv(keys, 1, s, h, args.kv, d), keys[3], args.causal, args.smoke)
   contestants = {"cudnn": ws_local.cudnn_backward_of(args.causal, args.smoke)}
   contestants |= {name: ws_local.ws_backward_of(args.causal, args.smoke, ws_local.BACKWARD_STEPS[name])
                   for name in args.variants}
@@ -46,9 +44,7 @@ def main(argv=None):
   for name, fn in contestants.items():
     grads = jax.block_until_ready(fn(*inputs))  # the warm-up call, checked
     for label, got, want in zip(("dq", "dk", "dv"), grads, reference):
-      want = want.astype(jnp.float32)
-      err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-      if not err <= tolerance:
+      if not (err := harness.rel_err(got, want)) <= tolerance:
         raise SystemExit(f"{name}: {label} differs from cuDNN's by {err:.3g} (relative Frobenius, over {tolerance})")
     for _ in range(args.reps):
       jax.block_until_ready(fn(*inputs))

@@ -448,9 +448,9 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
         if mask_from is None:
           return pt
-        rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
-        cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
-        return jnp.where(cols - rows >= mask_from, pt, 0.0)
+        key = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
+        query = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
+        return jnp.where(query - key >= mask_from, pt, 0.0)
 
       def step(carry, n, bi, hq, t, mask_from):
         """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added."""

@@ -140,7 +140,7 @@ def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, inte
 def whole(q, k, v, o, do, lse, causal: bool, *, interpret: bool = False, blocks: BackwardBlocks = BACKWARD):
   """``(dq, dk, dv)`` of a device's whole attention in one kernel call, in the inputs' dtypes: ``q, o, do
   [b, i, heads, d]``, ``k, v [b, j, kv heads, d]``, ``lse [b, i, heads]`` (natural log); ``blocks`` the backward
-  kernel's tiles, waits and item order (benchmarks compare them)."""
+  kernel's configuration (``BackwardBlocks``; benchmarks compare them)."""
   dq, dk, dv = attention_backward_ws(q, k, v, o, do.astype(q.dtype), jnp.transpose(lse, (0, 2, 1)).astype(F32),
                                      causal=causal, blocks=blocks, interpret=interpret)
   return dq.astype(q.dtype), dk, dv
