@@ -59,6 +59,9 @@ BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", reg
                   "ws_shared": BackwardBlocks(specialized=False),  # the default before specialized consumers
                   "ws_one_step": BackwardBlocks(one_step=True),
                   "ws_one_step_specialized": BackwardBlocks(one_step=True, specialized=True),
+                  "ws_items": BackwardBlocks(persistent=False),  # a CTA per item: heads in turn, longest first
+                  "ws_items_pairs": BackwardBlocks(persistent=False, order="pairs"),
+                  "ws_items_one_step": BackwardBlocks(persistent=False, one_step=True, specialized=True),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers; without a mask heads, specialized
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only

@@ -99,12 +99,19 @@ Items: the grid is persistent (one CTA per SM), its items ranked by
           CTAs running side by side share a head (its queries and dq rows
           in L2); causal, a round would hold the longest pairs of one head
           beside the shortest of the last
-  auto    (the default) heads without a mask, pairs under a causal one
+  auto    (the default) heads without a mask, pairs under a causal one;
+          heads without a persistent grid
 
 CTA ``c`` takes ranks ``i grid + c`` in its even rounds and
 ``i grid + grid - 1 - c`` in its odd ones (snake order, which evens out
 causal work), so a part-filled last round goes to the first CTAs if it is
 even and to the last ones if it is odd.
+
+With ``persistent=False`` the grid has one CTA per item, CTA ``c`` running
+rank ``c``: the hardware starts the next CTA on an SM as one ends there, so
+the items balance as they finish (the causal pairs of a head, longest
+first, without the load imbalance of a persistent ``heads`` order), at the
+cost of a CTA's start (barriers, register split, the first loads) per item.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
@@ -158,7 +165,8 @@ class BackwardBlocks:
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
   warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
-  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles (module docstring)."""
+  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles; ``persistent``, one CTA
+  per SM running items in turn, or (``False``) one CTA per item, in rank order (module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -169,6 +177,7 @@ class BackwardBlocks:
   early_loads: bool = param(False, True)
   specialized: bool | None = param(None, True, False)
   one_step: bool = param(False, True)
+  persistent: bool = param(True, False)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -192,6 +201,8 @@ class BackwardBlocks:
       return f"order={self.order!r} must be one of {list(ORDERS)}"
     if self.specialized not in (None, True, False):
       return f"specialized={self.specialized!r} must be None (by the mask), True or False"
+    if self.persistent not in (True, False):
+      return f"persistent={self.persistent!r} must be True (one CTA per SM) or False (one CTA per item)"
     if self.registers not in REGISTER_SPLITS:
       return f"registers={self.registers} must be one of {list(REGISTER_SPLITS)} (consumer warpgroups' per thread)"
     if self.max_concurrent_steps < 2:
@@ -218,7 +229,8 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
       row that kept no key: its gradients are zero).
     causal: query ``i`` sees keys ``j <= i`` (``s_q == s_kv``).
     blocks: the tiles (``BackwardBlocks``).
-    num_ctas: CTAs of the persistent grid (default the device's SM count; ``INTERPRET_CTAS`` in interpret mode).
+    num_ctas: CTAs of the persistent grid (default the device's SM count; ``INTERPRET_CTAS`` in interpret mode;
+      not used where ``blocks.persistent`` is False).
     interpret: Mosaic GPU interpret mode (CPU).
 
   Returns:
@@ -279,13 +291,13 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   keys = CONSUMERS * bkv  # key rows per item
   nq, pairs = s // bq, skv // keys
   work = b * kv * pairs
-  grid = min(work, num_ctas)
+  grid = min(work, num_ctas) if blocks.persistent else work
   dq_cols = _dq_columns(d)
   split = dq_cols < d  # each consumer half of dq's columns, from both key tiles
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = (PAIRS if causal else HEADS) if blocks.order == AUTO else blocks.order
+  order = (PAIRS if causal and blocks.persistent else HEADS) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
 
