@@ -1,8 +1,9 @@
 """Our one-pass attention backward kernel and ``ws_attention`` without a GPU.
 
 The kernel (``kernels.attention_backward_ws``) runs in Mosaic GPU interpret mode on one device against the
-float32 derivative of plain attention, on persistent grids whose last round of items is whole, part-filled in
-an even round and part-filled in an odd one (the snake order hands an odd round's items to the last CTAs); its
+float32 derivative of plain attention, with a CTA per item and on persistent grids whose last round of items is
+whole, part-filled in an even round and part-filled in an odd one (the snake order hands an odd round's items to
+the last CTAs); its
 input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local kernel)
 on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
 attention configured with ``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the
@@ -45,8 +46,8 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 
 # each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
 # side by side order (two batches among them); two with the rows read early and the narrower register split; two
-# with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); two with a CTA per
-# item (its ctas unused)
+# with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); all of them on a
+# persistent grid of ctas CTAs but two, with a CTA per item (the default)
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -59,9 +60,9 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
 def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  blocks = BackwardBlocks(**changes)
-  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, num_ctas=ctas,
-                                                 interpret=True))(*args)
+  blocks = BackwardBlocks(**{"persistent": True} | changes)  # ctas CTAs, unless a change says one per item
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks,
+                                                 num_ctas=ctas if blocks.persistent else None, interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
     assert g.shape == w.shape and g.dtype == dtype
     err = rel_err(g, w)
@@ -87,7 +88,8 @@ def test_rows_without_keys_have_no_gradient():
     (dict(skv=256, causal=True), "causal takes queries and keys at the same positions"),
     (dict(s=160), "s_q=160 must be a multiple of block_q=64 and s_kv=128 of 2 \\* block_kv = 128"),
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
-    (dict(num_ctas=0), "num_ctas=0 must be a positive int"),
+    (dict(num_ctas=0, persistent=True), "num_ctas=0 must be a positive int"),
+    (dict(num_ctas=4), "num_ctas=4 sizes a persistent grid, but blocks.persistent is False"),
     (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
     (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]"),
     (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
@@ -110,7 +112,7 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
-                            BackwardBlocks(persistent=False)])
+                            BackwardBlocks(persistent=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

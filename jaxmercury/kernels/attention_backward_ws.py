@@ -21,7 +21,7 @@ Loop nest before (the dual programs, per device)::
 After (this kernel; per CTA, three warpgroups run concurrently)::
 
   memory warpgroup (24 registers; 40 with ``registers=232``):
-    for item (bi, kv head kh, key pair u) of this CTA:     # persistent grid, snake order
+    for item (bi, kv head kh, key pair u) of this CTA:     # one; persistent grid: several, snake order
       wait until the consumers stored the last item's dk, dv (K/V SMEM free)
       TMA k, v rows [2 u block_kv, +2 block_kv) -> SMEM   # consumer w's tile: rows w block_kv ..
       for query head hq of kh's group, for query tile t that sees the keys:
@@ -89,29 +89,30 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Items: the grid is persistent (one CTA per SM), its items ranked by
-``order``:
+Items: ranked by ``order``:
 
   pairs   rank ``r`` is key pair ``r // (b kv)`` of (batch, kv head)
           ``r % (b kv)``: every head runs at once, the key pairs that see
           the most causal queries first
   heads   key pair ``r % pairs`` of (batch, kv head) ``r // pairs``: the
           CTAs running side by side share a head (its queries and dq rows
-          in L2); causal, a round would hold the longest pairs of one head
-          beside the shortest of the last
-  auto    (the default) heads without a mask, pairs under a causal one;
-          heads without a persistent grid
+          in L2); causal, the longest pairs of each head first
+  auto    (the default) heads without a mask, pairs under a causal one
 
-CTA ``c`` takes ranks ``i grid + c`` in its even rounds and
-``i grid + grid - 1 - c`` in its odd ones (snake order, which evens out
-causal work), so a part-filled last round goes to the first CTAs if it is
-even and to the last ones if it is odd.
+and run by a grid of (``persistent``):
 
-With ``persistent=False`` the grid has one CTA per item, CTA ``c`` running
-rank ``c``: the hardware starts the next CTA on an SM as one ends there, so
-the items balance as they finish (the causal pairs of a head, longest
-first, without the load imbalance of a persistent ``heads`` order), at the
-cost of a CTA's start (barriers, register split, the first loads) per item.
+  one CTA per item (the default): CTA ``c`` runs rank ``c``, and the
+          hardware starts the next CTA on an SM as one ends there, so the
+          items balance as they end (longest first, under a causal mask);
+          each item pays a CTA's start (barriers, register split, the first
+          loads). On an H100 it was 0.95-1.24x of cuDNN from S4K to S32K
+          where the persistent grid was 0.78-1.09x (docs/benchmarks.md).
+  one CTA per SM (``persistent=True``): CTA ``c`` takes ranks ``i grid + c``
+          in its even rounds and ``i grid + grid - 1 - c`` in its odd ones
+          (snake order, which evens out causal work), so a part-filled last
+          round goes to the first CTAs if it is even and to the last ones if
+          it is odd. Its rounds of a causal ``heads`` order hold the longest
+          pairs of one head beside the shortest of the last.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
@@ -166,7 +167,7 @@ class BackwardBlocks:
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
   warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
   not under a causal one); ``one_step``, one copy of the step for masked and visible tiles; ``persistent``, one CTA
-  per SM running items in turn, or (``False``) one CTA per item, in rank order (module docstring)."""
+  per SM running items in turn, or (``False``, the default) one CTA per item, in rank order (module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -177,7 +178,7 @@ class BackwardBlocks:
   early_loads: bool = param(False, True)
   specialized: bool | None = param(None, True, False)
   one_step: bool = param(False, True)
-  persistent: bool = param(True, False)
+  persistent: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -229,8 +230,8 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
       row that kept no key: its gradients are zero).
     causal: query ``i`` sees keys ``j <= i`` (``s_q == s_kv``).
     blocks: the tiles (``BackwardBlocks``).
-    num_ctas: CTAs of the persistent grid (default the device's SM count; ``INTERPRET_CTAS`` in interpret mode;
-      not used where ``blocks.persistent`` is False).
+    num_ctas: CTAs of a persistent grid (``blocks.persistent``; default the device's SM count, ``INTERPRET_CTAS``
+      in interpret mode).
     interpret: Mosaic GPU interpret mode (CPU).
 
   Returns:
@@ -240,6 +241,9 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
     PreconditionError: shapes, dtypes or tiles the kernel does not take (module docstring).
   """
   _check(q, k, v, o, do, lse, causal, blocks)
+  if num_ctas is not None and not blocks.persistent:
+    raise PreconditionError(f"{NAME}: num_ctas={num_ctas!r} sizes a persistent grid, but blocks.persistent is False "
+                            "(one CTA per item); pass BackwardBlocks(persistent=True) with it, or no num_ctas")
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)  # a row without keys: p = exp2(-inf) = 0
   grid = num_ctas if num_ctas is not None else (None if interpret else sm_count()) or INTERPRET_CTAS
@@ -297,7 +301,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = (PAIRS if causal and blocks.persistent else HEADS) if blocks.order == AUTO else blocks.order
+  order = (PAIRS if causal else HEADS) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
 

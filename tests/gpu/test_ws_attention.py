@@ -29,13 +29,17 @@ GRAD_TOL = 3e-2
     (1, 1024, 1024, 4, 4, 128, False, None), (1, 1024, 1024, 8, 2, 128, True, None), (2, 512, 512, 4, 1, 64, True, None),
     (1, 2048, 2048, 4, 2, 64, False, None), (1, 512, 1536, 4, 2, 128, False, None),
     (1, 4096, 4096, 8, 2, 128, True, None),
-    (1, 4096, 4096, 32, 8, 128, False, None),  # 256 items over the SMs: a part-filled odd last round (H100, H200)
+    (1, 4096, 4096, 32, 8, 128, False, "sms"),  # 256 items over the SMs: a part-filled odd last round (H100, H200)
+    (1, 4096, 4096, 8, 2, 128, True, "sms"),
     (1, 1024, 1024, 4, 2, 128, True, 3)])  # 16 items over 3 CTAs: the same, causal
 def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
-  """MHA, GQA and MQA, head dims 64 and 128, causal and not, more keys than queries, several items per CTA, grids
-  whose last round of items is whole and part-filled."""
+  """MHA, GQA and MQA, head dims 64 and 128, causal and not, more keys than queries; a CTA per item (``ctas``
+  None, the default), and persistent grids (one CTA per SM, or ``ctas``) running several items per CTA, their last
+  round of items whole and part-filled."""
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, num_ctas=ctas))(*args)
+  blocks = BackwardBlocks(persistent=ctas is not None)
+  num_ctas = ctas if isinstance(ctas, int) else None
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, num_ctas=num_ctas))(*args)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert g.shape == w.shape
     err = rel_err(g.astype(jnp.float32), w)
@@ -47,12 +51,15 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
                          + [dict(early_loads=True), dict(registers=232),
                             dict(waits="paired", early_loads=True, registers=232),
                             dict(specialized=True), dict(specialized=True, order="pairs"), dict(one_step=True),
-                            dict(one_step=True, specialized=True)])
+                            dict(one_step=True, specialized=True), dict(persistent=True),
+                            dict(persistent=True, specialized=True, order="pairs"),
+                            dict(order="heads"), dict(order="pairs")])
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
     (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
 def test_variants_match_float32(b, s, skv, h, kv, d, causal, changes):
   """Every way of waiting on the tensor cores, both item orders, the early rows, both register splits, the
-  consumers' own copies of the code and one copy of the step (``BackwardBlocks``) give the float32 derivative."""
+  consumers' own copies of the code, one copy of the step and both grids (``BackwardBlocks``) give the float32
+  derivative."""
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
   blocks = BackwardBlocks(**changes)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks))(*args)
