@@ -11,6 +11,8 @@
 #   tests-gemm       the fused GEMM kernels (every tile variant, 1 GPU and all GPUs)
 #   tests-attention  the fused ring attention, causal and not
 #   tests-attention-ws  the warp-specialized fused ring attention, its pipelined consumers too
+#   tests-ws-backward  our one-pass attention backward kernel (every BackwardBlocks variant), ws_attention, and the
+#                    fused ring attention with our backward on every GPU
 #   tests-lowering   every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
@@ -32,8 +34,8 @@
 #   moe-gemm         only the grouped GEMMs of stage moe (ragged_dot and the Mosaic grouped GEMM side by side)
 #   tests-moe        tests/gpu/test_grouped_gemm.py (the Mosaic grouped GEMM against ragged_dot; in a MoE schedule)
 #   ws-backward      one GPU: our one-pass attention backward kernel against cuDNN's flash backward, B1 H32 D128
-#                    S 4K-32K (benchmarks.ws_local --backward), its GPU tests, and the training steps of the fused ring
-#                    attention with cuDNN's backward and with ours at S 16K 32K GQA
+#                    S 4K-32K (benchmarks.ws_local --backward), and the training steps of the fused ring attention
+#                    with cuDNN's backward and with ours at S 16K 32K GQA (its GPU tests: tests-ws-backward)
 #   ws-profile       one GPU: ptxas's registers and spills for each of our backward's PROFILE_VARIANTS (compiled at
 #                    S1K, causal and not), then Nsight Compute on cuDNN's backward and ours at S16K KV32
 #                    (PROFILE_ARGS, e.g. "--causal"): report, details page, the stall summary (benchmarks.ncu_source)
@@ -69,6 +71,7 @@ for stage in "$@"; do
         tests/gpu/test_fused_matmul_reducescatter.py ;;
     tests-attention) tests "$stage" 540 tests/gpu/test_fused_ring_attention.py ;;
     tests-attention-ws) tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
+    tests-ws-backward) tests "$stage" 480 tests/gpu/test_ws_attention.py ;;
     tests-lowering) tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
@@ -105,8 +108,7 @@ for stage in "$@"; do
           > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       }
-      local_suite "$stage" 200 --backward --backward_steps ws_shared ws_default --seqs 4K 8K 16K 32K
-      tests "tests-ws-attention" 240 tests/gpu/test_ws_attention.py
+      local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_default --seqs 4K 8K 16K 32K
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
     ws-profile)
       variants=${PROFILE_VARIANTS:-ws_shared ws_default ws_one_step ws_one_step_specialized}

@@ -68,6 +68,7 @@ BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", reg
                                                       specialized=True),
                   "ws_items_specialized": BackwardBlocks(persistent=False, specialized=True),
                   "ws_persistent": BackwardBlocks(persistent=True),  # the default before a CTA per item
+                  "ws_deferred_dq": BackwardBlocks(deferred_dq=True),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
                                                    # specialized; under a causal one pairs
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")

@@ -47,14 +47,17 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
 # side by side order (two batches among them); two with the rows read early and the narrower register split; two
 # with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); all of them on a
-# persistent grid of ctas CTAs but two, with a CTA per item (the default)
+# persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
+# fence (d 64 and 128, several items per CTA, causal and not)
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
                  + [(*case, dict(waits="paired", order="heads")) for case in KERNEL_CASES[1:]]
                  + [(*case, EARLY) for case in KERNEL_CASES[::3]]
                  + [(*case, SPECIALIZED) for case in KERNEL_CASES[:2]]
-                 + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]])
+                 + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]]
+                 + [(*case, dict(waits="paired", deferred_dq=True)) for case in KERNEL_CASES[1:3]]
+                 + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -94,7 +97,8 @@ def test_rows_without_keys_have_no_gradient():
     (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]"),
     (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
     (dict(specialized="yes"), "specialized='yes' must be None \\(by the mask\\), True or False"),
-    (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)")])
+    (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)"),
+    (dict(deferred_dq="no"), "deferred_dq='no' must be True or False")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
@@ -112,7 +116,7 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
-                            BackwardBlocks(persistent=True)])
+                            BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
