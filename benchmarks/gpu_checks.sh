@@ -108,7 +108,7 @@ for stage in "$@"; do
           > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       }
-      local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_default --seqs 4K 8K 16K 32K
+      local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_immediate_dq ws_default --seqs 4K 8K 16K 32K
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
     ws-profile)
       variants=${PROFILE_VARIANTS:-ws_shared ws_default ws_one_step ws_one_step_specialized}

@@ -45,32 +45,35 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "split_tail": dict(pipeline=Pipeline(), pipelined=False),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
          "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
-# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``); each
-# name pins what changed after it (``registers``, ``persistent``), so it still means the kernel measured under it.
-BACKWARD_STEPS = {"ws_serial": BackwardBlocks(waits="serial", order="pairs", registers=232, persistent=True),
-                  "ws_paired": BackwardBlocks(waits="paired", order="pairs", registers=232, persistent=True),
-                  "ws_overlapped": BackwardBlocks(waits="overlapped", order="pairs", registers=232, persistent=True),
-                  "ws_heads": BackwardBlocks(waits="overlapped", order="heads", registers=232, persistent=True),
-                  "ws_serial_heads": BackwardBlocks(waits="serial", order="heads", registers=232, persistent=True),
-                  # the default before the wider register split
-                  "ws_regs232": BackwardBlocks(registers=232, persistent=True),
-                  "ws_early": BackwardBlocks(early_loads=True, registers=232, persistent=True),
-                  "ws_early_regs240": BackwardBlocks(early_loads=True, persistent=True),
-                  "ws_paired_regs240": BackwardBlocks(waits="paired", persistent=True),
-                  "ws_specialized": BackwardBlocks(specialized=True, persistent=True),
-                  # the default before specialized consumers
-                  "ws_shared": BackwardBlocks(specialized=False, persistent=True),
-                  "ws_one_step": BackwardBlocks(one_step=True, persistent=True),
-                  "ws_one_step_specialized": BackwardBlocks(one_step=True, specialized=True, persistent=True),
-                  "ws_items": BackwardBlocks(persistent=False, order="heads"),  # a CTA per item, heads in turn
-                  "ws_items_pairs": BackwardBlocks(persistent=False, order="pairs"),
-                  "ws_items_one_step": BackwardBlocks(persistent=False, order="heads", one_step=True,
-                                                      specialized=True),
-                  "ws_items_specialized": BackwardBlocks(persistent=False, specialized=True),
-                  "ws_persistent": BackwardBlocks(persistent=True),  # the default before a CTA per item
+# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``). Each
+# name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step), so that it still
+# means the kernel measured under it.
+def _as_of(**changes) -> BackwardBlocks:
+  return BackwardBlocks(**{"persistent": True, "deferred_dq": False} | changes)
+
+
+BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=232),
+                  "ws_paired": _as_of(waits="paired", order="pairs", registers=232),
+                  "ws_overlapped": _as_of(waits="overlapped", order="pairs", registers=232),
+                  "ws_heads": _as_of(waits="overlapped", order="heads", registers=232),
+                  "ws_serial_heads": _as_of(waits="serial", order="heads", registers=232),
+                  "ws_regs232": _as_of(registers=232),  # the default before the wider register split
+                  "ws_early": _as_of(early_loads=True, registers=232),
+                  "ws_early_regs240": _as_of(early_loads=True),
+                  "ws_paired_regs240": _as_of(waits="paired"),
+                  "ws_specialized": _as_of(specialized=True),
+                  "ws_shared": _as_of(specialized=False),  # the default before specialized consumers
+                  "ws_one_step": _as_of(one_step=True),
+                  "ws_one_step_specialized": _as_of(one_step=True, specialized=True),
+                  "ws_persistent": _as_of(),  # the default before a CTA per item
+                  "ws_items": _as_of(persistent=False, order="heads"),  # a CTA per item, heads in turn
+                  "ws_items_pairs": _as_of(persistent=False, order="pairs"),
+                  "ws_items_one_step": _as_of(persistent=False, order="heads", one_step=True, specialized=True),
+                  "ws_items_specialized": _as_of(persistent=False, specialized=True),
+                  "ws_immediate_dq": _as_of(persistent=False),  # the default before deferred dq
                   "ws_deferred_dq": BackwardBlocks(deferred_dq=True),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
-                                                   # specialized; under a causal one pairs
+                                                   # specialized, dq deferred; under a causal one pairs
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

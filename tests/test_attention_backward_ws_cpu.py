@@ -98,7 +98,7 @@ def test_rows_without_keys_have_no_gradient():
     (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
     (dict(specialized="yes"), "specialized='yes' must be None \\(by the mask\\), True or False"),
     (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)"),
-    (dict(deferred_dq="no"), "deferred_dq='no' must be True or False")])
+    (dict(deferred_dq="no"), "deferred_dq='no' must be None \\(by the mask\\), True or False")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
