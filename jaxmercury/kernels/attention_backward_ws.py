@@ -70,7 +70,7 @@ compare and a select per element), without one the masked loop, which runs
 no tile, is not emitted; so a consumer's hot code is one step, not two. On
 an H100, with specialized consumers under a causal mask on the persistent
 grid, it was 2-7% faster than two shared copies at S 8K-16K and 6-15%
-slower at S32K (two runs); with a CTA per item, 3-10% slower than two
+slower at S32K (two runs); with a CTA per item, 3-11% slower than two
 copies of the step at S 4K-32K (not the default).
 
 With ``deferred_dq``, a step's dq waits in the staging buffer until the next
@@ -116,8 +116,9 @@ and run by a grid of (``persistent``):
           hardware starts the next CTA on an SM as one ends there, so the
           items balance as they end (longest first, under a causal mask);
           each item pays a CTA's start (barriers, register split, the first
-          loads). On an H100 it was 0.95-1.24x of cuDNN from S4K to S32K
-          where the persistent grid was 0.78-1.09x (docs/benchmarks.md).
+          loads). On an H100 it was 0.98-1.15x of cuDNN's at S 4K-32K where
+          the persistent grid was 0.82-1.04x, in one process
+          (docs/benchmarks.md).
   one CTA per SM (``persistent=True``): CTA ``c`` takes ranks ``i grid + c``
           in its even rounds and ``i grid + grid - 1 - c`` in its odd ones
           (snake order, which evens out causal work), so a part-filled last
