@@ -1,10 +1,10 @@
 """Our one-pass attention backward kernel and ``ws_attention`` without a GPU.
 
 The kernel (``kernels.attention_backward_ws``) runs in Mosaic GPU interpret mode on one device against the float32
-derivative of plain attention, with a CTA per item and on persistent grids whose last round of items is whole, part-
-filled in an even round and part-filled in an odd one (the snake order hands an odd round's items to the last CTAs);
-its input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local kernel)
-on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
+derivative of plain attention, with a CTA per item and on persistent grids whose last round of items is whole,
+part-filled in an even round and part-filled in an odd one (the snake order hands an odd round's items to the last
+CTAs); its input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local
+kernel) on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
 attention configured with ``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the
 interpreter cannot run: it keeps one state for all devices) with its kernels stood in by XLA, which shows the ring's
 dk-dv partials travel right. The tuner offers our backward in training tunes, on GPUs too, and leaves a kernel
