@@ -511,7 +511,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
 
       def step(carry, n, bi, hq, t, mask_from):
         """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added (``deferred_dq``:
-        staged, and sent by the next step's fence; ``pending``, the staged tile's head and tile)."""
+        staged, and sent by the next step's fence; ``pending``, the staged tile's head and tile; None without)."""
         dk, dv, pending = carry
         flush = functools.partial(send_pending, bi, pending) if deferred else lambda: None
         slot, buf = lax.rem(n, slots), lax.rem(n, 2)
@@ -569,16 +569,17 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
             carry = lax.fori_loop(t0, nq, masked if causal else visible, carry)
           return n + nq - t0, carry
 
-        none = (jnp.int32(0), jnp.int32(-1))  # no dq staged
+        none = (jnp.int32(0), jnp.int32(-1)) if deferred else None  # no dq staged
         n, (dk, dv, pending) = lax.fori_loop(0, g, head, (n, (zeros, zeros, none)))
         meet()  # the other consumer's last dq read this consumer's K rows
         k_own[...] = (dk * scale).astype(dtype)
         v_own[...] = dv.astype(dtype)
-        plgpu.commit_smem()  # (deferred_dq: the item's last dq too)
+        plgpu.commit_smem()  # (deferred: the item's last dq too)
         out_rows = pl.ds(first_key, bkv)
         plgpu.copy_smem_to_gmem(k_own, dk_ref.at[bi, out_rows, kh])
         plgpu.copy_smem_to_gmem(v_own, dv_ref.at[bi, out_rows, kh])
-        send_pending(bi, pending)
+        if deferred:
+          send_pending(bi, pending)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(kv_free)
         return n
