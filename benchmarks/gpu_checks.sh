@@ -39,6 +39,9 @@
 #   ws-profile       one GPU: ptxas's registers and spills for each of our backward's PROFILE_VARIANTS (compiled at
 #                    S1K, causal and not), then Nsight Compute on cuDNN's backward and ours at S16K KV32
 #                    (PROFILE_ARGS, e.g. "--causal"): report, details page, the stall summary (benchmarks.ncu_source)
+#   ws-kernels       one GPU: each kernel's time in one training step of cuDNN's attention and of the fused ring
+#                    attention with cuDNN's backward and ours (Nsight Compute's durations, benchmarks.ncu_kernels),
+#                    KERNELS_ARGS (default "--seq 32K --kv 8 --causal")
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -128,6 +131,16 @@ for stage in "$@"; do
       "$ncu" -i "$W/$stage.ncu-rep" --page source --csv --print-source sass > "$W/$stage-source.csv" 2>&1
       for kernel in bprop attention_backward_ws; do
         python3 -m benchmarks.ncu_source "$W/$stage-source.csv" "$kernel" >> "$W/$stage-stalls.txt" 2>&1
+      done ;;
+    ws-kernels)
+      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      for step in cudnn ws ws_own; do  # one step per process: every kernel it launches is that step's
+        timeout "${STAGE_LIMIT:-200}" "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum \
+          -o "$W/$stage-$step" python3 -m benchmarks.ws_profile --training --step "$step" --reps 1 \
+          ${KERNELS_ARGS:---seq 32K --kv 8 --causal} > "$W/$stage-$step.log" 2>&1
+        echo "$stage-$step rc=$?" | tee -a "$W/stages.txt"
+        "$ncu" -i "$W/$stage-$step.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum > "$W/$stage-$step.csv" 2>&1
+        python3 -m benchmarks.ncu_kernels "$W/$stage-$step.csv" --calls 2 > "$W/$stage-$step.txt" 2>&1
       done ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac

@@ -7,6 +7,12 @@ Each contestant runs ``--reps`` times after one warm-up call, so that a profiler
 (``--launch-skip``/``--launch-count``) sees compiled, warm launches. The inputs are ``benchmarks.ws_local``'s
 (B1 H32 D128 bf16, the forward's output and log-sum-exp from our forward kernel); our gradients are checked against
 cuDNN's before the profiled calls, so a profile is never of a kernel that computes something else.
+
+``--training --step NAME`` runs one training step of ``benchmarks.ws_local --training`` instead (``cudnn``: the
+vjp of cuDNN's attention; ``ws``, ``ws_own``: the fused ring attention's schedule with cuDNN's backward or ours),
+a warm-up call and ``--reps`` more, on inputs made on the host, so that every kernel the process launches belongs
+to a call of that step (``benchmarks.ncu_kernels`` divides by the calls). Nothing else runs to check it: the same
+step at the same commit is checked against cuDNN's by ``ws_local --training``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,32 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 from benchmarks import harness, ws_local
 from jaxmercury.tuner import measure
+
+TRAINING_STEPS = ("cudnn", "ws", "ws_own")
+
+
+def training(args, s: int, h: int, d: int) -> None:
+  """``args.step``'s training step, a warm-up call and ``args.reps`` more, on inputs made on the host."""
+  rng = np.random.default_rng(s + 7 * args.kv + args.causal)
+  host = lambda *shape: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
+  inputs = [jax.device_put(x) for x in (host(1, s, h, d), host(1, s, args.kv, d), host(1, s, args.kv, d),
+                                        host(1, s, h, d))]
+  if args.step == "cudnn":
+    impl = "xla" if args.smoke else "cudnn"
+    step = measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                                              implementation=impl))
+  else:
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"backward": "ws_attention"} if args.step == "ws_own" else {}
+    step = ws_local._schedule_step(mesh, 1, s, h, args.kv, d, args.causal, args.smoke, **params)
+  for _ in range(1 + args.reps):
+    jax.block_until_ready(step(*inputs))
+  print(f"{args.step}: {1 + args.reps} calls of the training step (the first a warm-up)", flush=True)
 
 
 def main(argv=None):
@@ -29,11 +58,15 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)
+  parser.add_argument("--training", action="store_true", help="one training step, --step, alone in the process")
+  parser.add_argument("--step", default="ws", choices=TRAINING_STEPS)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
   args = parser.parse_args(argv)
   s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
+  if args.training:
+    return training(args, s, h, d)
   keys = jax.random.split(jax.random.key(s + 7 * args.kv + args.causal), 4)
   inputs = ws_local.backward_inputs(ws_local.random_qkv(keys, 1, s, h, args.kv, d), keys[3], args.causal, args.smoke)
   contestants = {"cudnn": ws_local.cudnn_backward_of(args.causal, args.smoke)}

@@ -6,6 +6,7 @@ checks the numerics and the backward. Rings of several GPUs run in
 tests/gpu/test_fused_lowering.py.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -21,6 +22,8 @@ from jaxmercury.analysis import memory, placements
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import jax_allgather_matmul, registry
 from jaxmercury.lowering import fused as lowering_fused
+from jaxmercury.lowering import lower
+from jaxmercury.schedules import dual
 from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import cost
 from jaxmercury.tuner.candidates import Candidate
@@ -470,3 +473,48 @@ def test_a_fused_ring_attentions_gradients_come_from_its_own_residuals(lowering,
   for name, got, ref in zip("qkv", grads, want_vjp(cot)):
     assert got.dtype == jnp.bfloat16
     assert rel_err(got.astype(jnp.float32), ref) < 3e-2, f"d{name}"
+
+
+def _shapes(jaxpr):
+  """The shapes of every value ``jaxpr`` and the jaxprs inside it make."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval.shape for v in eqn.outvars)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _shapes(inner)
+
+
+@pytest.mark.parametrize("kind,where", [("explicit", "inside"), ("explicit", "outside"), ("auto", "inside")])
+def test_a_fused_ring_attention_keeps_its_residuals_apart_on_either_axis_type(kind, where):
+  """Interpreted on a one-device mesh of Explicit or Auto axes, inside ``jax.set_mesh`` or not: the forward that
+  keeps the backward's residuals returns the output in bf16 and the log-sum-exp apart (no float32 ``[..., d + 1]``
+  array is made: packing them cost a float32 copy of the output and back), and the gradients are the
+  reference's."""
+  types = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(types[kind],), devices=jax.devices()[:1])
+  prog = _attention(256, causal=True)
+  s = jm.library(prog, mesh)["ring"].copy().lower_with(WS_RING, block_kv=64)
+  q, k, v = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
+  context = jax.set_mesh(mesh) if where == "inside" else contextlib.nullcontext()
+  with context:
+    f = s.compile()
+    step = lambda *a: jax.vjp(lambda *x: f(*x).astype(jnp.float32), *a)[1](cot)
+    shapes = list(_shapes(jax.make_jaxpr(step)(q, k, v).jaxpr))
+    grads = jax.jit(step)(q, k, v)
+  d = prog.params["head_dim"]
+  assert not [x for x in shapes if x and x[-1] == d + 1], shapes
+  f32 = jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
+  _, want_vjp = jax.vjp(f32.reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, got, ref in zip("qkv", grads, want_vjp(cot)):
+    assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
+    assert rel_err(got.astype(jnp.float32), ref) < 3e-2, f"d{name}"
+
+
+def test_an_output_leaves_in_parts_only_along_a_whole_last_axis():
+  """``lower``'s ``widths`` (an output returned in parts) must sum to the output's last axis."""
+  mesh = _one_device_mesh()
+  with_lse = dual.with_lse_schedule(jm.library(_attention(256), mesh)["ring"])
+  with pytest.raises(ValueError, match=r"output 'olse' cannot leave in parts \(64, 2\) along axis 'e' \(extent 65\)"):
+    lower(with_lse, per_device=lambda *blocks: blocks, widths=(64, 2))

@@ -644,9 +644,9 @@ def per_device(kernel, p, num_ctas, **blocks):
   """``kernel`` (a fused ring attention) on the stored blocks, ``q [b, s, hk, g, d]`` and ``k, v [b, s, hk, d]``,
   in the placement's mask and order; ``num_ctas()`` is asked when traced.
 
-  ``run(q, k, v)`` returns the output block; ``run(q, k, v, with_lse=True)`` the block of the backward's
-  residuals, ``[b, s, hk, g, d + 1]`` float32: the output, then the log-sum-exp (the ``attention_with_lse``
-  program's ``olse``).
+  ``run(q, k, v)`` returns the output block; ``run(q, k, v, with_lse=True)`` the blocks of the backward's
+  residuals, the parts of the ``attention_with_lse`` program's ``olse`` (``lower``'s ``widths``): the output
+  ``[b, s, hk, g, d]`` in its dtype and the log-sum-exp ``[b, s, hk, g, 1]`` float32.
   """
   def run(q, k, v, *, with_lse: bool = False):
     b, s, hk, g, d = q.shape
@@ -656,7 +656,7 @@ def per_device(kernel, p, num_ctas, **blocks):
     if not with_lse:
       return out
     lse = jnp.transpose(lse, (0, 2, 1)).reshape(b, s, hk, g, 1)  # [b, h, s] -> [b, s, hk, g, 1]
-    return jnp.concatenate([out.astype(jnp.float32), lse.astype(jnp.float32)], axis=-1)
+    return out, lse.astype(jnp.float32)
   return run
 
 

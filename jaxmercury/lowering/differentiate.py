@@ -31,10 +31,10 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
       forward's residuals, its ``backward_schedule``'s dual programs run the backward.
     forward: ``f(q, k, v, *extras) -> o`` (extras: a masked program's segment ids or mask array), run where
       nothing is differentiated.
-    forward_with_lse: ``with_lse_schedule -> g(q, k, v, *extras) -> olse``: the forward
-      that keeps the backward's residuals, built from the dual's
-      ``attention_with_lse`` schedule (a fused kernel's); default that
-      schedule compiled.
+    forward_with_lse: ``with_lse_schedule -> g(q, k, v, *extras) -> (o, lse)``: the
+      forward that keeps the backward's residuals, built from the dual's
+      ``attention_with_lse`` schedule (a fused kernel's, which returns the two
+      apart); default that schedule compiled, its ``olse`` cut in two.
   """
   prog = schedule.program
   if prog.pattern != "attention" or prog.params.get("emit_lse"):
@@ -42,7 +42,7 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
   d = prog.params["head_dim"]
   # The dual schedules are built now, with the forward: differentiating builds nothing (their plans included).
   with_lse = with_lse_schedule(schedule)
-  keep = forward_with_lse(with_lse) if forward_with_lse else with_lse.compile(differentiable=False)
+  keep = forward_with_lse(with_lse) if forward_with_lse else _apart(with_lse.compile(differentiable=False), d)
   backward = backward_schedule(schedule)
   _, dq_s, dkv_s = attention_duals(backward, joint=True)
   pullback = _backward(backward, dq_s, dkv_s)
@@ -52,9 +52,9 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
     return forward(q, k, v, *extras)
 
   def fwd(q, k, v, *extras):
-    y = keep(q, k, v, *extras)
-    o = y[..., :d].astype(q.dtype)
-    return o, (q, k, v, o, y[..., d], extras)
+    o, lse = keep(q, k, v, *extras)
+    o = o.astype(q.dtype)
+    return o, (q, k, v, o, lse, extras)
 
   def bwd(residuals, do):
     q, k, v, o, lse, extras = residuals
@@ -74,6 +74,14 @@ def differentiable(schedule, forward, *, forward_with_lse=None):
 
   attention.defvjp(fwd, bwd)
   return jax.jit(attention)
+
+
+def _apart(olse_of, d: int):
+  """``olse_of``'s output ``[..., d + 1]`` (``attention_with_lse``'s) as ``(o [..., d], lse [...])``."""
+  def run(*args):
+    y = olse_of(*args)
+    return y[..., :d], y[..., d]
+  return run
 
 
 def _backward(schedule, dq_s, dkv_s):

@@ -37,13 +37,20 @@ def attach(schedule, per_device):
 
   The forward under differentiation runs the kernel once, keeping its output
   and log-sum-exp (``per_device(..., with_lse=True)`` lowered on the dual's
-  ``attention_with_lse`` schedule, which stores them as the output); the
-  backward recomputes probabilities block by block from them. Nothing runs
-  twice and no score matrix is kept.
+  ``attention_with_lse`` schedule, whose output ``olse`` holds both: they
+  leave apart, as its parts, so the output stays in its dtype and is never
+  packed into float32); the backward recomputes probabilities block by block
+  from them. Nothing runs twice and no score matrix is kept.
   """
   forward = lower(schedule, jit=False, per_device=per_device)
 
   def keeping_residuals(with_lse):
-    return jax.jit(lower(with_lse, jit=False, per_device=functools.partial(per_device, with_lse=True)))
+    d = with_lse.program.params["head_dim"]
+    parts = lower(with_lse, jit=False, per_device=functools.partial(per_device, with_lse=True), widths=(d, 1))
+
+    def run(*inputs):
+      o, lse = parts(*inputs)
+      return o, lse[..., 0]
+    return jax.jit(run)
 
   return differentiable(dual.fused_loop_nest(schedule), forward, forward_with_lse=keeping_residuals)

@@ -15,7 +15,7 @@ from jaxmercury.lowering.nest import Nest
 from jaxmercury.lowering.storage_order import reorder
 
 
-def lower(schedule, *, jit: bool = True, per_device=None):
+def lower(schedule, *, jit: bool = True, per_device=None, widths: tuple[int, ...] | None = None):
   """Builds ``f(*inputs) -> output`` for a schedule.
 
   Inputs and the output are global arrays with the program's own shapes. The
@@ -29,22 +29,44 @@ def lower(schedule, *, jit: bool = True, per_device=None):
     per_device: a function of the inputs' stored blocks returning the
       output's stored block, run in place of the loop nest (a fused
       lowering); default the nest, with its collectives and reductions.
+    widths: ``per_device`` returns the output's block in parts cut along its
+      last axis, these wide (an attention kernel's output and log-sum-exp,
+      which the ``attention_with_lse`` program stores as one float32
+      array): ``f`` returns the parts, each as the output would leave, so
+      that they are never packed. The last axis must be its dimension's
+      only one, unsplit, unpadded and in natural order.
   """
   prog, mesh = schedule.program, schedule.mesh
   plan = schedule.plan()
   if per_device is None:
     per_device = _nest_per_device(schedule, plan)
+  out_spec = plan.spec(prog.writes.name)
+  if widths is not None:
+    _check_parts(schedule, out_spec, widths)
   mapped = jax.shard_map(
       per_device, mesh=mesh,
       in_specs=tuple(plan.spec(b.name) for b in prog.reads),
-      out_specs=plan.spec(prog.writes.name), check_vma=False)
+      out_specs=out_spec if widths is None else (out_spec,) * len(widths), check_vma=False)
   edges = _Edges(schedule, plan)
 
   def run(*inputs):
-    return edges.output(mapped(*edges.inputs(inputs)))
+    y = mapped(*edges.inputs(inputs))
+    return edges.output(y) if widths is None else tuple(edges.output(part, w) for part, w in zip(y, widths))
 
   run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
   return jax.jit(run) if jit else run
+
+
+def _check_parts(schedule, out_spec, widths) -> None:
+  """``lower``'s ``widths`` apply: they sum to the output's last axis, which nothing splits, pads or reorders."""
+  out = schedule.program.writes
+  last = out.axes[-1]
+  whole = len(out.dims[-1]) == 1 and not types.entries(out_spec, len(out.axes))[-1]
+  if (sum(widths) != out.canonical_shape[-1] or not whole or last in schedule.zigzags
+      or schedule.padded.get(last, out.canonical_shape[-1]) != out.canonical_shape[-1]):
+    raise ValueError(f"{schedule.program.name}: output {out.name!r} cannot leave in parts {widths} along axis "
+                     f"{last!r} (extent {out.canonical_shape[-1]}): the widths must sum to it, and the axis must be "
+                     "its dimension's only one, unsplit, unpadded and in natural order")
 
 
 def lower_joint(schedules, kernel, *, jit: bool = True):
@@ -150,13 +172,16 @@ class _Edges:
       canon.append(self._constrain(x, self.plan.spec(b.name)))
     return canon
 
-  def output(self, y):
+  def output(self, y, width: int | None = None):
+    """The output's stored block(s) as the program's output; ``width``: a part of it, that wide along its last
+    axis (``lower``'s ``widths``)."""
     out = self.s.program.writes
+    shape = out.canonical_shape if width is None else (*out.canonical_shape[:-1], width)
     if not self.explicit:  # XLA's propagation then starts from the layout the nest left
       y = self._constrain(y, self.plan.spec(out.name))
     y = self._reordered(y, out.axes, self.plan.spec(out.name), to_storage=False)
-    crop = tuple(slice(0, e) for e in out.canonical_shape)
-    cropped = [d for d, (a, e) in enumerate(zip(out.axes, out.canonical_shape)) if y.shape[d] != e]
+    crop = tuple(slice(0, e) for e in shape)
+    cropped = [d for d, e in enumerate(shape) if y.shape[d] != e]
     if cropped:
       spec = self.plan.spec(out.name) if not self.explicit else types.spec_of(y, self.mesh)
       y = self._constrain(y, types.whole(spec, y.ndim, cropped))
