@@ -9,10 +9,11 @@ Each contestant runs ``--reps`` times after one warm-up call, so that a profiler
 cuDNN's before the profiled calls, so a profile is never of a kernel that computes something else.
 
 ``--training --step NAME`` runs one training step of ``benchmarks.ws_local --training`` instead (``cudnn``: the
-vjp of cuDNN's attention; ``ws``, ``ws_own``: the fused ring attention's schedule with cuDNN's backward or ours),
-a warm-up call and ``--reps`` more, on inputs made on the host, so that every kernel the process launches belongs
-to a call of that step (``benchmarks.ncu_kernels`` divides by the calls). Nothing else runs to check it: the same
-step at the same commit is checked against cuDNN's by ``ws_local --training``.
+vjp of cuDNN's attention; ``ws``, ``ws_own``: the fused ring attention's schedule with cuDNN's backward or ours;
+``cudnn_blocks``: the schedule on cuDNN blocks), a warm-up call and ``--reps`` more, on inputs made on the host,
+so that every kernel the process launches belongs to a call of that step (``benchmarks.ncu_kernels`` divides by
+the calls). Nothing else runs to check it: the same step at the same commit is checked against cuDNN's by
+``ws_local --training``.
 """
 
 from __future__ import annotations
@@ -27,23 +28,35 @@ import numpy as np
 from benchmarks import harness, ws_local
 from jaxmercury.tuner import measure
 
-TRAINING_STEPS = ("cudnn", "ws", "ws_own")
+TRAINING_STEPS = ("cudnn", "ws", "ws_own", "cudnn_blocks")
+
+
+def host_inputs(s: int, h: int, kv: int, d: int, seed: int) -> list:
+  """Fresh bf16 ``q, k, v`` and a cotangent (``ws_local --training``'s shapes), made on the host: no kernel."""
+  rng = np.random.default_rng(seed)
+  host = lambda *shape: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
+  return [jax.device_put(x) for x in (host(1, s, h, d), host(1, s, kv, d), host(1, s, kv, d), host(1, s, h, d))]
+
+
+def training_step(name: str, s: int, h: int, kv: int, d: int, causal: bool, smoke: bool):
+  """``ws_local --training``'s contestant ``name``, jitted: ``cudnn`` the vjp of cuDNN's attention (``smoke``:
+  XLA's); ``ws``, ``ws_own`` the fused ring attention's schedule with cuDNN's backward or ours; ``cudnn_blocks``
+  the schedule on cuDNN blocks."""
+  if name == "cudnn":
+    impl = "xla" if smoke else "cudnn"
+    return measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                              implementation=impl))
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  if name == "cudnn_blocks":
+    return ws_local._schedule_step(mesh, 1, s, h, kv, d, causal, smoke, "cudnn_attention")
+  params = {"backward": "ws_attention"} if name == "ws_own" else {}
+  return ws_local._schedule_step(mesh, 1, s, h, kv, d, causal, smoke, **params)
 
 
 def training(args, s: int, h: int, d: int) -> None:
   """``args.step``'s training step, a warm-up call and ``args.reps`` more, on inputs made on the host."""
-  rng = np.random.default_rng(s + 7 * args.kv + args.causal)
-  host = lambda *shape: rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
-  inputs = [jax.device_put(x) for x in (host(1, s, h, d), host(1, s, args.kv, d), host(1, s, args.kv, d),
-                                        host(1, s, h, d))]
-  if args.step == "cudnn":
-    impl = "xla" if args.smoke else "cudnn"
-    step = measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                                              implementation=impl))
-  else:
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    params = {"backward": "ws_attention"} if args.step == "ws_own" else {}
-    step = ws_local._schedule_step(mesh, 1, s, h, args.kv, d, args.causal, args.smoke, **params)
+  inputs = host_inputs(s, h, args.kv, d, s + 7 * args.kv + args.causal)
+  step = training_step(args.step, s, h, args.kv, d, args.causal, args.smoke)
   for _ in range(1 + args.reps):
     jax.block_until_ready(step(*inputs))
   print(f"{args.step}: {1 + args.reps} calls of the training step (the first a warm-up)", flush=True)
