@@ -19,12 +19,13 @@ import gzip
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import jax
 
-from benchmarks import ws_local, ws_profile
+from benchmarks import harness, ws_local, ws_profile
 
 CALL = "ws_trace:"  # the host annotation of one call: "ws_trace:<step>:<round>"
 
@@ -140,9 +141,9 @@ def main(argv=None):
   print(f"B1 S{s} H{h} KV{args.kv} D{d}{' causal' if args.causal else ''} training, {args.rounds} rounds")
   print(table(result))
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"command": "python -m benchmarks.ws_trace " + " ".join(argv or []), "seq": s, "kv": args.kv,
-                 "causal": args.causal, "steps": result}, f, indent=1)
+    out = harness.header("ws_trace", [], seq=s, kv=args.kv, causal=args.causal, rounds=args.rounds, steps=result)
+    out["command"] = "python -m benchmarks.ws_trace " + " ".join(sys.argv[1:] if argv is None else argv)
+    harness.write_json(args.out, out)
 
 
 if __name__ == "__main__":

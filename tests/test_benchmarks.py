@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness, ncu_source, ws_local, ws_profile
+from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_profile, ws_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -302,3 +302,47 @@ def test_ncu_source_summary(tmp_path, capsys):
   assert "stall reasons: wait 70.0%, barrier 30.0%" in out and out.rstrip().endswith("wait")
   with pytest.raises(SystemExit, match="no kernel whose name contains 'gemm'"):
     ncu_source.main([str(path), "gemm"])
+
+
+def test_ncu_kernels_table(tmp_path, capsys):
+  """Kernel durations per call from ncu's raw page: launches and microseconds per kernel name, longest first."""
+  header = '"ID","Kernel Name","gpu__time_duration.sum"'
+  rows = ['"0","bprop","30.5"', '"1","convert","0.25"', '"2","bprop","29.5"', '"3","convert","0.75"']
+  path = tmp_path / "kernels.csv"
+  path.write_text("\n".join(["==PROF== Disconnected", header, '"","","ms"', *rows]))
+  ncu_kernels.main([str(path), "--calls", "2"])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[1].split()[-3:] == ["1.00", "30000.0", "98.4%"] and lines[1].startswith("bprop")
+  assert lines[2].split()[-3:] == ["1.00", "500.0", "1.6%"] and lines[2].startswith("convert")
+  assert lines[3].split()[-2:] == ["2.00", "30500.0"]
+
+
+def test_ws_trace_reads_kernels_by_call():
+  """Each GPU kernel of the trace goes to the host call it started in; busy time counts overlaps once."""
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
+          {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}}]
+  x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+  events = meta + [x(1, 0, "ws_trace:ws:0", 0, 100), x(1, 0, "ws_trace:ws:1", 200, 110),
+                   x(2, 7, "fwd", 10, 30), x(2, 7, "bwd", 30, 50), x(2, 8, "fusion.1", 10, 80),
+                   x(2, 7, "fwd", 210, 30), x(2, 7, "bwd", 250, 40)]
+  calls = ws_trace.kernels_by_call({"traceEvents": events})
+  assert calls[("ws", 0)]["kernels"] == [("fwd", 10, 30), ("bwd", 30, 50)]  # not the derived "XLA Ops" line
+  (step,) = ws_trace.summary(calls).values()
+  assert step["calls"] == 2 and step["wall_ms"] == 0.105
+  assert step["span_ms"] == 0.075 and step["busy_ms"] == 0.07  # medians of (70, 80) and (70, 70)
+  assert step["kernels_ms"] == {"bwd": 0.045, "fwd": 0.03}
+  assert ws_trace.gpu_lines({"traceEvents": events}) == ["/device:GPU:0: Stream #14(Compute)", "/device:GPU:0: XLA Ops"]
+
+
+def test_ws_profile_and_trace_training_smoke(tmp_path, capsys):
+  """One training step per process for a profiler, and the traced rotating rounds (CPU: wall times only)."""
+  ws_profile.main(["--smoke", "--training", "--step", "ws", "--reps", "1"])
+  assert "ws: 2 calls of the training step (the first a warm-up)" in capsys.readouterr().out
+  out = tmp_path / "trace.json"
+  ws_trace.main(["--smoke", "--steps", "cudnn", "ws", "--rounds", "2", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results["suite"] == "ws_trace" and results["command"].startswith("python -m benchmarks.ws_trace --smoke")
+  assert {name: r["calls"] for name, r in results["steps"].items()} == {"cudnn": 2, "ws": 2}
+  assert all(r["wall_ms"] > 0 and "span_ms" not in r for r in results["steps"].values())
