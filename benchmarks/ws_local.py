@@ -47,7 +47,7 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
 # The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``). Each
 # name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step), so that it still
-# means the kernel measured under it.
+# means the kernel measured under it. Those with the auto order ran at S <= 32K, where its causal pairs stand.
 def _as_of(**changes) -> BackwardBlocks:
   return BackwardBlocks(**{"persistent": True, "deferred_dq": False} | changes)
 
@@ -73,7 +73,7 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_immediate_dq": _as_of(persistent=False),  # the default before deferred dq
                   "ws_deferred_dq": BackwardBlocks(deferred_dq=True),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
-                                                   # specialized, dq deferred; under a causal one pairs
+                                                   # specialized, dq deferred; under a causal one auto_order's
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

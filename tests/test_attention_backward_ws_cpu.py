@@ -27,7 +27,7 @@ from test_training import _check_grads
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws
+from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws, auto_order
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.programs.attention import attention_block
 from jaxmercury.schedules import dual
@@ -47,7 +47,7 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # side by side order (two batches among them); two with the rows read early and the narrower register split; two
 # with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); all of them on a
 # persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
-# fence (d 64 and 128, several items per CTA, causal and not)
+# fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -56,7 +56,8 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*case, SPECIALIZED) for case in KERNEL_CASES[:2]]
                  + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]]
                  + [(*case, dict(waits="paired", deferred_dq=True)) for case in KERNEL_CASES[1:3]]
-                 + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))])
+                 + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))]
+                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))])  # causal, 2 key pairs a head on 1 CTA: heads
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -69,6 +70,15 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
     assert g.shape == w.shape and g.dtype == dtype
     err = rel_err(g, w)
     assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
+
+
+def test_the_auto_order_goes_by_the_mask_and_the_key_pairs():
+  """Heads in turn without a mask; under a causal one from twice as many key pairs a head as SMs (S 64K and longer
+  on an H100's 132), pairs of every head, longest first, below."""
+  assert auto_order(False, 2, 132) == "heads"
+  assert [auto_order(True, s // 128, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
+                                                                                        "heads"]
+  assert auto_order(True, 263, 132) == "pairs" and auto_order(True, 264, 132) == "heads"
 
 
 def test_rows_without_keys_have_no_gradient():

@@ -108,7 +108,10 @@ Items: ranked by ``order``:
   heads   key pair ``r % pairs`` of (batch, kv head) ``r // pairs``: the
           CTAs running side by side share a head (its queries and dq rows
           in L2); causal, the longest pairs of each head first
-  auto    (the default) heads without a mask, pairs under a causal one
+  auto    (the default) heads without a mask; under a causal one heads
+          where each head has at least twice as many key pairs as the
+          device has SMs (S 64K and longer on an H100), else pairs
+          (``auto_order``)
 
 and run by a grid of (``persistent``):
 
@@ -173,7 +176,7 @@ class BackwardBlocks:
   """Tiles of the backward kernel: ``block_q`` query rows streamed per step, ``block_kv`` key rows per consumer
   warpgroup (a work item is ``2 block_kv`` keys), ``max_concurrent_steps`` query-side SMEM slots; ``waits``, how a
   consumer's step waits on its tensor-core products (``OVERLAPPED``, ``PAIRED`` or ``SERIAL``), ``order``, which
-  items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: heads without a mask, pairs under a causal one);
+  items run side by side (``PAIRS``, ``HEADS``, or ``AUTO``: ``auto_order``, by the mask and the key pairs);
   ``registers``, per-thread registers of a consumer warpgroup (a key of ``REGISTER_SPLITS``: the memory
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
@@ -298,6 +301,19 @@ def _add(target, staged):
   target[...] = target[...] + staged[...]
 
 
+def auto_order(causal: bool, pairs: int, sms: int) -> str:
+  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask, and under a causal one where each (batch,
+  kv head) has at least ``2 sms`` key pairs, ``PAIRS`` under a causal one with fewer.
+
+  Heads in turn is longest first per head only: the last head's longest item starts when that head's work, about
+  ``pairs / 2`` of its longest items' worth, is left for the ``sms`` SMs, which outlasts it from ``pairs >= 2 sms``
+  on (S 64K and longer on an H100). There heads in turn ran 1.010x of cuDNN's at S64K KV32 where pairs ran 0.960x,
+  and 0.54-0.59x in another run (both grids); below it pairs (longest first over every head) kept the tail short
+  (S8K KV8: 1.038x against 0.939x). One H100 process each (docs/benchmarks.md).
+  """
+  return HEADS if not causal or pairs >= 2 * sms else PAIRS
+
+
 def _first_tile(kv0, bq: int, causal: bool):
   """The first query tile that sees key row ``kv0`` (causal; else 0)."""
   return kv0 // bq if causal else 0
@@ -318,7 +334,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = (PAIRS if causal else HEADS) if blocks.order == AUTO else blocks.order
+  order = auto_order(causal, pairs, num_ctas) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   deferred = not causal if blocks.deferred_dq is None else blocks.deferred_dq
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
