@@ -57,7 +57,7 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]]
                  + [(*case, dict(waits="paired", deferred_dq=True)) for case in KERNEL_CASES[1:3]]
                  + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))]
-                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))])  # causal, 2 key pairs a head on 1 CTA: heads
+                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))])  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -72,13 +72,15 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
     assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
 
 
-def test_the_auto_order_goes_by_the_mask_and_the_key_pairs():
+def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
   """Heads in turn without a mask; under a causal one from twice as many key pairs a head as SMs (S 64K and longer
-  on an H100's 132), pairs of every head, longest first, below."""
-  assert auto_order(False, 2, 132) == "heads"
-  assert [auto_order(True, s // 128, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
-                                                                                        "heads"]
-  assert auto_order(True, 263, 132) == "pairs" and auto_order(True, 264, 132) == "heads"
+  on an H100's 132) where pairs would run fewer than 8 CTAs a head (KV 32, not 8), else pairs of every head."""
+  assert auto_order(False, 2, 8, 132) == "heads"
+  assert [auto_order(True, s // 128, 32, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
+                                                                                            "heads"]
+  assert auto_order(True, 512, 8, 132) == auto_order(True, 512, 16, 132) == "pairs"
+  assert auto_order(True, 512, 17, 132) == "heads"
+  assert auto_order(True, 263, 32, 132) == "pairs" and auto_order(True, 264, 32, 132) == "heads"
 
 
 def test_rows_without_keys_have_no_gradient():

@@ -110,8 +110,9 @@ Items: ranked by ``order``:
           in L2); causal, the longest pairs of each head first
   auto    (the default) heads without a mask; under a causal one heads
           where each head has at least twice as many key pairs as the
-          device has SMs (S 64K and longer on an H100), else pairs
-          (``auto_order``)
+          device has SMs (S 64K and longer on an H100) and pairs would
+          run fewer than 8 CTAs a head side by side (KV 32 there), else
+          pairs (``auto_order``)
 
 and run by a grid of (``persistent``):
 
@@ -301,17 +302,20 @@ def _add(target, staged):
   target[...] = target[...] + staged[...]
 
 
-def auto_order(causal: bool, pairs: int, sms: int) -> str:
-  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask, and under a causal one where each (batch,
-  kv head) has at least ``2 sms`` key pairs, ``PAIRS`` under a causal one with fewer.
+def auto_order(causal: bool, pairs: int, heads: int, sms: int) -> str:
+  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask; under a causal one ``HEADS`` where each of
+  the ``heads`` (batch, kv head) pairs has at least ``2 sms`` key pairs and ``PAIRS`` would share a head among
+  fewer than 8 CTAs (``sms < 8 heads``), else ``PAIRS``.
 
   Heads in turn is longest first per head only: the last head's longest item starts when that head's work, about
   ``pairs / 2`` of its longest items' worth, is left for the ``sms`` SMs, which outlasts it from ``pairs >= 2 sms``
-  on (S 64K and longer on an H100). There heads in turn ran 1.010x of cuDNN's at S64K KV32 where pairs ran 0.960x,
-  and 0.54-0.59x in another run (both grids); below it pairs (longest first over every head) kept the tail short
-  (S8K KV8: 1.038x against 0.939x). One H100 process each (docs/benchmarks.md).
+  on (S 64K and longer on an H100); below it pairs, longest first over every head, kept the tail short (S8K KV8:
+  1.038x of cuDNN's against 0.939x). At S64K on an H100 (three processes): KV 32, where pairs runs 4 CTAs a head
+  side by side, heads in turn ran 1.003-1.017x against pairs' 0.954-0.962x (0.54-0.59x in a fourth, both grids);
+  KV 8, 16 CTAs a head, pairs ran 0.980-0.982x against 0.960-0.966x in two (a tie in the third). Measured at
+  those two head counts only (docs/benchmarks.md).
   """
-  return HEADS if not causal or pairs >= 2 * sms else PAIRS
+  return HEADS if not causal or (pairs >= 2 * sms and sms < 8 * heads) else PAIRS
 
 
 def _first_tile(kv0, bq: int, causal: bool):
@@ -334,7 +338,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = auto_order(causal, pairs, num_ctas) if blocks.order == AUTO else blocks.order
+  order = auto_order(causal, pairs, b * kv, num_ctas) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   deferred = not causal if blocks.deferred_dq is None else blocks.deferred_dq
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
