@@ -42,6 +42,8 @@
 #   ws-kernels       one GPU: each kernel's time in one training step of cuDNN's attention and of the fused ring
 #                    attention with cuDNN's backward and ours (Nsight Compute's durations, benchmarks.ncu_kernels),
 #                    KERNELS_ARGS (default "--seq 32K --kv 8 --causal")
+#   ws-trace         one GPU: the same steps timed back to back in rotating rounds, each kernel's time inside the loop
+#                    (benchmarks.ws_trace, jax.profiler's trace), S32K KV 8 and 32 causal, S64K KV8 (TRACE_ARGS: one case)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -141,6 +143,15 @@ for stage in "$@"; do
         echo "$stage-$step rc=$?" | tee -a "$W/stages.txt"
         "$ncu" -i "$W/$stage-$step.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum > "$W/$stage-$step.csv" 2>&1
         python3 -m benchmarks.ncu_kernels "$W/$stage-$step.csv" --calls 2 > "$W/$stage-$step.txt" 2>&1
+      done ;;
+    ws-trace)
+      cases=("--seq 32K --kv 8 --causal" "--seq 32K --kv 32 --causal" "--seq 64K --kv 8 --rounds 5")
+      [ -n "${TRACE_ARGS:-}" ] && cases=("$TRACE_ARGS")
+      for case in "${cases[@]}"; do
+        name=$stage-$(echo "$case" | tr -d ' -')
+        timeout "${STAGE_LIMIT:-150}" python3 -m benchmarks.ws_trace $case --steps cudnn ws ws_own cudnn_blocks \
+          --out "$W/$name.json" > "$W/$name.log" 2>&1
+        echo "$name rc=$?" | tee -a "$W/stages.txt"
       done ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
