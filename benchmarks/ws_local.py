@@ -105,6 +105,23 @@ def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fus
   return measure.training_step(traced)
 
 
+TRAINING_STEPS = ("cudnn", "ws", "ws_own", "cudnn_blocks")  # --training's contestants (cudnn_blocks: GPUs only)
+
+
+def training_step(name: str, mesh, b: int, s: int, h: int, kv: int, d: int, causal: bool, smoke: bool):
+  """``--training``'s contestant ``name``, jitted: ``cudnn`` the vjp of cuDNN's attention (``smoke``: XLA's);
+  ``ws``, ``ws_own`` the ring schedule lowered with the fused kernel, with cuDNN's backward or ours;
+  ``cudnn_blocks`` the schedule on cuDNN blocks."""
+  if name == "cudnn":
+    impl = "xla" if smoke else "cudnn"
+    return measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                              implementation=impl))
+  if name == "cudnn_blocks":
+    return _schedule_step(mesh, b, s, h, kv, d, causal, smoke, "cudnn_attention")
+  params = {"backward": "ws_attention"} if name == "ws_own" else {}
+  return _schedule_step(mesh, b, s, h, kv, d, causal, smoke, **params)
+
+
 def random_qkv(keys, b: int, s: int, h: int, kv: int, d: int) -> list:
   """Fresh bf16 ``q [b, s, h, d]``, ``k, v [b, s, kv, d]`` from the first three of ``keys``."""
   q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
@@ -140,18 +157,17 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   label = f'jax.nn.dot_product_attention(implementation="{impl}")'
   if args.training:
     inputs.append(jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16))
-    step = lambda: _schedule_step(mesh, b, s, h, kv, d, causal, args.smoke)
-    contestants = [harness.Contestant("cudnn", "baseline", lambda: measure.training_step(cudnn), f"jax.vjp of {label}"),
-                   harness.Contestant("ws", "jaxmercury", step,
+    step = lambda name: lambda: training_step(name, mesh, b, s, h, kv, d, causal, args.smoke)
+    contestants = [harness.Contestant("cudnn", "baseline", step("cudnn"), f"jax.vjp of {label}"),
+                   harness.Contestant("ws", "jaxmercury", step("ws"),
                                       "ring schedule lowered with fused_ring_attention_ws, its own backward")]
     contestants.append(harness.Contestant(
-        "ws_own", "jaxmercury",
-        lambda: _schedule_step(mesh, b, s, h, kv, d, causal, args.smoke, backward="ws_attention"),
+        "ws_own", "jaxmercury", step("ws_own"),
         "the same, configured with backward='ws_attention': our one-pass backward kernel",
         record={"backward": "ws_attention"}))
     if not args.smoke:  # the same backward after cuDNN's forward: which half a gap is in
       contestants.append(harness.Contestant(
-          "cudnn_blocks", "jaxmercury", lambda: _schedule_step(mesh, b, s, h, kv, d, causal, False, "cudnn_attention"),
+          "cudnn_blocks", "jaxmercury", step("cudnn_blocks"),
           "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   elif args.backward:

@@ -28,8 +28,6 @@ import numpy as np
 from benchmarks import harness, ws_local
 from jaxmercury.tuner import measure
 
-TRAINING_STEPS = ("cudnn", "ws", "ws_own", "cudnn_blocks")
-
 
 def host_inputs(s: int, h: int, kv: int, d: int, seed: int) -> list:
   """Fresh bf16 ``q, k, v`` and a cotangent (``ws_local --training``'s shapes), made on the host: no kernel."""
@@ -39,18 +37,9 @@ def host_inputs(s: int, h: int, kv: int, d: int, seed: int) -> list:
 
 
 def training_step(name: str, s: int, h: int, kv: int, d: int, causal: bool, smoke: bool):
-  """``ws_local --training``'s contestant ``name``, jitted: ``cudnn`` the vjp of cuDNN's attention (``smoke``:
-  XLA's); ``ws``, ``ws_own`` the fused ring attention's schedule with cuDNN's backward or ours; ``cudnn_blocks``
-  the schedule on cuDNN blocks."""
-  if name == "cudnn":
-    impl = "xla" if smoke else "cudnn"
-    return measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                              implementation=impl))
+  """``ws_local.training_step`` ``name`` at batch 1 on a one-device mesh."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-  if name == "cudnn_blocks":
-    return ws_local._schedule_step(mesh, 1, s, h, kv, d, causal, smoke, "cudnn_attention")
-  params = {"backward": "ws_attention"} if name == "ws_own" else {}
-  return ws_local._schedule_step(mesh, 1, s, h, kv, d, causal, smoke, **params)
+  return ws_local.training_step(name, mesh, 1, s, h, kv, d, causal, smoke)
 
 
 def training(args, s: int, h: int, d: int) -> None:
@@ -72,7 +61,7 @@ def main(argv=None):
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--training", action="store_true", help="one training step, --step, alone in the process")
-  parser.add_argument("--step", default="ws", choices=TRAINING_STEPS)
+  parser.add_argument("--step", default="ws", choices=ws_local.TRAINING_STEPS)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
   args = parser.parse_args(argv)
   s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim

@@ -26,27 +26,35 @@ import time
 import jax
 
 from benchmarks import harness, ws_local, ws_profile
+from jaxmercury.tuner import measure
 
 CALL = "ws_trace:"  # the host annotation of one call: "ws_trace:<step>:<round>"
 
 
-def gpu_lines(trace: dict) -> list[str]:
-  """The names of the trace's GPU processes and their lines (threads): what ``kernels_by_call`` reads."""
+def _gpu_processes(trace: dict) -> tuple[list, dict]:
+  """The trace's events and ``{pid: name}`` of its GPU processes."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  return sorted(f"{names[e['pid']]}: {e['args']['name']}" for e in events
-                if e.get("ph") == "M" and e.get("name") == "thread_name" and "GPU" in names.get(e["pid"], ""))
+  return events, {pid: name for pid, name in names.items() if "GPU" in name or "gpu" in name}
+
+
+def _gpu_threads(events, gpu: dict) -> dict:
+  """``{(pid, tid): name}`` of the GPU processes' lines."""
+  return {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+          if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu}
+
+
+def gpu_lines(trace: dict) -> list[str]:
+  """The names of the trace's GPU processes and their lines (threads): what ``kernels_by_call`` reads."""
+  events, gpu = _gpu_processes(trace)
+  return sorted(f"{gpu[pid]}: {name}" for (pid, _), name in _gpu_threads(events, gpu).items())
 
 
 def kernels_by_call(trace: dict) -> dict[tuple[str, int], dict]:
   """``(step, round) -> {"wall": us, "kernels": [(name, start us, duration us)]}`` from a Perfetto JSON trace:
   each call's host annotation, and the GPU kernels that started inside it."""
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name}
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu}
-  streams = {key for key, name in threads.items() if "Stream" in name}  # kernels; not derived lines (XLA Ops)
+  events, gpu = _gpu_processes(trace)
+  streams = {key for key, name in _gpu_threads(events, gpu).items() if "Stream" in name}  # not XLA Ops lines
   calls = {}
   for e in events:
     if e.get("ph") == "X" and e.get("name", "").startswith(CALL) and e["pid"] not in gpu:
@@ -107,7 +115,7 @@ def main(argv=None):
   parser.add_argument("--kv", type=int, default=8)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--steps", nargs="+", default=["cudnn", "ws", "cudnn_blocks"],
-                      choices=ws_profile.TRAINING_STEPS)
+                      choices=ws_local.TRAINING_STEPS)
   parser.add_argument("--rounds", type=int, default=12)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)
@@ -122,14 +130,18 @@ def main(argv=None):
   for step in steps.values():  # compiled and warm before the trace
     jax.block_until_ready(step(*inputs))
     jax.block_until_ready(step(*inputs))
-  names = list(steps)
+  made = collections.Counter()  # calls made per step: one per round
+
+  def annotated(name):
+    def call():
+      with jax.profiler.TraceAnnotation(f"{CALL}{name}:{made[name]}"):
+        jax.block_until_ready(steps[name](*inputs))
+      made[name] += 1
+    return call
+
   with tempfile.TemporaryDirectory() as logdir:
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
-      for r in range(args.rounds):  # rotating order, as measure.rounds
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-          with jax.profiler.TraceAnnotation(f"{CALL}{name}:{r}"):
-            jax.block_until_ready(steps[name](*inputs))
+      measure.rounds({name: annotated(name) for name in steps}, args.rounds)  # rotating, as ws_local times them
       time.sleep(0.1)
     path = glob.glob(os.path.join(logdir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not path:
