@@ -4,7 +4,7 @@
 
 Nsight Compute times kernels one at a time on an idle GPU (``benchmarks.ncu_kernels``); the benchmarks time
 steps back to back, where clocks, power and the gaps between launches count too. This runs
-``benchmarks.ws_profile``'s training steps in rotating rounds, as ``ws_local --training`` times them, under
+``ws_local --training``'s steps (``ws_local.training_step``) in rotating rounds (``measure.rounds``), under
 ``jax.profiler.trace``, and reads the trace's Perfetto JSON: per step, the median wall time of a call (its host
 annotation), its kernels' span on the GPU, the GPU's busy time in that span, and each kernel's median time.
 Inputs are made on the host; the steps are ``ws_local --training``'s, checked there.
