@@ -27,7 +27,8 @@ from test_training import _check_grads
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws, auto_order
+from jaxmercury.kernels.attention_backward_ws import (WAITS, BackwardBlocks, attention_backward_ws, auto_chunks,
+                                                      auto_order)
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.programs.attention import attention_block
 from jaxmercury.schedules import dual
@@ -47,7 +48,9 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # side by side order (two batches among them); two with the rows read early and the narrower register split; two
 # with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); all of them on a
 # persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
-# fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn
+# fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn;
+# three with the queries in chunks, dk and dv added across them: causal chunks whose ends cut a key pair, more keys
+# than queries, both orders and grids
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -57,7 +60,10 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]]
                  + [(*case, dict(waits="paired", deferred_dq=True)) for case in KERNEL_CASES[1:3]]
                  + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))]
-                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))])  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
+                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))]  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
+                 + [(*KERNEL_CASES[0], dict(waits="paired", query_chunks=2)),
+                    (*KERNEL_CASES[1], dict(waits="paired", query_chunks=3, order="pairs", persistent=False)),
+                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -81,6 +87,12 @@ def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
   assert auto_order(True, 512, 8, 132) == auto_order(True, 512, 16, 132) == "pairs"
   assert auto_order(True, 512, 17, 132) == "heads"
   assert auto_order(True, 263, 32, 132) == "pairs" and auto_order(True, 264, 32, 132) == "heads"
+
+
+def test_the_auto_chunks_go_by_the_length_and_the_mask():
+  """Without a mask chunks of at most 32K queries; under a causal mask 8 from 32K queries on, else none."""
+  assert [auto_chunks(s, False) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
+  assert [auto_chunks(s, True) for s in (16384, 32704, 32768, 65536)] == [1, 1, 8, 8]
 
 
 def test_rows_without_keys_have_no_gradient():
@@ -109,7 +121,9 @@ def test_rows_without_keys_have_no_gradient():
     (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
     (dict(specialized="yes"), "specialized='yes' must be None \\(by the mask\\), True or False"),
     (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)"),
-    (dict(deferred_dq="no"), "deferred_dq='no' must be None \\(by the mask\\), True or False")])
+    (dict(deferred_dq="no"), "deferred_dq='no' must be None \\(by the mask\\), True or False"),
+    (dict(query_chunks=0), "query_chunks=0 must be None \\(auto_chunks\\) or a positive int"),
+    (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
@@ -127,7 +141,8 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
-                            BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True)])
+                            BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
+                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
