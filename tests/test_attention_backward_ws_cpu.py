@@ -27,8 +27,13 @@ from test_training import _check_grads
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import (WAITS, BackwardBlocks, attention_backward_ws, auto_chunks,
-                                                      auto_order)
+from jaxmercury.kernels.attention_backward_ws import (
+  WAITS,
+  BackwardBlocks,
+  attention_backward_ws,
+  auto_chunks,
+  auto_order,
+)
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.programs.attention import attention_block
 from jaxmercury.schedules import dual
