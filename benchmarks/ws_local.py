@@ -11,8 +11,8 @@ against the ring schedule lowered with the kernel (``lower_with("fused_ring_atte
 the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
 backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
 output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours in each of
-``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``), gradients checked against cuDNN's. TFLOP/s
-count a causal mask's visible half; the backward counts as 2.5 forwards.
+``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``) and at the ``--query_chunks`` counts, gradients checked
+against cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 """
 
@@ -176,8 +176,8 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     inputs = backward_inputs(inputs, keys[3], causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", lambda: cudnn_backward_of(causal, args.smoke),
                                       "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
-    for name in args.backward_steps:
-      blocks = BACKWARD_STEPS[name]
+    chunked = {f"q{n}": BackwardBlocks(query_chunks=n) for n in args.query_chunks}
+    for name, blocks in [(n, BACKWARD_STEPS[n]) for n in args.backward_steps] + list(chunked.items()):
       default = " (the default)" if blocks == ws_attention.BACKWARD else ""
       contestants.append(harness.Contestant(
           name, "jaxmercury", lambda x=blocks: ws_backward_of(causal, args.smoke, x),
@@ -235,6 +235,8 @@ def main(argv=None):
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
   parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))
+  parser.add_argument("--query_chunks", nargs="+", type=int, default=[],
+                      help="with --backward, also our backward at these query chunk counts (contestants q{n})")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)

@@ -269,6 +269,20 @@ def test_ws_local_smoke(tmp_path):
   assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])
 
 
+def test_ws_local_backward_at_query_chunks(tmp_path):
+  """``--backward --query_chunks 2``: our backward with the queries in two chunks beside its named configuration,
+  each timed, recorded and agreeing with the reference."""
+  out = tmp_path / "ws.json"
+  ws_local.main(["--smoke", "--backward", "--causal", "no", "--backward_steps", "ws_whole", "--query_chunks", "2",
+                 "--out", str(out)])
+  (case,) = json.loads(out.read_text())["cases"]
+  assert case["backward"] and case["agree"]
+  recs = {r["name"]: r for r in case["contestants"]}
+  assert list(recs) == ["cudnn", "ws_whole", "q2"]
+  assert recs["q2"]["blocks"]["query_chunks"] == 2 and recs["ws_whole"]["blocks"]["query_chunks"] == 1
+  assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in recs.values())
+
+
 def test_ws_profile_smoke(capsys, monkeypatch):
   """The profiler's driver runs each backward after checking its gradients, and refuses one that computes others."""
   ws_profile.main(["--smoke", "--variants", "ws_default", "--reps", "2"])

@@ -138,8 +138,8 @@ chunk's query tiles only, and each item adds its float32 dk and dv into sums in 
 reduce-add stores through the dq staging, ``dq_cols`` columns at a time), cast after the kernel. Items
 go chunk by chunk, key pairs innermost (causal: the last chunks, which see the most key pairs, first),
 heads in turn unless ``order`` says pairs. The CTAs side by side then stream one chunk's queries: an
-H100 profile of the whole range at S64K (Nsight Compute) read 260-310 GB from DRAM against cuDNN's 12,
-its L2 hit rate 72-76% against 97-98%. ``auto_chunks`` picks the count from measured runs.
+H100 profile of the whole range at S64K (Nsight Compute) read 250-310 GB from DRAM against cuDNN's 12,
+its L2 hit rate 72-76% against 97-99%. ``auto_chunks`` picks the count from measured runs.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
@@ -347,7 +347,8 @@ def auto_chunks(s_q: int, causal: bool) -> int:
   Measured on an H100 (B1 H32 D128, x cuDNN's backward, two processes; module docstring): without a mask S64K
   KV 8 ran 1.01x in 2 chunks against 0.95x whole, KV 32 1.01x against 0.98-0.99x, S32K KV 8 whole 1.01x against
   0.99x in 2; causal KV 32 in 8 chunks 1.00x against 0.96-0.97x at S32K and 1.04x against 1.01x at S64K, KV 8 at
-  most 1% apart; S16K ran fastest whole (2-8% ahead of 2 to 8 chunks)."""
+  most 1% apart; at S16K whole ran 2-15% ahead of 2 to 8 chunks in three cases of four, and within 0.5% of 2
+  chunks in the fourth (KV 8 causal)."""
   if causal:
     return CAUSAL_CHUNKS if s_q >= CAUSAL_CHUNKED_FROM else 1
   return max(1, -(-s_q // CHUNK_ROWS))
