@@ -100,6 +100,18 @@ def test_the_auto_chunks_go_by_the_length_and_the_mask():
   assert [auto_chunks(s, True) for s in (16384, 32704, 32768, 65536)] == [1, 1, 8, 8]
 
 
+@pytest.mark.parametrize("s,causal,chunked", [(65536, False, True), (32768, False, False), (32768, True, True),
+                                               (16384, True, False)])
+def test_the_backward_workspace_counts_the_chunks_sums(s, causal, chunked):
+  """Where the queries go in chunks the backward's workspace holds float32 dk and dv sums beside dq's."""
+  dq_kernel = registry.local("ws_attention").backward.dq
+  program = ab.attention_dq(jm.programs.attention(1, 8, 2, s, s, 128, causal=causal, dtype=jnp.bfloat16))
+  sizes = dict(b=1, i=s, j=s, hk=2, g=4, d=128)
+  whole = 2 * 4 * s * 8 * 128 + 2 * 4 * s * 8  # dq and its copy, delta and lse rows
+  sums = 2 * 4 * s * 2 * 128
+  assert dq_kernel.workspace_bytes(program, sizes) == whole + (sums if chunked else 0)
+
+
 def test_rows_without_keys_have_no_gradient():
   """A query row whose log-sum-exp is -inf kept no key: its dq is zero and it adds nothing to dk and dv."""
   (q, k, v, o, do, lse), _ = backward_problem(1, 128, 128, 2, 1, 64, False)

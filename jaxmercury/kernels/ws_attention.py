@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmercury.kernels import causal_dispatch
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws
+from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws, auto_chunks
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_ring_attention_ws import WsBlocks, fused_ring_attention_ws
 from jaxmercury.kernels.mosaic_matmul import HALF_DTYPES, hopper_only
@@ -41,7 +41,9 @@ F32 = jnp.float32
 BACKWARD = BackwardBlocks()
 # Its GPU runs: one H200, 2026-11-26, gave wrong gradients where the persistent grid's last round of items was
 # part-filled and odd (fixed in 4e39a15); one H100, 2026-11-27, passed its GPU tests and matched cuDNN's gradients
-# on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*). The tuner measures it beside cuDNN's.
+# on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*); with the queries in chunks (75e161d), one
+# H100 passed its chunked GPU tests and matched cuDNN at S 32K-64K (...-ws_backward_chunked-*,
+# ...-ws_training_chunked-*). The tuner measures it beside cuDNN's.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,10 +177,13 @@ def _forward_workspace(program, sizes, config) -> int:
 
 
 def _backward_workspace(program, sizes, config) -> int:
-  """float32 dq (the kernel's accumulator) and its copy, delta and the base-2 lse rows."""
-  del program, config
+  """float32 dq (the kernel's accumulator) and its copy, delta and the base-2 lse rows; where the queries go in
+  chunks (``auto_chunks``), the float32 dk and dv sums."""
+  del config
   q = sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"]
-  return 2 * 4 * q * sizes["d"] + 2 * 4 * q
+  chunked = auto_chunks(sizes["i"], program.params["causal"]) > 1
+  sums = 2 * 4 * sizes["b"] * sizes["j"] * sizes["hk"] * sizes["d"] if chunked else 0
+  return 2 * 4 * q * sizes["d"] + 2 * 4 * q + sums
 
 
 # ------------------------------------------------------------------ the kernel
