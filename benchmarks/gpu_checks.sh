@@ -36,6 +36,8 @@
 #   ws-backward      one GPU: our one-pass attention backward kernel against cuDNN's flash backward, B1 H32 D128
 #                    S 4K-32K (benchmarks.ws_local --backward), and the training steps of the fused ring attention
 #                    with cuDNN's backward and with ours at S 16K 32K GQA (its GPU tests: tests-ws-backward)
+#   ws-chunks        one GPU: our backward with the queries whole, at its default chunks and in 2 and 8 chunks, and
+#                    the training steps, B1 H32 D128 S 32K 64K (benchmarks.ws_local --backward --query_chunks)
 #   ws-profile       one GPU: ptxas's registers and spills for each of our backward's PROFILE_VARIANTS (compiled at
 #                    S1K, causal and not), then Nsight Compute on cuDNN's backward and ours at S16K KV32
 #                    (PROFILE_ARGS, e.g. "--causal"): report, details page, the stall summary (benchmarks.ncu_source)
@@ -115,6 +117,14 @@ for stage in "$@"; do
       }
       local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_immediate_dq ws_default --seqs 4K 8K 16K 32K
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
+    ws-chunks)
+      for part in backward training; do
+        args=(--backward --backward_steps ws_whole ws_default --query_chunks 2 8)
+        [ $part = training ] && args=(--training)
+        timeout "${STAGE_LIMIT:-280}" python3 -m benchmarks.ws_local --out "$W/$stage-$part.json" \
+          --time_budget $((${STAGE_LIMIT:-280} - 30)) --seqs 32K 64K "${args[@]}" > "$W/$stage-$part.log" 2>&1
+        echo "$stage-$part rc=$?" | tee -a "$W/stages.txt"
+      done ;;
     ws-profile)
       variants=${PROFILE_VARIANTS:-ws_shared ws_default ws_one_step ws_one_step_specialized}
       for causal in "" --causal; do  # ptxas -v of each kernel as it compiles
