@@ -92,6 +92,7 @@ def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
   assert auto_order(True, 512, 8, 132) == auto_order(True, 512, 16, 132) == "pairs"
   assert auto_order(True, 512, 17, 132) == "heads"
   assert auto_order(True, 263, 32, 132) == "pairs" and auto_order(True, 264, 32, 132) == "heads"
+  assert auto_order(True, 256, 32, 132, chunks=8) == "heads"  # in chunks: heads in turn
 
 
 def test_the_auto_chunks_go_by_the_length_and_the_mask():

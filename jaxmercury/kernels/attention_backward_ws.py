@@ -224,6 +224,10 @@ class BackwardBlocks:
     dq = CONSUMERS * bq * _dq_columns(d) * 4
     return kv + streamed + ds + dq + SMEM_OVERHEAD
 
+  def chunks(self, s_q: int, causal: bool) -> int:
+    """The query chunks of ``s_q`` queries: ``query_chunks``, else ``auto_chunks``'."""
+    return self.query_chunks or auto_chunks(s_q, causal)
+
   def problem(self, d: int, itemsize: int = 2) -> str | None:
     """Why these tiles cannot compile for head dimension ``d``, or None."""
     if self.block_q != 64 or self.block_kv != 64:
@@ -324,10 +328,11 @@ def _add(target, staged):
   target[...] = target[...] + staged[...]
 
 
-def auto_order(causal: bool, pairs: int, heads: int, sms: int) -> str:
-  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask; under a causal one ``HEADS`` where each of
-  the ``heads`` (batch, kv head) pairs has at least ``2 sms`` key pairs and ``PAIRS`` would share a head among
-  fewer than 8 CTAs (``sms < 8 heads``), else ``PAIRS``.
+def auto_order(causal: bool, pairs: int, heads: int, sms: int, chunks: int = 1) -> str:
+  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask or with the queries in ``chunks`` (in chunks
+  pairs ran 0.65-0.70x at S32K causal); under a causal mask on the whole queries ``HEADS`` where each of the
+  ``heads`` (batch, kv head) pairs has at least ``2 sms`` key pairs and ``PAIRS`` would share a head among fewer
+  than 8 CTAs (``sms < 8 heads``), else ``PAIRS``.
 
   Heads in turn is longest first per head only: the last head's longest item starts when that head's work, about
   ``pairs / 2`` of its longest items' worth, is left for the ``sms`` SMs, which outlasts it from ``pairs >= 2 sms``
@@ -337,7 +342,7 @@ def auto_order(causal: bool, pairs: int, heads: int, sms: int) -> str:
   KV 8, 16 CTAs a head, pairs ran 0.980-0.982x against 0.960-0.966x in two (a tie in the third). Measured at
   those two head counts only (docs/benchmarks.md).
   """
-  return HEADS if not causal or (pairs >= 2 * sms and sms < 8 * heads) else PAIRS
+  return HEADS if not causal or chunks > 1 or (pairs >= 2 * sms and sms < 8 * heads) else PAIRS
 
 
 def auto_chunks(s_q: int, causal: bool) -> int:
@@ -375,7 +380,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
   keys = CONSUMERS * bkv  # key rows per item
   nq, pairs = s // bq, skv // keys
-  chunks = blocks.query_chunks or auto_chunks(s, causal)
+  chunks = blocks.chunks(s, causal)
   plan = _chunk_plan(nq, chunks, bq, keys, pairs, causal)
   starts = [0, *itertools.accumulate(n for _, _, n in plan)]  # each chunk's first item of a (batch, kv head)
   per_head = starts.pop()
@@ -386,7 +391,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = blocks.order if blocks.order != AUTO else HEADS if chunks > 1 else auto_order(causal, pairs, b * kv, num_ctas)
+  order = auto_order(causal, pairs, b * kv, num_ctas, chunks) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   deferred = not causal if blocks.deferred_dq is None else blocks.deferred_dq
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
@@ -534,21 +539,29 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         flush()
         meet()
 
-      def dq_window(bi, hq, t):
-        """This consumer's columns of dq rows ``t`` of head ``hq`` in ``dq_acc`` (interpret mode: its CTA's own)."""
-        window = (bi, pl.ds(t * bq, bq), hq, pl.ds(dq_at, dq_cols))
-        return dq_ref.at[(cta, *window) if interpret else window]
+      def window(total, *index):
+        """``total[index]``, a float32 sum in global memory (interpret mode: its CTA's own)."""
+        return total.at[(cta, *index) if interpret else index]
 
-      def send_dq(target):
-        """The staged dq added into ``target``: a TMA reduce-add store (interpret mode: loads and stores)."""
-        if interpret and not split:  # both add to one window: one after the other (the interpreter's threads)
-          pl.when(wg == 0)(lambda: _add(target, dq_smem.at[wg]))
-          meet()
-          pl.when(wg == 1)(lambda: _add(target, dq_smem.at[wg]))
-        elif interpret:
+      def dq_window(bi, hq, t):
+        """This consumer's columns of dq rows ``t`` of head ``hq`` in ``dq_acc``."""
+        return window(dq_ref, bi, pl.ds(t * bq, bq), hq, pl.ds(dq_at, dq_cols))
+
+      def add_staged(target):
+        """This consumer's staging added into ``target``: a TMA reduce-add store (interpret mode: loads and stores)."""
+        if interpret:
           _add(target, dq_smem.at[wg])
         else:
           plgpu.copy_smem_to_gmem(dq_smem.at[wg], target, reduction_op="add")
+
+      def send_dq(target):
+        """The staged dq added into ``target``."""
+        if interpret and not split:  # both add to one window: one after the other (the interpreter's threads)
+          pl.when(wg == 0)(lambda: add_staged(target))
+          meet()
+          pl.when(wg == 1)(lambda: add_staged(target))
+        else:
+          add_staged(target)
 
       def send_pending(bi, pending):
         """The dq staged by the last step, if one is (``pending``: its head and tile, tile -1 where none)."""
@@ -670,12 +683,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging's last store read it
             dq_smem.at[wg][...] = part[:, c0:c0 + dq_cols]
             plgpu.commit_smem()
-            window = (bi, out_rows, kh, pl.ds(c0, dq_cols))
-            target = total.at[(cta, *window) if interpret else window]
-            if interpret:
-              _add(target, dq_smem.at[wg])
-            else:
-              plgpu.copy_smem_to_gmem(dq_smem.at[wg], target, reduction_op="add")
+            add_staged(window(total, bi, out_rows, kh, pl.ds(c0, dq_cols)))
 
       lax.fori_loop(0, items, item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)

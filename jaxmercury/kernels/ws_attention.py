@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmercury.kernels import causal_dispatch
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws, auto_chunks
+from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_ring_attention_ws import WsBlocks, fused_ring_attention_ws
 from jaxmercury.kernels.mosaic_matmul import HALF_DTYPES, hopper_only
@@ -178,10 +178,10 @@ def _forward_workspace(program, sizes, config) -> int:
 
 def _backward_workspace(program, sizes, config) -> int:
   """float32 dq (the kernel's accumulator) and its copy, delta and the base-2 lse rows; where the queries go in
-  chunks (``auto_chunks``), the float32 dk and dv sums."""
+  chunks (``BackwardBlocks.chunks``), the float32 dk and dv sums."""
   del config
   q = sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"]
-  chunked = auto_chunks(sizes["i"], program.params["causal"]) > 1
+  chunked = BACKWARD.chunks(sizes["i"], program.params["causal"]) > 1
   sums = 2 * 4 * sizes["b"] * sizes["j"] * sizes["hk"] * sizes["d"] if chunked else 0
   return 2 * 4 * q * sizes["d"] + 2 * 4 * q + sums
 
