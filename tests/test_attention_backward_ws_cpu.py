@@ -26,6 +26,7 @@ from test_training import _check_grads
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels import attention_backward_ws as attention_backward_ws_module
 from jaxmercury.kernels import registry, ws_attention
 from jaxmercury.kernels.attention_backward_ws import (
   WAITS,
@@ -243,6 +244,25 @@ def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside):
     s = jm.Schedule(prog, mesh).patch("ws_attention")
     assert dual.backward_schedule(s).kernel == "ws_attention"  # an own backward: not cuDNN's
     _check_grads(s)
+
+
+@pytest.mark.parametrize("causal,axis_type,inside", [(True, AxisType.Explicit, True), (False, AxisType.Auto, False)])
+def test_local_schedule_trains_on_our_backward_in_query_chunks(causal, axis_type, inside, monkeypatch):
+  """The same with the backward's default chunks brought down to this length: 2 chunks of 128 queries, dk and dv
+  summed across them, on Explicit axes inside ``jax.set_mesh`` and Auto axes outside."""
+  monkeypatch.setattr(attention_backward_ws_module, "CHUNK_ROWS", 128)
+  monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKS", 2)
+  monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKED_FROM", 256)
+  assert BackwardBlocks().chunks(256, causal) == 2
+  planned = []  # the chunk counts the kernel was traced with
+  plan = attention_backward_ws_module._chunk_plan
+  monkeypatch.setattr(attention_backward_ws_module, "_chunk_plan", lambda nq, chunks, *a: planned.append(chunks)
+                      or plan(nq, chunks, *a))
+  mesh = _one_device(axis_type)
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
+  with registry.interpret_mode(), (jax.set_mesh(mesh) if inside else contextlib.nullcontext()):
+    _check_grads(jm.Schedule(prog, mesh).patch("ws_attention"))
+  assert planned and set(planned) == {2}
 
 
 def test_fused_ring_attention_with_our_backward():
