@@ -42,6 +42,27 @@ def training_step(name: str, s: int, h: int, kv: int, d: int, causal: bool, smok
   return ws_local.training_step(name, mesh, 1, s, h, kv, d, causal, smoke)
 
 
+GRADIENT_TOLERANCE = measure.gradient_tolerance(jnp.bfloat16)
+
+
+def backward_case(s: int, h: int, kv: int, d: int, causal: bool, smoke: bool, variants: dict) -> tuple[list, dict]:
+  """``(inputs, {name: backward})``: ``ws_local``'s backward inputs and, jitted, cuDNN's backward (``cudnn``) and
+  ours at each of ``variants`` (``{name: BackwardBlocks}``), each called once and its gradients checked against
+  cuDNN's (so that a warm, compiled contestant is never one that computes something else)."""
+  keys = jax.random.split(jax.random.key(s + 7 * kv + causal), 4)
+  inputs = ws_local.backward_inputs(ws_local.random_qkv(keys, 1, s, h, kv, d), keys[3], causal, smoke)
+  contestants = {"cudnn": ws_local.cudnn_backward_of(causal, smoke)}
+  contestants |= {name: ws_local.ws_backward_of(causal, smoke, blocks) for name, blocks in variants.items()}
+  reference = jax.block_until_ready(contestants["cudnn"](*inputs))
+  for name, fn in contestants.items():
+    grads = jax.block_until_ready(fn(*inputs))
+    for label, got, want in zip(("dq", "dk", "dv"), grads, reference):
+      if not (err := harness.rel_err(got, want)) <= GRADIENT_TOLERANCE:
+        raise SystemExit(f"{name}: {label} differs from cuDNN's by {err:.3g} (relative Frobenius, over "
+                         f"{GRADIENT_TOLERANCE})")
+  return inputs, contestants
+
+
 def training(args, s: int, h: int, d: int) -> None:
   """``args.step``'s training step, a warm-up call and ``args.reps`` more, on inputs made on the host."""
   inputs = host_inputs(s, h, args.kv, d, s + 7 * args.kv + args.causal)
@@ -69,21 +90,13 @@ def main(argv=None):
     s, args.kv, h, d = 256, 2, 4, 64
   if args.training:
     return training(args, s, h, d)
-  keys = jax.random.split(jax.random.key(s + 7 * args.kv + args.causal), 4)
-  inputs = ws_local.backward_inputs(ws_local.random_qkv(keys, 1, s, h, args.kv, d), keys[3], args.causal, args.smoke)
-  contestants = {"cudnn": ws_local.cudnn_backward_of(args.causal, args.smoke)}
-  contestants |= {name: ws_local.ws_backward_of(args.causal, args.smoke, ws_local.BACKWARD_STEPS[name])
-                  for name in args.variants}
-  reference = jax.block_until_ready(contestants["cudnn"](*inputs))
-  tolerance = measure.gradient_tolerance(jnp.bfloat16)
+  variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}
+  inputs, contestants = backward_case(s, h, args.kv, d, args.causal, args.smoke, variants)
   for name, fn in contestants.items():
-    grads = jax.block_until_ready(fn(*inputs))  # the warm-up call, checked
-    for label, got, want in zip(("dq", "dk", "dv"), grads, reference):
-      if not (err := harness.rel_err(got, want)) <= tolerance:
-        raise SystemExit(f"{name}: {label} differs from cuDNN's by {err:.3g} (relative Frobenius, over {tolerance})")
     for _ in range(args.reps):
       jax.block_until_ready(fn(*inputs))
-    print(f"{name}: {args.reps} profiled calls, gradients within {tolerance} of cuDNN's (relative)", flush=True)
+    print(f"{name}: {args.reps} profiled calls, gradients within {GRADIENT_TOLERANCE} of cuDNN's (relative)",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -360,3 +360,15 @@ def test_ws_profile_and_trace_training_smoke(tmp_path, capsys):
   assert results["suite"] == "ws_trace" and results["command"].startswith("python -m benchmarks.ws_trace --smoke")
   assert {name: r["calls"] for name, r in results["steps"].items()} == {"cudnn": 2, "ws": 2}
   assert all(r["wall_ms"] > 0 and "span_ms" not in r for r in results["steps"].values())
+
+
+def test_ws_trace_backward_smoke(tmp_path):
+  """The backward alone in the traced rounds: cuDNN's (XLA's on the CPU) and ours at a variant and a chunk count,
+  each checked against it before the trace (a wrong gradient ends the run)."""
+  out = tmp_path / "trace.json"
+  ws_trace.main(["--smoke", "--backward", "--variants", "ws_whole", "--query_chunks", "2", "--rounds", "1",
+                 "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results["mode"] == "backward"
+  assert {name: r["calls"] for name, r in results["steps"].items()} == {"cudnn": 1, "ws_whole": 1, "q2": 1}
+  assert all(r["wall_ms"] > 0 for r in results["steps"].values())
