@@ -96,21 +96,27 @@ def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
   assert auto_order(True, 256, 32, 132, chunks=8) == "heads"  # in chunks: heads in turn
 
 
-def test_the_auto_chunks_go_by_the_length_and_the_mask():
-  """Without a mask chunks of at most 32K queries; under a causal mask 8 from 32K queries on, else none."""
-  assert [auto_chunks(s, False) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
+def test_the_auto_chunks_go_by_the_length_the_mask_and_the_group():
+  """Without a mask chunks of at most 32K queries, grouped or not; under a causal mask 8 from 32K queries on where
+  an item holds one query head, from 64K where it holds several, else none."""
+  for group in (1, 4):
+    assert [auto_chunks(s, False, group) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
   assert [auto_chunks(s, True) for s in (16384, 32704, 32768, 65536)] == [1, 1, 8, 8]
+  assert [auto_chunks(s, True, 4) for s in (32768, 65472, 65536, 131072)] == [1, 1, 8, 8]
+  assert BackwardBlocks().chunks(32768, True, 4) == 1 and BackwardBlocks(query_chunks=2).chunks(32768, True, 4) == 2
 
 
-@pytest.mark.parametrize("s,causal,chunked", [(65536, False, True), (32768, False, False), (32768, True, True),
-                                               (16384, True, False)])
-def test_the_backward_workspace_counts_the_chunks_sums(s, causal, chunked):
-  """Where the queries go in chunks the backward's workspace holds float32 dk and dv sums beside dq's."""
+@pytest.mark.parametrize("s,kv,causal,chunked", [(65536, 2, False, True), (32768, 2, False, False),
+                                                  (32768, 8, True, True), (32768, 2, True, False),
+                                                  (65536, 2, True, True), (16384, 8, True, False)])
+def test_the_backward_workspace_counts_the_chunks_sums(s, kv, causal, chunked):
+  """Where the queries go in chunks (by the length, the mask and the query heads per K/V head) the backward's
+  workspace holds float32 dk and dv sums beside dq's."""
   dq_kernel = registry.local("ws_attention").backward.dq
-  program = ab.attention_dq(jm.programs.attention(1, 8, 2, s, s, 128, causal=causal, dtype=jnp.bfloat16))
-  sizes = dict(b=1, i=s, j=s, hk=2, g=4, d=128)
+  program = ab.attention_dq(jm.programs.attention(1, 8, kv, s, s, 128, causal=causal, dtype=jnp.bfloat16))
+  sizes = dict(b=1, i=s, j=s, hk=kv, g=8 // kv, d=128)
   whole = 2 * 4 * s * 8 * 128 + 2 * 4 * s * 8  # dq and its copy, delta and lse rows
-  sums = 2 * 4 * s * 2 * 128
+  sums = 2 * 4 * s * kv * 128
   assert dq_kernel.workspace_bytes(program, sizes) == whole + (sums if chunked else 0)
 
 
@@ -253,7 +259,8 @@ def test_local_schedule_trains_on_our_backward_in_query_chunks(causal, axis_type
   monkeypatch.setattr(attention_backward_ws_module, "CHUNK_ROWS", 128)
   monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKS", 2)
   monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKED_FROM", 256)
-  assert BackwardBlocks().chunks(256, causal) == 2
+  monkeypatch.setattr(attention_backward_ws_module, "GROUPED_CAUSAL_CHUNKED_FROM", 256)  # 2 query heads per K/V
+  assert BackwardBlocks().chunks(256, causal, 2) == 2
   planned = []  # the chunk counts the kernel was traced with
   plan = attention_backward_ws_module._chunk_plan
   monkeypatch.setattr(attention_backward_ws_module, "_chunk_plan", lambda nq, chunks, *a: planned.append(chunks)

@@ -181,6 +181,7 @@ INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose 
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 CHUNK_ROWS = 32768  # auto_chunks without a mask: query rows per chunk at most
 CAUSAL_CHUNKS, CAUSAL_CHUNKED_FROM = 8, 32768  # auto_chunks under a causal mask: chunks from this many queries on
+GROUPED_CAUSAL_CHUNKED_FROM = 65536  # the same where an item holds several query heads (grouped K/V)
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 SERIAL, PAIRED, OVERLAPPED = WAITS = ("serial", "paired", "overlapped")
 AUTO, PAIRS, HEADS = ORDERS = ("auto", "pairs", "heads")
@@ -224,9 +225,10 @@ class BackwardBlocks:
     dq = CONSUMERS * bq * _dq_columns(d) * 4
     return kv + streamed + ds + dq + SMEM_OVERHEAD
 
-  def chunks(self, s_q: int, causal: bool) -> int:
-    """The query chunks of ``s_q`` queries: ``query_chunks``, else ``auto_chunks``'."""
-    return self.query_chunks or auto_chunks(s_q, causal)
+  def chunks(self, s_q: int, causal: bool, group: int = 1) -> int:
+    """The query chunks of ``s_q`` queries, ``group`` query heads per K/V head: ``query_chunks``, else
+    ``auto_chunks``'."""
+    return self.query_chunks or auto_chunks(s_q, causal, group)
 
   def problem(self, d: int, itemsize: int = 2) -> str | None:
     """Why these tiles cannot compile for head dimension ``d``, or None."""
@@ -345,17 +347,21 @@ def auto_order(causal: bool, pairs: int, heads: int, sms: int, chunks: int = 1) 
   return HEADS if not causal or chunks > 1 or (pairs >= 2 * sms and sms < 8 * heads) else PAIRS
 
 
-def auto_chunks(s_q: int, causal: bool) -> int:
-  """``BackwardBlocks.query_chunks=None``'s chunks of ``s_q`` queries: without a mask the fewest of at most
-  ``CHUNK_ROWS`` rows (S64K: 2); under a causal one ``CAUSAL_CHUNKS`` from ``CAUSAL_CHUNKED_FROM`` queries on.
+def auto_chunks(s_q: int, causal: bool, group: int = 1) -> int:
+  """``BackwardBlocks.query_chunks=None``'s chunks of ``s_q`` queries, ``group`` query heads per K/V head (an item
+  holds them all): without a mask the fewest of at most ``CHUNK_ROWS`` rows (S64K: 2); under a causal one
+  ``CAUSAL_CHUNKS`` from ``CAUSAL_CHUNKED_FROM`` queries on, from ``GROUPED_CAUSAL_CHUNKED_FROM`` where ``group`` > 1.
 
   Measured on an H100 (B1 H32 D128, x cuDNN's backward, two processes; module docstring): without a mask S64K
   KV 8 ran 1.01x in 2 chunks against 0.95x whole, KV 32 1.01x against 0.98-0.99x, S32K KV 8 whole 1.01x against
   0.99x in 2; causal KV 32 in 8 chunks 1.00x against 0.96-0.97x at S32K and 1.04x against 1.01x at S64K, KV 8 at
   most 1% apart; at S16K whole ran 2-15% ahead of 2 to 8 chunks in three cases of four, and within 0.5% of 2
-  chunks in the fourth (KV 8 causal)."""
+  chunks in the fourth (KV 8 causal). Each kernel's median time in traced rounds (``ws_trace --backward``, two
+  runs on an H100): causal S32K KV 8, whole queries took 1.0-1.3% less than 8 chunks, 4 chunks between them; KV 32
+  8 chunks 1.7-3.6% less than whole; S64K KV 8, 8 chunks 2.5% less than whole."""
   if causal:
-    return CAUSAL_CHUNKS if s_q >= CAUSAL_CHUNKED_FROM else 1
+    start = GROUPED_CAUSAL_CHUNKED_FROM if group > 1 else CAUSAL_CHUNKED_FROM
+    return CAUSAL_CHUNKS if s_q >= start else 1
   return max(1, -(-s_q // CHUNK_ROWS))
 
 
@@ -380,7 +386,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
   keys = CONSUMERS * bkv  # key rows per item
   nq, pairs = s // bq, skv // keys
-  chunks = blocks.chunks(s, causal)
+  chunks = blocks.chunks(s, causal, g)
   plan = _chunk_plan(nq, chunks, bq, keys, pairs, causal)
   starts = [0, *itertools.accumulate(n for _, _, n in plan)]  # each chunk's first item of a (batch, kv head)
   per_head = starts.pop()

@@ -181,7 +181,7 @@ def _backward_workspace(program, sizes, config) -> int:
   chunks (``BackwardBlocks.chunks``), the float32 dk and dv sums."""
   del config
   q = sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"]
-  chunked = BACKWARD.chunks(sizes["i"], program.params["causal"]) > 1
+  chunked = BACKWARD.chunks(sizes["i"], program.params["causal"], sizes["g"]) > 1
   sums = 2 * 4 * sizes["b"] * sizes["j"] * sizes["hk"] * sizes["d"] if chunked else 0
   return 2 * 4 * q * sizes["d"] + 2 * 4 * q + sums
 
