@@ -75,7 +75,8 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_whole": BackwardBlocks(query_chunks=1),  # the default before query chunks
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
                                                    # specialized, dq deferred; under a causal one auto_order's (heads
-                                                   # in chunks); query chunks from S32K causal, S64K without a mask
+                                                   # in chunks); query chunks from S32K causal (items of several
+                                                   # query heads: S64K), S64K without a mask
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 

@@ -356,9 +356,10 @@ def auto_chunks(s_q: int, causal: bool, group: int = 1) -> int:
   KV 8 ran 1.01x in 2 chunks against 0.95x whole, KV 32 1.01x against 0.98-0.99x, S32K KV 8 whole 1.01x against
   0.99x in 2; causal KV 32 in 8 chunks 1.00x against 0.96-0.97x at S32K and 1.04x against 1.01x at S64K, KV 8 at
   most 1% apart; at S16K whole ran 2-15% ahead of 2 to 8 chunks in three cases of four, and within 0.5% of 2
-  chunks in the fourth (KV 8 causal). Each kernel's median time in traced rounds (``ws_trace --backward``, two
-  runs on an H100): causal S32K KV 8, whole queries took 1.0-1.3% less than 8 chunks, 4 chunks between them; KV 32
-  8 chunks 1.7-3.6% less than whole; S64K KV 8, 8 chunks 2.5% less than whole."""
+  chunks in the fourth (KV 8 causal). A call's median GPU span in traced rounds (``ws_trace --backward``: the
+  kernel, zeroing the float32 sums, casting them): causal S32K KV 8 on an H100, whole queries took 1.0-2.1% less
+  than 8 chunks (four runs; the kernel alone 0.5-1.6%), on an H200 0.8% more (one); KV 32 8 chunks 1.7-3.6% less
+  than whole (H100, two); S64K KV 8, 8 chunks 2.5% less than whole (H100, one)."""
   if causal:
     start = GROUPED_CAUSAL_CHUNKED_FROM if group > 1 else CAUSAL_CHUNKED_FROM
     return CAUSAL_CHUNKS if s_q >= start else 1
