@@ -73,7 +73,6 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_immediate_dq": _as_of(persistent=False),  # the default before deferred dq
                   "ws_deferred_dq": BackwardBlocks(deferred_dq=True),
                   "ws_whole": BackwardBlocks(query_chunks=1),  # the default before query chunks
-                  "ws_rotated": BackwardBlocks(rotate_heads=True),  # grouped items' query heads rotated
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
                                                    # specialized, dq deferred; under a causal one auto_order's (heads
                                                    # in chunks); query chunks from S32K causal (items of several

@@ -56,7 +56,7 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
 # fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn;
 # three with the queries in chunks, dk and dv added across them: causal chunks whose ends cut a key pair, more keys
-# than queries, both orders and grids; two with each item's query heads rotated (2 a group, causal and not)
+# than queries, both orders and grids
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -69,8 +69,7 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))]  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
                  + [(*KERNEL_CASES[0], dict(waits="paired", query_chunks=2)),
                     (*KERNEL_CASES[1], dict(waits="paired", query_chunks=3, order="pairs", persistent=False)),
-                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))]
-                 + [(*case, dict(waits="paired", rotate_heads=True)) for case in KERNEL_CASES[:2]])
+                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -168,8 +167,7 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
                             BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
-                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True),
-                            BackwardBlocks(rotate_heads=True)])
+                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

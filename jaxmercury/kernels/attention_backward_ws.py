@@ -201,10 +201,7 @@ class BackwardBlocks:
   per SM running items in turn, or (``False``, the default) one CTA per item, in rank order; ``deferred_dq``, a
   step's dq staged and sent after the next step's ds^T fence, one fence per step rather than two (``None``: without
   a mask, not under a causal one); ``query_chunks``, how many parts of the query range an item's key pair runs
-  over (``None``: ``auto_chunks``, by the length and the mask), dk and dv added up across them (module docstring);
-  ``rotate_heads``, an item of several query heads (grouped K/V) takes them from the one its key pair's index
-  picks, so that items of neighbouring key pairs add into different heads' dq rows at a time, rather than all from
-  the group's first."""
+  over (``None``: ``auto_chunks``, by the length and the mask), dk and dv added up across them (module docstring)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -218,7 +215,6 @@ class BackwardBlocks:
   persistent: bool = param(False, True)
   deferred_dq: bool | None = param(None, True, False)
   query_chunks: int | None = param(None, 1, 2, 4, 8)
-  rotate_heads: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -431,10 +427,6 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       kv0 = pair * keys
       return bh // kv, lax.rem(bh, kv), kv0, jnp.maximum(lo, _first_tile(kv0, bq, causal)), hi
 
-    def query_head(kh, j, kv0):
-      """The item's ``j``-th query head of K/V head ``kh`` (``rotate_heads``: counted from its key pair's place)."""
-      return kh * g + (lax.rem(j + kv0 // keys, g) if blocks.rotate_heads and g > 1 else j)
-
     # ------------------------------------------------------------------ memory warpgroup
     @pl.when(wg == CONSUMERS)
     def _memory():
@@ -448,7 +440,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kh], v_smem, v_loaded)
 
         def head(j, loaded):
-          hq = query_head(kh, j, kv0)
+          hq = kh * g + j
 
           def tile(t, loaded):
             slot = lax.rem(loaded, slots)
@@ -659,7 +651,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
 
         def head(j, state):
           n, carry = state
-          hq = query_head(kh, j, kv0)
+          hq = kh * g + j
           masked = lambda t, c: step(c, n + t - t0, bi, hq, t, first_key - t * bq)
           visible = lambda t, c: step(c, n + t - t0, bi, hq, t, None)
           if not blocks.one_step:
