@@ -46,6 +46,8 @@
 #                    KERNELS_ARGS (default "--seq 32K --kv 8 --causal")
 #   ws-trace         one GPU: the same steps timed back to back in rotating rounds, each kernel's time inside the loop
 #                    (benchmarks.ws_trace, jax.profiler's trace), S32K KV 8 and 32 causal, S64K KV8 (TRACE_ARGS: one case)
+#   ws-trace-backward  one GPU: the backward alone the same way (ws_trace --backward), cuDNN's and ours by default,
+#                    whole and in 8 chunks, S32K KV 8 and 32 causal, S64K KV8 causal (TRACE_ARGS: one case)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -161,6 +163,15 @@ for stage in "$@"; do
         name=$stage-$(echo "$case" | tr -d ' -')
         timeout "${STAGE_LIMIT:-150}" python3 -m benchmarks.ws_trace $case --steps cudnn ws ws_own cudnn_blocks \
           --out "$W/$name.json" > "$W/$name.log" 2>&1
+        echo "$name rc=$?" | tee -a "$W/stages.txt"
+      done ;;
+    ws-trace-backward)
+      cases=("--seq 32K --kv 8 --causal" "--seq 32K --kv 32 --causal" "--seq 64K --kv 8 --causal")
+      [ -n "${TRACE_ARGS:-}" ] && cases=("$TRACE_ARGS")
+      for case in "${cases[@]}"; do
+        name=$stage-$(echo "$case" | tr -d ' -')
+        timeout "${STAGE_LIMIT:-120}" python3 -m benchmarks.ws_trace --backward $case --rounds 15 \
+          --variants ws_default ws_whole --query_chunks 8 --out "$W/$name.json" > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       done ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
