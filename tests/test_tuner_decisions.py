@@ -30,7 +30,7 @@ from jaxmercury.tuner.plain import PlainProgram, runnable_from_json
 from jaxmercury.tuner.plain import plain_programs as laid_out
 
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
-REPEATS = 40  # a slowed candidate does its work this many times
+REPEATS = 200  # a slowed candidate does its work this many times (40 ran only 2.4x the plain one under load)
 
 
 def _quiet(_):
