@@ -81,6 +81,11 @@ CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 
 
+def chunk_steps(counts) -> dict:
+  """``--query_chunks``' contestants: ``{"q{n}": BackwardBlocks(query_chunks=n)}`` per count ``n``."""
+  return {f"q{n}": BackwardBlocks(query_chunks=n) for n in counts}
+
+
 def seq_length(text: str) -> int:
   """A sequence length from ``"16K"`` (times 1024) or ``"500"``."""
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
@@ -177,8 +182,8 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     inputs = backward_inputs(inputs, keys[3], causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", lambda: cudnn_backward_of(causal, args.smoke),
                                       "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
-    chunked = {f"q{n}": BackwardBlocks(query_chunks=n) for n in args.query_chunks}
-    for name, blocks in [(n, BACKWARD_STEPS[n]) for n in args.backward_steps] + list(chunked.items()):
+    named = {n: BACKWARD_STEPS[n] for n in args.backward_steps}
+    for name, blocks in (named | chunk_steps(args.query_chunks)).items():
       default = " (the default)" if blocks == ws_attention.BACKWARD else ""
       contestants.append(harness.Contestant(
           name, "jaxmercury", lambda x=blocks: ws_backward_of(causal, args.smoke, x),

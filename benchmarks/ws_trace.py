@@ -29,7 +29,6 @@ import time
 import jax
 
 from benchmarks import harness, ws_local, ws_profile
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
 from jaxmercury.tuner import measure
 
 CALL = "ws_trace:"  # the host annotation of one call: "ws_trace:<step>:<round>"
@@ -134,8 +133,7 @@ def main(argv=None):
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
   if args.backward:
-    variants = {n: ws_local.BACKWARD_STEPS[n] for n in args.variants}
-    variants |= {f"q{n}": BackwardBlocks(query_chunks=n) for n in args.query_chunks}
+    variants = {n: ws_local.BACKWARD_STEPS[n] for n in args.variants} | ws_local.chunk_steps(args.query_chunks)
     inputs, steps = ws_profile.backward_case(s, h, args.kv, d, args.causal, args.smoke, variants)
   else:
     inputs = ws_profile.host_inputs(s, h, args.kv, d, s + 7 * args.kv + args.causal)
