@@ -43,7 +43,8 @@ BACKWARD = BackwardBlocks()
 # part-filled and odd (fixed in 4e39a15); one H100, 2026-11-27, passed its GPU tests and matched cuDNN's gradients
 # on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*); with the queries in chunks (75e161d), one
 # H100 passed its chunked GPU tests and matched cuDNN at S 32K-64K (...-ws_backward_chunked-*,
-# ...-ws_training_chunked-*). The tuner measures it beside cuDNN's.
+# ...-ws_training_chunked-*); at 549d8cc its GPU tests passed on 2 x H200, the ring with it on both GPUs
+# (...-gpu_tests_ws_attention-549d8cc-2xH200-*). The tuner measures it beside cuDNN's.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
