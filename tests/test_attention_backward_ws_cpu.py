@@ -56,7 +56,9 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
 # fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn;
 # three with the queries in chunks, dk and dv added across them: causal chunks whose ends cut a key pair, more keys
-# than queries, both orders and grids
+# than queries, both orders and grids; four with a K/V head's query heads over several items (dk and dv added
+# across them) or each tile's heads in turn: non-causal, causal in chunks too, and 4 query heads per K/V head in
+# parts of 2 (heads inner)
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -69,7 +71,11 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))]  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
                  + [(*KERNEL_CASES[0], dict(waits="paired", query_chunks=2)),
                     (*KERNEL_CASES[1], dict(waits="paired", query_chunks=3, order="pairs", persistent=False)),
-                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))])
+                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))]
+                 + [(*KERNEL_CASES[0], dict(waits="paired", heads_per_item=1)),
+                    (*KERNEL_CASES[1], dict(waits="paired", heads_inner=True, persistent=False)),
+                    (*KERNEL_CASES[1], dict(waits="serial", heads_per_item=1, query_chunks=2, deferred_dq=True)),
+                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2, heads_inner=True))])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -104,6 +110,17 @@ def test_the_auto_chunks_go_by_the_length_the_mask_and_the_group():
   assert [auto_chunks(s, True) for s in (16384, 32704, 32768, 65536)] == [1, 1, 8, 8]
   assert [auto_chunks(s, True, 4) for s in (32768, 65472, 65536, 131072)] == [1, 1, 8, 8]
   assert BackwardBlocks().chunks(32768, True, 4) == 1 and BackwardBlocks(query_chunks=2).chunks(32768, True, 4) == 2
+  assert BackwardBlocks(heads_per_item=1).chunks(32768, True, 4) == 8  # an item of one query head
+
+
+def test_the_sums_go_by_the_chunks_and_the_heads_an_item_runs():
+  """dk and dv are float32 sums where several items add into a K/V head's: queries in chunks, or fewer of its query
+  heads per item than the group."""
+  assert not BackwardBlocks().summed(16384, True, 4)
+  assert BackwardBlocks(query_chunks=2).summed(16384, True, 4)
+  assert BackwardBlocks(heads_per_item=2).summed(16384, True, 4)
+  assert not BackwardBlocks(heads_per_item=4).summed(16384, True, 4)
+  assert BackwardBlocks(heads_per_item=2).heads(4) == 2 and BackwardBlocks().heads(4) == 4
 
 
 @pytest.mark.parametrize("s,kv,causal,chunked", [(65536, 2, False, True), (32768, 2, False, False),
@@ -148,7 +165,10 @@ def test_rows_without_keys_have_no_gradient():
     (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)"),
     (dict(deferred_dq="no"), "deferred_dq='no' must be None \\(by the mask\\), True or False"),
     (dict(query_chunks=0), "query_chunks=0 must be None \\(auto_chunks\\) or a positive int"),
-    (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows")])
+    (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows"),
+    (dict(heads_per_item=0), "heads_per_item=0 must be None \\(the whole group\\) or a positive int"),
+    (dict(heads_per_item=3), "heads_per_item=3 must divide the 2 query heads per K/V head \\(h=2, kv=1\\)"),
+    (dict(heads_inner="yes"), "heads_inner='yes' must be True \\(heads innermost\\) or False")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
@@ -167,7 +187,8 @@ def test_bad_inputs_are_named(change, message):
 @pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
                             BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
-                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True)])
+                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True),
+                            BackwardBlocks(heads_per_item=2, heads_inner=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

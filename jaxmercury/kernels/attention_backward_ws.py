@@ -21,15 +21,15 @@ Loop nest before (the dual programs, per device)::
 After (this kernel; per CTA, three warpgroups run concurrently)::
 
   memory warpgroup (24 registers; 40 with ``registers=232``):
-    for item (bi, kv head kh, query chunk c, key pair u) of this CTA:  # one; persistent grid: several
+    for item (bi, kv head kh, heads H, query chunk c, key pair u) of this CTA:  # one; persistent: several
       wait until the consumers stored the last item's dk, dv (K/V SMEM free)
       TMA k, v rows [2 u block_kv, +2 block_kv) -> SMEM   # consumer w's tile: rows w block_kv ..
-      for query head hq of kh's group, for query tile t of chunk c that sees the keys:
+      for query head hq in H, for query tile t of chunk c that sees the keys:   # heads_inner: t outer
         slot = tiles loaded so far % max_concurrent_steps; wait until both consumers released it
         TMA q, lse (base 2), do, delta of (hq, t) -> slot
 
   consumer warpgroup w in {0, 1} (``registers``: 240, or 232, per thread):
-    for item (bi, kh, c, u) of this CTA:
+    for item (bi, kh, H, c, u) of this CTA:
       dk, dv = 0 (registers, [block_kv, d] float32)
       for (hq, t) as the memory warpgroup loads them:
         s^T = k_w q^T; p^T = exp2(s^T scale - lse)          (masked on the diagonal: causal)
@@ -39,7 +39,7 @@ After (this kernel; per CTA, three warpgroups run concurrently)::
         dq[t, columns c_w] = scale * ds[t % 2]^T k[:, c_w]  # [block_q, d/2]: each consumer half the columns
         TMA reduce-add dq -> dq_acc[bi, t rows, hq, c_w]     # float32, global memory
       meet; dk scale, dv -> K/V SMEM rows w -> TMA store dk, dv [bi, rows, kh]; release K/V SMEM
-                                                            # in chunks: reduce-add into float32 sums
+                                                            # summed: reduce-add into float32 sums
 
 How a consumer's step waits on its wgmmas (``BackwardBlocks.waits``; the
 loop nest above is ``serial``, four waits per tile: s^T; dv with dp^T; dk;
@@ -101,12 +101,13 @@ aligned); an item's query tiles start at the first that sees its keys, and
 each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
-Items: ranked by ``order``:
+Items: ranked by ``order`` over lanes (batch, kv head, the part of its
+query heads an item runs: ``b kv`` lanes by default) and key pairs:
 
-  pairs   rank ``r`` is key pair ``r // (b kv)`` of (batch, kv head)
-          ``r % (b kv)``: every head runs at once, the key pairs that see
-          the most causal queries first
-  heads   key pair ``r % pairs`` of (batch, kv head) ``r // pairs``: the
+  pairs   rank ``r`` is key pair ``r // lanes`` of lane ``r % lanes``:
+          every head runs at once, the key pairs that see the most causal
+          queries first
+  heads   key pair ``r % pairs`` of lane ``r // pairs``: the
           CTAs running side by side share a head (its queries and dq rows
           in L2); causal, the longest pairs of each head first
   auto    (the default) heads without a mask or with the queries in
@@ -133,9 +134,11 @@ and run by a grid of (``persistent``):
           pairs of one head beside the shortest of the last.
 
 Query chunks (``query_chunks``): an item can run its key pair over one part of the query range, so that
-an item is (batch, kv head, chunk, key pair); the memory warpgroup loads, and the consumers run, that
-chunk's query tiles only, and each item adds its float32 dk and dv into sums in global memory (TMA
-reduce-add stores through the dq staging, ``dq_cols`` columns at a time), cast after the kernel. Items
+an item is (batch, kv head, heads H, chunk, key pair); the memory warpgroup loads, and the consumers run,
+that chunk's query tiles only, and each item adds its float32 dk and dv into sums in global memory (TMA
+reduce-add stores through the dq staging, ``dq_cols`` columns at a time), cast after the kernel. The
+same sums take a K/V head's query heads in parts (``heads_per_item``; H is the whole group by default):
+its items then stream one query head each (1) as items of ungrouped K/V do. Items
 go chunk by chunk, key pairs innermost (causal: the last chunks, which see the most key pairs, first),
 heads in turn unless ``order`` says pairs. The CTAs side by side then stream one chunk's queries: an
 H100 profile of the whole range at S64K (Nsight Compute) read 250-310 GB from DRAM against cuDNN's 12,
@@ -201,7 +204,10 @@ class BackwardBlocks:
   per SM running items in turn, or (``False``, the default) one CTA per item, in rank order; ``deferred_dq``, a
   step's dq staged and sent after the next step's ds^T fence, one fence per step rather than two (``None``: without
   a mask, not under a causal one); ``query_chunks``, how many parts of the query range an item's key pair runs
-  over (``None``: ``auto_chunks``, by the length and the mask), dk and dv added up across them (module docstring)."""
+  over (``None``: ``auto_chunks``, by the length, the mask and the heads an item holds), dk and dv added up across
+  them (module docstring); ``heads_per_item``, how many of a K/V head's query heads an item runs (``None``: all of
+  them; fewer: the K/V head's dk and dv added up across its items, as across chunks); ``heads_inner``, an item's
+  query heads innermost (for each query tile, each head in turn) rather than each head's tiles in turn."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -215,6 +221,8 @@ class BackwardBlocks:
   persistent: bool = param(False, True)
   deferred_dq: bool | None = param(None, True, False)
   query_chunks: int | None = param(None, 1, 2, 4, 8)
+  heads_per_item: int | None = param(None, 1, 2, 4)
+  heads_inner: bool = param(False, True)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -225,10 +233,19 @@ class BackwardBlocks:
     dq = CONSUMERS * bq * _dq_columns(d) * 4
     return kv + streamed + ds + dq + SMEM_OVERHEAD
 
+  def heads(self, group: int) -> int:
+    """The query heads an item runs, ``group`` query heads per K/V head."""
+    return self.heads_per_item or group
+
   def chunks(self, s_q: int, causal: bool, group: int = 1) -> int:
     """The query chunks of ``s_q`` queries, ``group`` query heads per K/V head: ``query_chunks``, else
-    ``auto_chunks``'."""
-    return self.query_chunks or auto_chunks(s_q, causal, group)
+    ``auto_chunks``' for the heads an item runs."""
+    return self.query_chunks or auto_chunks(s_q, causal, self.heads(group))
+
+  def summed(self, s_q: int, causal: bool, group: int = 1) -> bool:
+    """Whether several items add into each K/V head's dk and dv (float32 sums in global memory): the queries in
+    chunks, or a K/V head's query heads over several items."""
+    return self.chunks(s_q, causal, group) > 1 or self.heads(group) < group
 
   def problem(self, d: int, itemsize: int = 2) -> str | None:
     """Why these tiles cannot compile for head dimension ``d``, or None."""
@@ -248,6 +265,11 @@ class BackwardBlocks:
     if self.query_chunks is not None and (not isinstance(self.query_chunks, int) or isinstance(self.query_chunks, bool)
                                           or self.query_chunks < 1):
       return f"query_chunks={self.query_chunks!r} must be None (auto_chunks) or a positive int"
+    if self.heads_per_item is not None and (not isinstance(self.heads_per_item, int)
+                                            or isinstance(self.heads_per_item, bool) or self.heads_per_item < 1):
+      return f"heads_per_item={self.heads_per_item!r} must be None (the whole group) or a positive int"
+    if self.heads_inner not in (True, False):
+      return f"heads_inner={self.heads_inner!r} must be True (heads innermost) or False (each head's tiles in turn)"
     if self.persistent not in (True, False):
       return f"persistent={self.persistent!r} must be True (one CTA per SM) or False (one CTA per item)"
     if self.registers not in REGISTER_SPLITS:
@@ -320,6 +342,9 @@ def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
                             f"2 * block_kv = {CONSUMERS * blocks.block_kv} (a work item's two key tiles)")
   if causal and s != skv:
     raise PreconditionError(f"{NAME}: causal takes queries and keys at the same positions; s_q={s} != s_kv={skv}")
+  if h // kv % blocks.heads(h // kv):
+    raise PreconditionError(f"{NAME}: heads_per_item={blocks.heads_per_item} must divide the {h // kv} query heads "
+                            f"per K/V head (h={h}, kv={kv}); pass a divisor of {h // kv}, or None (all of them)")
   if (blocks.query_chunks or 1) > s // blocks.block_q:
     raise PreconditionError(f"{NAME}: query_chunks={blocks.query_chunks} is more than the {s // blocks.block_q} "
                             f"query tiles of {blocks.block_q} rows; pass at most that many, or None")
@@ -388,17 +413,21 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   keys = CONSUMERS * bkv  # key rows per item
   nq, pairs = s // bq, skv // keys
   chunks = blocks.chunks(s, causal, g)
+  heads = blocks.heads(g)  # query heads per item
+  parts = g // heads  # items per (batch, kv head, chunk, key pair)
+  summed = blocks.summed(s, causal, g)
+  lanes = b * kv * parts  # (batch, kv head, part of its group)
   plan = _chunk_plan(nq, chunks, bq, keys, pairs, causal)
-  starts = [0, *itertools.accumulate(n for _, _, n in plan)]  # each chunk's first item of a (batch, kv head)
+  starts = [0, *itertools.accumulate(n for _, _, n in plan)]  # each chunk's first item of a lane
   per_head = starts.pop()
-  work = b * kv * per_head
+  work = lanes * per_head
   grid = min(work, num_ctas) if blocks.persistent else work
   dq_cols = _dq_columns(d)
   split = dq_cols < d  # each consumer half of dq's columns, from both key tiles
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = auto_order(causal, pairs, b * kv, num_ctas, chunks) if blocks.order == AUTO else blocks.order
+  order = auto_order(causal, pairs, lanes, num_ctas, chunks) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   deferred = not causal if blocks.deferred_dq is None else blocks.deferred_dq
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
@@ -412,20 +441,40 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
     items, rank_of = snake_order(work, grid, cta)
 
     def item_of(i):
-      """Item ``i`` of this CTA, ``(batch, kv head, first key row, first query tile, end tile)``: ranks in snake
-      order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones) over (chunk, key pair), then (batch, kv head)
-      (``PAIRS``), or the other way round (``HEADS``); causal: in each chunk the first pairs see the most queries."""
+      """Item ``i`` of this CTA, ``(batch, kv head, first query head, first key row, first query tile, end tile)``:
+      ranks in snake order (``cta`` in even rounds, ``grid - 1 - cta`` in odd ones) over (chunk, key pair), then
+      lanes (batch, kv head, part of its query heads) (``PAIRS``), or the other way round (``HEADS``); causal: in
+      each chunk the first pairs see the most queries."""
       rank = rank_of(i)
       if order == PAIRS:
-        j, bh = rank // (b * kv), lax.rem(rank, b * kv)
+        j, lane = rank // lanes, lax.rem(rank, lanes)
       else:
-        bh, j = rank // per_head, lax.rem(rank, per_head)
+        lane, j = rank // per_head, lax.rem(rank, per_head)
       (lo, hi, _), pair = plan[0], j
       for (first, end, _), start in zip(plan[1:], starts[1:]):  # the chunk holding j
         later = j >= start
         lo, hi, pair = jnp.where(later, first, lo), jnp.where(later, end, hi), jnp.where(later, j - start, pair)
-      kv0 = pair * keys
-      return bh // kv, lax.rem(bh, kv), kv0, jnp.maximum(lo, _first_tile(kv0, bq, causal)), hi
+      kv0, kh = pair * keys, lax.rem(lane // parts, kv)
+      first_head = kh * g + lax.rem(lane, parts) * heads
+      return lane // (kv * parts), kh, first_head, kv0, jnp.maximum(lo, _first_tile(kv0, bq, causal)), hi
+
+    def item_steps(runs, step, state):
+      """``step(j, t, tag, state)`` over an item's query heads (``j``: from its first) and the query tiles ``t`` of
+      its ``runs``, ``(first tile, end tile, tag)`` in order: each head's runs in turn, or (``heads_inner``) for each
+      tile of each run each head."""
+      def run(j, lo, hi, tag, state):
+        return lax.fori_loop(lo, hi, lambda t, state: step(j, t, tag, state), state)
+      if blocks.heads_inner:
+        for lo, hi, tag in runs:
+          state = lax.fori_loop(lo, hi, lambda t, state, tag=tag: lax.fori_loop(
+              0, heads, lambda j, state: step(j, t, tag, state), state), state)
+        return state
+
+      def head(j, state):
+        for lo, hi, tag in runs:
+          state = run(j, lo, hi, tag, state)
+        return state
+      return lax.fori_loop(0, heads, head, state)
 
     # ------------------------------------------------------------------ memory warpgroup
     @pl.when(wg == CONSUMERS)
@@ -433,28 +482,23 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       plgpu.set_max_registers(REGISTER_SPLITS[blocks.registers], action="decrease")
 
       def item(i, loaded):
-        bi, kh, kv0, t0, t_end = item_of(i)
+        bi, kh, h0, kv0, t0, t_end = item_of(i)
         pl.when(i > 0)(lambda: plgpu.barrier_wait(kv_free))  # the last item's dk, dv left K/V SMEM
         rows = pl.ds(kv0, keys)
         plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kh], k_smem, k_loaded)
         plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kh], v_smem, v_loaded)
 
-        def head(j, loaded):
-          hq = kh * g + j
+        def tile(j, t, _, loaded):
+          hq, slot = h0 + j, lax.rem(loaded, slots)
+          pl.when(loaded >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          qrows = pl.ds(t * bq, bq)
+          plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, hq], q_smem.at[slot], q_loaded.at[slot])
+          plgpu.copy_gmem_to_smem(lse_ref.at[bi, hq, qrows], lse_smem.at[slot], q_loaded.at[slot])
+          plgpu.copy_gmem_to_smem(do_ref.at[bi, qrows, hq], do_smem.at[slot], do_loaded.at[slot])
+          plgpu.copy_gmem_to_smem(delta_ref.at[bi, hq, qrows], delta_smem.at[slot], do_loaded.at[slot])
+          return loaded + 1
 
-          def tile(t, loaded):
-            slot = lax.rem(loaded, slots)
-            pl.when(loaded >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-            qrows = pl.ds(t * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, hq], q_smem.at[slot], q_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[bi, hq, qrows], lse_smem.at[slot], q_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, qrows, hq], do_smem.at[slot], do_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[bi, hq, qrows], delta_smem.at[slot], do_loaded.at[slot])
-            return loaded + 1
-
-          return lax.fori_loop(t0, t_end, tile, loaded)
-
-        return lax.fori_loop(0, g, head, loaded)
+        return item_steps([(t0, t_end, None)], tile, loaded)
 
       loaded = lax.fori_loop(0, items, item, jnp.int32(0))
 
@@ -641,7 +685,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         return dk, dv, pending
 
       def item(i, n):
-        bi, kh, kv0, t0, t_end = item_of(i)
+        bi, kh, h0, kv0, t0, t_end = item_of(i)
         first_key = kv0 + wg * bkv
         # Tiles from t_vis on see every key of this consumer's tile: query t bq >= the tile's last key.
         t_vis = jnp.clip((first_key + bkv - 1 + bq - 1) // bq, t0, t_end) if causal else t0
@@ -649,23 +693,19 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         plgpu.barrier_wait(v_loaded)
         zeros = plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), plgpu.Layout.WGMMA)
 
-        def head(j, state):
+        def one(j, t, masked, state):
           n, carry = state
-          hq = kh * g + j
-          masked = lambda t, c: step(c, n + t - t0, bi, hq, t, first_key - t * bq)
-          visible = lambda t, c: step(c, n + t - t0, bi, hq, t, None)
-          if not blocks.one_step:
-            carry = lax.fori_loop(t0, t_vis, masked, carry)
-            carry = lax.fori_loop(t_vis, t_end, visible, carry)
-          else:  # the mask keeps every pair of a visible tile
-            carry = lax.fori_loop(t0, t_end, masked if causal else visible, carry)
-          return n + t_end - t0, carry
+          return n + 1, step(carry, n, bi, h0 + j, t, first_key - t * bq if masked else None)
 
+        if blocks.one_step:  # the mask keeps every pair of a visible tile
+          runs = [(t0, t_end, causal)]
+        else:
+          runs = [(t0, t_vis, True), (t_vis, t_end, False)]
         none = (jnp.int32(0), jnp.int32(-1)) if deferred else None  # no dq staged
-        n, (dk, dv, pending) = lax.fori_loop(0, g, head, (n, (zeros, zeros, none)))
+        n, (dk, dv, pending) = item_steps(runs, one, (n, (zeros, zeros, none)))
         meet()  # the other consumer's last dq read this consumer's K rows
         out_rows = pl.ds(first_key, bkv)
-        if chunks > 1:  # float32 parts: through the dq staging, added
+        if summed:  # float32 parts: through the dq staging, added
           add_parts(bi, kh, out_rows, pending, dk * scale, dv)
         else:
           k_own[...] = (dk * scale).astype(dtype)
@@ -725,7 +765,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   # dq is added into a float32 buffer; in interpret mode one per CTA (no reduce-add stores there), summed after
   per_cta = (grid,) if interpret else ()
   dq_acc = jax.new_ref(jnp.zeros(per_cta + q.shape, jnp.float32))
-  sums = [jax.new_ref(jnp.zeros(per_cta + k.shape, jnp.float32)) for _ in "kv"] if chunks > 1 else []
+  sums = [jax.new_ref(jnp.zeros(per_cta + k.shape, jnp.float32)) for _ in "kv"] if summed else []
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   outs = plgpu.kernel(
       body, out_type=[] if sums else [kv_type, kv_type], scratch_types=scratch, grid=(grid,), grid_names=("cta",),

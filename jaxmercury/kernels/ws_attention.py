@@ -179,11 +179,11 @@ def _forward_workspace(program, sizes, config) -> int:
 
 def _backward_workspace(program, sizes, config) -> int:
   """float32 dq (the kernel's accumulator) and its copy, delta and the base-2 lse rows; where the queries go in
-  chunks (``BackwardBlocks.chunks``), the float32 dk and dv sums."""
+  chunks or a K/V head's query heads over several items (``BackwardBlocks.summed``), the float32 dk and dv sums."""
   del config
   q = sizes["b"] * sizes["i"] * sizes["hk"] * sizes["g"]
-  chunked = BACKWARD.chunks(sizes["i"], program.params["causal"], sizes["g"]) > 1
-  sums = 2 * 4 * sizes["b"] * sizes["j"] * sizes["hk"] * sizes["d"] if chunked else 0
+  summed = BACKWARD.summed(sizes["i"], program.params["causal"], sizes["g"])
+  sums = 2 * 4 * sizes["b"] * sizes["j"] * sizes["hk"] * sizes["d"] if summed else 0
   return 2 * 4 * q * sizes["d"] + 2 * 4 * q + sums
 
 
