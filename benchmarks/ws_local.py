@@ -75,6 +75,8 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_whole": BackwardBlocks(query_chunks=1),  # the default before query chunks
                   "ws_split_heads": BackwardBlocks(heads_per_item=1),  # an item per query head (auto chunks)
                   "ws_split_heads_whole": BackwardBlocks(heads_per_item=1, query_chunks=1),
+                  "ws_split_whole_heads": BackwardBlocks(heads_per_item=1, query_chunks=1, order="heads"),
+                  "ws_whole_heads": BackwardBlocks(query_chunks=1, order="heads"),
                   "ws_heads_inner": BackwardBlocks(heads_inner=True),  # each tile's query heads in turn
                   "ws_heads_inner_q8": BackwardBlocks(heads_inner=True, query_chunks=8),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
