@@ -77,6 +77,10 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_split_heads_whole": BackwardBlocks(heads_per_item=1, query_chunks=1),
                   "ws_split_whole_heads": BackwardBlocks(heads_per_item=1, query_chunks=1, order="heads"),
                   "ws_whole_heads": BackwardBlocks(query_chunks=1, order="heads"),
+                  "ws_branch": BackwardBlocks(one_step=True, branch_mask=True),  # one step, the mask under a branch
+                  "ws_branch_specialized": BackwardBlocks(one_step=True, branch_mask=True, specialized=True),
+                  "ws_branch_deferred": BackwardBlocks(one_step=True, branch_mask=True, deferred_dq=True),
+                  "ws_branch_both": BackwardBlocks(one_step=True, branch_mask=True, specialized=True, deferred_dq=True),
                   "ws_heads_inner": BackwardBlocks(heads_inner=True),  # each tile's query heads in turn
                   "ws_heads_inner_q8": BackwardBlocks(heads_inner=True, query_chunks=8),
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,

@@ -75,7 +75,9 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*KERNEL_CASES[0], dict(waits="paired", heads_per_item=1)),
                     (*KERNEL_CASES[1], dict(waits="paired", heads_inner=True, persistent=False)),
                     (*KERNEL_CASES[1], dict(waits="serial", heads_per_item=1, query_chunks=2, deferred_dq=True)),
-                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2, heads_inner=True))])
+                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2, heads_inner=True))]
+                 + [(*case, dict(waits="paired", one_step=True, branch_mask=True, specialized=True))
+                    for case in (KERNEL_CASES[1], KERNEL_CASES[3])])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -168,6 +170,7 @@ def test_rows_without_keys_have_no_gradient():
     (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows"),
     (dict(heads_per_item=0), "heads_per_item=0 must be None \\(the whole group\\) or a positive int"),
     (dict(heads_per_item=3), "heads_per_item=3 must divide the 2 query heads per K/V head \\(h=2, kv=1\\)"),
+    (dict(branch_mask=True), "branch_mask=True must be False, or True with one_step=True"),
     (dict(heads_inner="yes"), "heads_inner='yes' must be True \\(heads innermost\\) or False")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
@@ -188,7 +191,8 @@ def test_bad_inputs_are_named(change, message):
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
                             BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
                             BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True),
-                            BackwardBlocks(heads_per_item=2, heads_inner=True)])
+                            BackwardBlocks(heads_per_item=2, heads_inner=True),
+                            BackwardBlocks(one_step=True, branch_mask=True, deferred_dq=True)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct

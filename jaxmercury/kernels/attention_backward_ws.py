@@ -72,7 +72,10 @@ no tile, is not emitted; so a consumer's hot code is one step, not two. On
 an H100, with specialized consumers under a causal mask on the persistent
 grid, it was 2-7% faster than two shared copies at S 8K-16K and 6-15%
 slower at S32K (two runs); with a CTA per item, 3-11% slower than two
-copies of the step at S 4K-32K (not the default).
+copies of the step at S 4K-32K (not the default). With ``branch_mask`` too,
+the mask is applied under a branch that only the tiles the diagonal cuts
+take, so that a visible tile pays a compare of two scalars, not a compare
+and a select per element.
 
 With ``deferred_dq``, a step's dq waits in the staging buffer until the next
 step has written its ds^T: one fence (``commit_smem``) then covers both, and
@@ -200,7 +203,8 @@ class BackwardBlocks:
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
   warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
-  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles; ``persistent``, one CTA
+  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles (``branch_mask``: the
+  mask under a branch taken by the tiles the diagonal cuts only); ``persistent``, one CTA
   per SM running items in turn, or (``False``, the default) one CTA per item, in rank order; ``deferred_dq``, a
   step's dq staged and sent after the next step's ds^T fence, one fence per step rather than two (``None``: without
   a mask, not under a causal one); ``query_chunks``, how many parts of the query range an item's key pair runs
@@ -218,6 +222,7 @@ class BackwardBlocks:
   early_loads: bool = param(False, True)
   specialized: bool | None = param(None, True, False)
   one_step: bool = param(False, True)
+  branch_mask: bool = param(False, True)
   persistent: bool = param(False, True)
   deferred_dq: bool | None = param(None, True, False)
   query_chunks: int | None = param(None, 1, 2, 4, 8)
@@ -268,6 +273,8 @@ class BackwardBlocks:
     if self.heads_per_item is not None and (not isinstance(self.heads_per_item, int)
                                             or isinstance(self.heads_per_item, bool) or self.heads_per_item < 1):
       return f"heads_per_item={self.heads_per_item!r} must be None (the whole group) or a positive int"
+    if self.branch_mask not in (True, False) or (self.branch_mask and not self.one_step):
+      return f"branch_mask={self.branch_mask!r} must be False, or True with one_step=True (one copy of the step)"
     if self.heads_inner not in (True, False):
       return f"heads_inner={self.heads_inner!r} must be True (heads innermost) or False (each head's tiles in turn)"
     if self.persistent not in (True, False):
@@ -642,9 +649,14 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
         if mask_from is None:
           return pt
-        key = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
-        query = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
-        return jnp.where(query - key >= mask_from, pt, 0.0)
+
+        def mask(pt):
+          key = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
+          query = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
+          return jnp.where(query - key >= mask_from, pt, 0.0)
+        if blocks.branch_mask:  # a tile whose every query follows every key keeps all: no mask
+          return lax.cond(mask_from > 1 - bkv, mask, lambda pt: pt, pt)
+        return mask(pt)
 
       def step(carry, n, bi, hq, t, mask_from):
         """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added (``deferred_dq``:

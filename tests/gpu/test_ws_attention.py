@@ -58,7 +58,8 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
                             dict(query_chunks=2), dict(query_chunks=3, order="pairs"),
                             dict(query_chunks=5, persistent=True, deferred_dq=True),
                             dict(heads_per_item=1), dict(heads_inner=True),
-                            dict(heads_per_item=2, heads_inner=True, persistent=True)])
+                            dict(heads_per_item=2, heads_inner=True, persistent=True),
+                            dict(one_step=True, branch_mask=True, specialized=True, deferred_dq=True)])
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
     (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
 def test_variants_match_float32(b, s, skv, h, kv, d, causal, changes):
