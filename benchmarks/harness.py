@@ -85,6 +85,7 @@ class Settings:
   deadline: float | None = None
   tolerance: float = BF16_TOLERANCE
   min_timing_s: float = 0.0  # benchmarks.run: 0.5 s on GPUs
+  sustain_s: float = 0.0  # each timed run a block of back-to-back runs this long (measure.sustained): iters blocks
 
   @classmethod
   def from_args(cls, args, deadline: float | None, tolerance: float = BF16_TOLERANCE) -> "Settings":
@@ -92,7 +93,9 @@ class Settings:
     return cls(args.iters, args.warmup, args.max_timing_s, deadline, tolerance, args.min_timing_s)
 
   def runs(self, first_s: float) -> int:
-    """Timed runs of a contestant whose first run took ``first_s``."""
+    """Timed runs of a contestant whose first run took ``first_s`` (``sustain_s``: ``iters`` blocks)."""
+    if self.sustain_s:
+      return self.iters
     first_s = max(first_s, 1e-6)
     return max(3, min(max(self.iters, int(self.min_timing_s / first_s)), int(self.max_timing_s / first_s)))
 
@@ -164,7 +167,7 @@ def run_contestants(contestants: list[Contestant], inputs, settings: Settings) -
     log(f"  ERROR while timing {name}: {records[name]['error']}")
 
   times = measure.rounds({n: call for n, (call, _) in ready.items()}, {n: k for n, (_, k) in ready.items()},
-                         on_error=dropped)
+                         on_error=dropped, block_s=settings.sustain_s)
   for name, t in times.items():
     records[name].update(median_ms=statistics.median(t), min_ms=min(t), times_ms=[round(x, 4) for x in t])
   return list(records.values()), ref_name

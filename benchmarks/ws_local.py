@@ -14,6 +14,9 @@ output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against 
 ``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``) and at the ``--query_chunks`` counts, gradients checked
 against cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
+``--sustain_s`` times each contestant in blocks of back-to-back runs instead of single runs: a GPU at its power
+cap clocks by the power drawn, so single runs in rotation share one clock and hide what a contestant's own draw
+does to it; a block runs at the clock the contestant allows alone, as a training loop of it does.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ STEPS = {"before": dict(pipeline=BEFORE),
 # name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step), so that it still
 # means the kernel measured under it. Those with the auto order ran at S <= 32K, where its causal pairs stand.
 def _as_of(**changes) -> BackwardBlocks:
-  return BackwardBlocks(**{"persistent": True, "deferred_dq": False} | changes)
+  return BackwardBlocks(**{"persistent": True, "deferred_dq": False, "heads_per_item": None} | changes)
+
+
+GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 
 BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=232),
@@ -71,22 +77,18 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_items_one_step": _as_of(persistent=False, order="heads", one_step=True, specialized=True),
                   "ws_items_specialized": _as_of(persistent=False, specialized=True),
                   "ws_immediate_dq": _as_of(persistent=False),  # the default before deferred dq
-                  "ws_deferred_dq": BackwardBlocks(deferred_dq=True),
-                  "ws_whole": BackwardBlocks(query_chunks=1),  # the default before query chunks
-                  "ws_split_heads": BackwardBlocks(heads_per_item=1),  # an item per query head (auto chunks)
-                  "ws_split_heads_whole": BackwardBlocks(heads_per_item=1, query_chunks=1),
+                  "ws_deferred_dq": BackwardBlocks(deferred_dq=True, **GROUPED),
+                  "ws_whole": BackwardBlocks(query_chunks=1, **GROUPED),  # the default before query chunks
+                  "ws_grouped": BackwardBlocks(**GROUPED),  # the default before one query head per item (KV < H)
+                  # one query head per item (under a causal mask its runs of 6635e48-079c333 had 8 query chunks)
+                  "ws_split_heads": BackwardBlocks(heads_per_item=1, order="heads"),
+                  "ws_split_heads_whole": BackwardBlocks(heads_per_item=1, query_chunks=1, order="pairs"),
                   "ws_split_whole_heads": BackwardBlocks(heads_per_item=1, query_chunks=1, order="heads"),
-                  "ws_whole_heads": BackwardBlocks(query_chunks=1, order="heads"),
-                  "ws_branch": BackwardBlocks(one_step=True, branch_mask=True),  # one step, the mask under a branch
-                  "ws_branch_specialized": BackwardBlocks(one_step=True, branch_mask=True, specialized=True),
-                  "ws_branch_deferred": BackwardBlocks(one_step=True, branch_mask=True, deferred_dq=True),
-                  "ws_branch_both": BackwardBlocks(one_step=True, branch_mask=True, specialized=True, deferred_dq=True),
-                  "ws_heads_inner": BackwardBlocks(heads_inner=True),  # each tile's query heads in turn
-                  "ws_heads_inner_q8": BackwardBlocks(heads_inner=True, query_chunks=8),
-                  "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item; without a mask heads,
-                                                   # specialized, dq deferred; under a causal one auto_order's (heads
-                                                   # in chunks); query chunks from S32K causal (items of several
-                                                   # query heads: S64K), S64K without a mask
+                  "ws_whole_heads": BackwardBlocks(query_chunks=1, order="heads", **GROUPED),
+                  "ws_pairs": BackwardBlocks(order="pairs"),  # one query head per item, pairs of every head
+                  "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item, one query head per
+                                                   # item, heads in turn; without a mask specialized, dq deferred,
+                                                   # query chunks from S64K; under a causal mask the whole queries
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
 
@@ -216,7 +218,7 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   name = f"B{b} S{seq} H{h} KV{kv} D{d}{' causal' if causal else ''}{mode}"
   harness.log(f"case {name}")
   settings = harness.Settings(iters=args.iters, warmup=3, max_timing_s=args.max_timing_s, deadline=deadline,
-                              tolerance=tolerance, min_timing_s=args.min_timing_s)
+                              tolerance=tolerance, min_timing_s=args.min_timing_s, sustain_s=args.sustain_s)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.training else 2.5 if args.backward else 1.0)
   case = {"name": name, "batch": b, "seq": s, "heads": h, "kv_heads": kv, "head_dim": d, "causal": causal,
@@ -259,6 +261,9 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--min_timing_s", type=float, default=0.5)
   parser.add_argument("--max_timing_s", type=float, default=3.0)
+  parser.add_argument("--sustain_s", type=float, default=0.0,
+                      help="time --iters blocks of back-to-back runs this long each (a GPU at its power cap then "
+                           "clocks as under that contestant alone; measure.sustained); 0: single runs")
   parser.add_argument("--time_budget", type=float, default=480.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
@@ -270,6 +275,7 @@ def main(argv=None):
   mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   out = harness.header("ws_local", [])
   out["command"] = "python -m benchmarks.ws_local " + " ".join(sys.argv[1:] if argv is None else argv)
+  out["sustain_s"] = args.sustain_s  # 0: rotating single runs; else blocks of back-to-back runs this long
   out["cases"] = []
   for s in map(seq_length, args.seqs):
     for kv in args.kv:

@@ -56,9 +56,8 @@ KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one who
 # persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
 # fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn;
 # three with the queries in chunks, dk and dv added across them: causal chunks whose ends cut a key pair, more keys
-# than queries, both orders and grids; four with a K/V head's query heads over several items (dk and dv added
-# across them) or each tile's heads in turn: non-causal, causal in chunks too, and 4 query heads per K/V head in
-# parts of 2 (heads inner)
+# than queries, both orders and grids. Grouped K/V runs one query head per item by default (dk and dv added across
+# them); three with a K/V head's whole group per item (causal and not) or 4 query heads per K/V head in parts of 2
 EARLY = dict(waits="paired", early_loads=True, registers=232)
 SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
 VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
@@ -72,12 +71,9 @@ VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNE
                  + [(*KERNEL_CASES[0], dict(waits="paired", query_chunks=2)),
                     (*KERNEL_CASES[1], dict(waits="paired", query_chunks=3, order="pairs", persistent=False)),
                     (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))]
-                 + [(*KERNEL_CASES[0], dict(waits="paired", heads_per_item=1)),
-                    (*KERNEL_CASES[1], dict(waits="paired", heads_inner=True, persistent=False)),
-                    (*KERNEL_CASES[1], dict(waits="serial", heads_per_item=1, query_chunks=2, deferred_dq=True)),
-                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2, heads_inner=True))]
-                 + [(*case, dict(waits="paired", one_step=True, branch_mask=True, specialized=True))
-                    for case in (KERNEL_CASES[1], KERNEL_CASES[3])])
+                 + [(*KERNEL_CASES[0], dict(waits="paired", heads_per_item=None)),
+                    (*KERNEL_CASES[1], dict(waits="paired", heads_per_item=None, persistent=False)),
+                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2))])
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
@@ -93,50 +89,54 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
 
 
 def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
-  """Heads in turn without a mask; under a causal one from twice as many key pairs a head as SMs (S 64K and longer
-  on an H100's 132) where pairs would run fewer than 8 CTAs a head (KV 32, not 8), else pairs of every head."""
-  assert auto_order(False, 2, 8, 132) == "heads"
-  assert [auto_order(True, s // 128, 32, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
-                                                                                            "heads"]
-  assert auto_order(True, 512, 8, 132) == auto_order(True, 512, 16, 132) == "pairs"
-  assert auto_order(True, 512, 17, 132) == "heads"
-  assert auto_order(True, 263, 32, 132) == "pairs" and auto_order(True, 264, 32, 132) == "heads"
-  assert auto_order(True, 256, 32, 132, chunks=8) == "heads"  # in chunks: heads in turn
+  """Heads in turn without a mask, in chunks, or with items of one query head; for items of whole groups under a
+  causal mask from twice as many key pairs a lane as SMs (S 64K and longer on an H100's 132) where pairs would
+  run fewer than 8 CTAs a lane, else pairs of every lane."""
+  assert auto_order(False, 2, 8, 132, item_heads=4) == "heads"
+  assert [auto_order(True, s // 128, 32, 132) for s in (4096, 8192, 32768)] == ["heads"] * 3  # one head an item
+  grouped = functools.partial(auto_order, item_heads=4)
+  assert [grouped(True, s // 128, 32, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
+                                                                                       "heads"]
+  assert grouped(True, 512, 8, 132) == grouped(True, 512, 16, 132) == "pairs"
+  assert grouped(True, 512, 17, 132) == "heads"
+  assert grouped(True, 263, 32, 132) == "pairs" and grouped(True, 264, 32, 132) == "heads"
+  assert grouped(True, 256, 32, 132, chunks=8) == "heads"  # in chunks: heads in turn
 
 
 def test_the_auto_chunks_go_by_the_length_the_mask_and_the_group():
-  """Without a mask chunks of at most 32K queries, grouped or not; under a causal mask 8 from 32K queries on where
-  an item holds one query head, from 64K where it holds several, else none."""
+  """Without a mask chunks of at most 32K queries, grouped or not; under a causal mask none where an item holds one
+  query head, 8 from 64K queries on where it holds several."""
   for group in (1, 4):
     assert [auto_chunks(s, False, group) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
-  assert [auto_chunks(s, True) for s in (16384, 32704, 32768, 65536)] == [1, 1, 8, 8]
+  assert [auto_chunks(s, True) for s in (16384, 32768, 65536, 131072)] == [1, 1, 1, 1]
   assert [auto_chunks(s, True, 4) for s in (32768, 65472, 65536, 131072)] == [1, 1, 8, 8]
-  assert BackwardBlocks().chunks(32768, True, 4) == 1 and BackwardBlocks(query_chunks=2).chunks(32768, True, 4) == 2
-  assert BackwardBlocks(heads_per_item=1).chunks(32768, True, 4) == 8  # an item of one query head
+  assert BackwardBlocks().chunks(65536, True, 4) == 1 and BackwardBlocks(query_chunks=2).chunks(65536, True, 4) == 2
+  assert BackwardBlocks(heads_per_item=None).chunks(65536, True, 4) == 8  # items of the whole group
 
 
 def test_the_sums_go_by_the_chunks_and_the_heads_an_item_runs():
   """dk and dv are float32 sums where several items add into a K/V head's: queries in chunks, or fewer of its query
   heads per item than the group."""
-  assert not BackwardBlocks().summed(16384, True, 4)
-  assert BackwardBlocks(query_chunks=2).summed(16384, True, 4)
+  assert BackwardBlocks().summed(16384, True, 4) and not BackwardBlocks().summed(16384, True, 1)
+  assert BackwardBlocks(query_chunks=2).summed(16384, True, 1)
   assert BackwardBlocks(heads_per_item=2).summed(16384, True, 4)
   assert not BackwardBlocks(heads_per_item=4).summed(16384, True, 4)
-  assert BackwardBlocks(heads_per_item=2).heads(4) == 2 and BackwardBlocks().heads(4) == 4
+  assert not BackwardBlocks(heads_per_item=None).summed(16384, True, 4)
+  assert BackwardBlocks(heads_per_item=2).heads(4) == 2 and BackwardBlocks(heads_per_item=None).heads(4) == 4
 
 
-@pytest.mark.parametrize("s,kv,causal,chunked", [(65536, 2, False, True), (32768, 2, False, False),
-                                                  (32768, 8, True, True), (32768, 2, True, False),
-                                                  (65536, 2, True, True), (16384, 8, True, False)])
-def test_the_backward_workspace_counts_the_chunks_sums(s, kv, causal, chunked):
-  """Where the queries go in chunks (by the length, the mask and the query heads per K/V head) the backward's
-  workspace holds float32 dk and dv sums beside dq's."""
+@pytest.mark.parametrize("s,kv,causal,summed", [(65536, 8, False, True), (32768, 8, False, False),
+                                                 (32768, 2, False, True), (32768, 8, True, False),
+                                                 (65536, 8, True, False), (16384, 2, True, True)])
+def test_the_backward_workspace_counts_the_sums(s, kv, causal, summed):
+  """Where the queries go in chunks (by the length and the mask) or a K/V head's query heads over several items
+  (grouped K/V), the backward's workspace holds float32 dk and dv sums beside dq's."""
   dq_kernel = registry.local("ws_attention").backward.dq
   program = ab.attention_dq(jm.programs.attention(1, 8, kv, s, s, 128, causal=causal, dtype=jnp.bfloat16))
   sizes = dict(b=1, i=s, j=s, hk=kv, g=8 // kv, d=128)
   whole = 2 * 4 * s * 8 * 128 + 2 * 4 * s * 8  # dq and its copy, delta and lse rows
   sums = 2 * 4 * s * kv * 128
-  assert dq_kernel.workspace_bytes(program, sizes) == whole + (sums if chunked else 0)
+  assert dq_kernel.workspace_bytes(program, sizes) == whole + (sums if summed else 0)
 
 
 def test_rows_without_keys_have_no_gradient():
@@ -170,8 +170,7 @@ def test_rows_without_keys_have_no_gradient():
     (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows"),
     (dict(heads_per_item=0), "heads_per_item=0 must be None \\(the whole group\\) or a positive int"),
     (dict(heads_per_item=3), "heads_per_item=3 must divide the 2 query heads per K/V head \\(h=2, kv=1\\)"),
-    (dict(branch_mask=True), "branch_mask=True must be False, or True with one_step=True"),
-    (dict(heads_inner="yes"), "heads_inner='yes' must be True \\(heads innermost\\) or False")])
+    (dict(heads_per_item=True), "heads_per_item=True must be None \\(the whole group\\) or a positive int")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
   p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
@@ -191,8 +190,7 @@ def test_bad_inputs_are_named(change, message):
                          + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
                             BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
                             BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True),
-                            BackwardBlocks(heads_per_item=2, heads_inner=True),
-                            BackwardBlocks(one_step=True, branch_mask=True, deferred_dq=True)])
+                            BackwardBlocks(heads_per_item=None), BackwardBlocks(heads_per_item=2)])
 def test_lowers_for_hopper(d, causal, blocks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
@@ -279,12 +277,9 @@ def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside):
 
 @pytest.mark.parametrize("causal,axis_type,inside", [(True, AxisType.Explicit, True), (False, AxisType.Auto, False)])
 def test_local_schedule_trains_on_our_backward_in_query_chunks(causal, axis_type, inside, monkeypatch):
-  """The same with the backward's default chunks brought down to this length: 2 chunks of 128 queries, dk and dv
+  """The same with the backward's automatic chunks set to 2 at this length (chunks of 128 queries), dk and dv
   summed across them, on Explicit axes inside ``jax.set_mesh`` and Auto axes outside."""
-  monkeypatch.setattr(attention_backward_ws_module, "CHUNK_ROWS", 128)
-  monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKS", 2)
-  monkeypatch.setattr(attention_backward_ws_module, "CAUSAL_CHUNKED_FROM", 256)
-  monkeypatch.setattr(attention_backward_ws_module, "GROUPED_CAUSAL_CHUNKED_FROM", 256)  # 2 query heads per K/V
+  monkeypatch.setattr(attention_backward_ws_module, "auto_chunks", lambda s_q, causal, group=1: 2)
   assert BackwardBlocks().chunks(256, causal, 2) == 2
   planned = []  # the chunk counts the kernel was traced with
   plan = attention_backward_ws_module._chunk_plan

@@ -5,14 +5,18 @@ contestant ran or was skipped with its reason, and every one that ran agrees wit
 one device; the ratios, floors and results-file fields are what the records say.
 """
 
+import collections
 import json
 import os
 import subprocess
 import sys
+import time
 
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_profile, ws_trace
+from jaxmercury.tuner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -267,6 +271,29 @@ def test_ws_local_smoke(tmp_path):
   assert case["causal"] and case["agree"]
   assert [r["name"] for r in case["contestants"]] == ["cudnn", "before", "default"]
   assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])
+
+
+def test_sustained_blocks_time_back_to_back_runs():
+  """``Settings.sustain_s``: each contestant's ``iters`` timed runs are blocks of back-to-back runs (after an untimed
+  half block), each recorded as its mean per run; a call that takes longer takes longer per block."""
+  calls = collections.Counter()
+
+  def sleeper(name, ms):
+    def call(x):
+      calls[name] += 1
+      time.sleep(ms / 1e3)
+      return x + 1
+    return call
+  contestants = [harness.Contestant("fast", "baseline", lambda: sleeper("fast", 1)),
+                 harness.Contestant("slow", "jaxmercury", lambda: sleeper("slow", 8))]
+  settings = harness.Settings(iters=2, warmup=1, sustain_s=0.05)
+  records, _ = harness.run_contestants(contestants, (jnp.arange(3.0),), settings)
+  fast, slow = ({r["name"]: r for r in records}[n] for n in ("fast", "slow"))
+  assert len(fast["times_ms"]) == len(slow["times_ms"]) == 2
+  assert all(t >= 1.0 for t in fast["times_ms"]) and all(t >= 8.0 for t in slow["times_ms"])
+  assert slow["median_ms"] > fast["median_ms"]
+  assert calls["fast"] >= 20 and calls["slow"] >= 6  # blocks of many runs (about 140 and 18 unloaded)
+  assert measure.sustained(lambda: jnp.ones(2), 0.01) > 0
 
 
 def test_ws_local_backward_at_query_chunks(tmp_path):

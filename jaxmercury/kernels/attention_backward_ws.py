@@ -24,7 +24,7 @@ After (this kernel; per CTA, three warpgroups run concurrently)::
     for item (bi, kv head kh, heads H, query chunk c, key pair u) of this CTA:  # one; persistent: several
       wait until the consumers stored the last item's dk, dv (K/V SMEM free)
       TMA k, v rows [2 u block_kv, +2 block_kv) -> SMEM   # consumer w's tile: rows w block_kv ..
-      for query head hq in H, for query tile t of chunk c that sees the keys:   # heads_inner: t outer
+      for query head hq in H, for query tile t of chunk c that sees the keys:
         slot = tiles loaded so far % max_concurrent_steps; wait until both consumers released it
         TMA q, lse (base 2), do, delta of (hq, t) -> slot
 
@@ -72,10 +72,7 @@ no tile, is not emitted; so a consumer's hot code is one step, not two. On
 an H100, with specialized consumers under a causal mask on the persistent
 grid, it was 2-7% faster than two shared copies at S 8K-16K and 6-15%
 slower at S32K (two runs); with a CTA per item, 3-11% slower than two
-copies of the step at S 4K-32K (not the default). With ``branch_mask`` too,
-the mask is applied under a branch that only the tiles the diagonal cuts
-take, so that a visible tile pays a compare of two scalars, not a compare
-and a select per element.
+copies of the step at S 4K-32K (not the default).
 
 With ``deferred_dq``, a step's dq waits in the staging buffer until the next
 step has written its ds^T: one fence (``commit_smem``) then covers both, and
@@ -105,7 +102,8 @@ each consumer masks (``p = 0`` where key > query) the tiles that are not
 wholly visible to its key tile.
 
 Items: ranked by ``order`` over lanes (batch, kv head, the part of its
-query heads an item runs: ``b kv`` lanes by default) and key pairs:
+query heads an item runs: ``b h`` lanes of one query head by default) and
+key pairs:
 
   pairs   rank ``r`` is key pair ``r // lanes`` of lane ``r % lanes``:
           every head runs at once, the key pairs that see the most causal
@@ -113,12 +111,13 @@ query heads an item runs: ``b kv`` lanes by default) and key pairs:
   heads   key pair ``r % pairs`` of lane ``r // pairs``: the
           CTAs running side by side share a head (its queries and dq rows
           in L2); causal, the longest pairs of each head first
-  auto    (the default) heads without a mask or with the queries in
-          chunks (in chunks, pairs ran 0.65-0.70x at S32K causal); else
-          heads where each head has at least twice as many key pairs as
-          the device has SMs (S 64K and longer on an H100) and pairs would
-          run fewer than 8 CTAs a head side by side (KV 32 there), else
-          pairs (``auto_order``)
+  auto    (the default) heads without a mask, with the queries in chunks
+          (in chunks, pairs ran 0.65-0.70x at S32K causal) or with items
+          of one query head (the default: side by side down the diagonal,
+          their rows shared in L2); for items of whole groups, heads where
+          each lane has at least twice as many key pairs as the device has
+          SMs and pairs would run fewer than 8 CTAs a lane side by side,
+          else pairs (``auto_order``)
 
 and run by a grid of (``persistent``):
 
@@ -140,12 +139,13 @@ Query chunks (``query_chunks``): an item can run its key pair over one part of t
 an item is (batch, kv head, heads H, chunk, key pair); the memory warpgroup loads, and the consumers run,
 that chunk's query tiles only, and each item adds its float32 dk and dv into sums in global memory (TMA
 reduce-add stores through the dq staging, ``dq_cols`` columns at a time), cast after the kernel. The
-same sums take a K/V head's query heads in parts (``heads_per_item``; H is the whole group by default):
-its items then stream one query head each (1) as items of ungrouped K/V do. Items
-go chunk by chunk, key pairs innermost (causal: the last chunks, which see the most key pairs, first),
-heads in turn unless ``order`` says pairs. The CTAs side by side then stream one chunk's queries: an
-H100 profile of the whole range at S64K (Nsight Compute) read 250-310 GB from DRAM against cuDNN's 12,
-its L2 hit rate 72-76% against 97-99%. ``auto_chunks`` picks the count from measured runs.
+same sums take a K/V head's query heads over several items (``heads_per_item``, H; by default one query
+head per item, as without grouped K/V, so grouped K/V is always summed; ``None``: the whole group, K/V
+loaded once for its heads). Items go chunk by chunk, key pairs innermost (causal: the last chunks,
+which see the most key pairs, first), heads in turn unless ``order`` says pairs. The CTAs side by side
+then stream one chunk's queries: an H100 profile of the whole range of items of whole groups at S64K
+(Nsight Compute) read 250-310 GB from DRAM against cuDNN's 12, its L2 hit rate 72-76% against 97-99%.
+``auto_chunks`` picks the count from measured runs.
 
 Interpret mode (CPU): the same warpgroups, barriers and loop nest; the
 interpreter's wgmma takes its left operand from SMEM only, so the products
@@ -186,8 +186,8 @@ REGISTER_SPLITS = {240: 24, 232: 40}  # a consumer warpgroup's registers per thr
 INTERPRET_CTAS = 3  # the default grid in interpret mode: rounds of items whose last is part empty, odd or even
 SMEM_OVERHEAD = 3 * 1024  # barriers and alignment (as fused_ring_attention_ws measured)
 CHUNK_ROWS = 32768  # auto_chunks without a mask: query rows per chunk at most
-CAUSAL_CHUNKS, CAUSAL_CHUNKED_FROM = 8, 32768  # auto_chunks under a causal mask: chunks from this many queries on
-GROUPED_CAUSAL_CHUNKED_FROM = 65536  # the same where an item holds several query heads (grouped K/V)
+CAUSAL_CHUNKS = 8  # auto_chunks under a causal mask for items of several query heads: chunks
+GROUPED_CAUSAL_CHUNKED_FROM = 65536  # from this many queries on
 HALF = frozenset({jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
 SERIAL, PAIRED, OVERLAPPED = WAITS = ("serial", "paired", "overlapped")
 AUTO, PAIRS, HEADS = ORDERS = ("auto", "pairs", "heads")
@@ -203,15 +203,14 @@ class BackwardBlocks:
   warpgroup gets the rest); ``early_loads``, the step's lse and delta read from SMEM while its s^T and dp^T are on
   the tensor cores rather than after (``paired`` and ``overlapped`` waits); ``specialized``, each consumer
   warpgroup its own copy of the code, its SMEM offsets constants rather than registers (``None``: without a mask,
-  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles (``branch_mask``: the
-  mask under a branch taken by the tiles the diagonal cuts only); ``persistent``, one CTA
+  not under a causal one); ``one_step``, one copy of the step for masked and visible tiles; ``persistent``, one CTA
   per SM running items in turn, or (``False``, the default) one CTA per item, in rank order; ``deferred_dq``, a
   step's dq staged and sent after the next step's ds^T fence, one fence per step rather than two (``None``: without
   a mask, not under a causal one); ``query_chunks``, how many parts of the query range an item's key pair runs
   over (``None``: ``auto_chunks``, by the length, the mask and the heads an item holds), dk and dv added up across
-  them (module docstring); ``heads_per_item``, how many of a K/V head's query heads an item runs (``None``: all of
-  them; fewer: the K/V head's dk and dv added up across its items, as across chunks); ``heads_inner``, an item's
-  query heads innermost (for each query tile, each head in turn) rather than each head's tiles in turn."""
+  them (module docstring); ``heads_per_item``, how many of a K/V head's query heads an item runs (1, the default:
+  one, as without grouped K/V; ``None``: all of them; fewer than all: the K/V head's dk and dv added up across
+  its items, as across chunks)."""
 
   block_q: int = param(64)
   block_kv: int = param(64)
@@ -222,12 +221,10 @@ class BackwardBlocks:
   early_loads: bool = param(False, True)
   specialized: bool | None = param(None, True, False)
   one_step: bool = param(False, True)
-  branch_mask: bool = param(False, True)
   persistent: bool = param(False, True)
   deferred_dq: bool | None = param(None, True, False)
   query_chunks: int | None = param(None, 1, 2, 4, 8)
-  heads_per_item: int | None = param(None, 1, 2, 4)
-  heads_inner: bool = param(False, True)
+  heads_per_item: int | None = param(1, None, 2, 4)
 
   def smem_bytes(self, d: int, itemsize: int) -> int:
     """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
@@ -273,10 +270,6 @@ class BackwardBlocks:
     if self.heads_per_item is not None and (not isinstance(self.heads_per_item, int)
                                             or isinstance(self.heads_per_item, bool) or self.heads_per_item < 1):
       return f"heads_per_item={self.heads_per_item!r} must be None (the whole group) or a positive int"
-    if self.branch_mask not in (True, False) or (self.branch_mask and not self.one_step):
-      return f"branch_mask={self.branch_mask!r} must be False, or True with one_step=True (one copy of the step)"
-    if self.heads_inner not in (True, False):
-      return f"heads_inner={self.heads_inner!r} must be True (heads innermost) or False (each head's tiles in turn)"
     if self.persistent not in (True, False):
       return f"persistent={self.persistent!r} must be True (one CTA per SM) or False (one CTA per item)"
     if self.registers not in REGISTER_SPLITS:
@@ -362,11 +355,17 @@ def _add(target, staged):
   target[...] = target[...] + staged[...]
 
 
-def auto_order(causal: bool, pairs: int, heads: int, sms: int, chunks: int = 1) -> str:
-  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask or with the queries in ``chunks`` (in chunks
-  pairs ran 0.65-0.70x at S32K causal); under a causal mask on the whole queries ``HEADS`` where each of the
-  ``heads`` (batch, kv head) pairs has at least ``2 sms`` key pairs and ``PAIRS`` would share a head among fewer
-  than 8 CTAs (``sms < 8 heads``), else ``PAIRS``.
+def auto_order(causal: bool, pairs: int, lanes: int, sms: int, chunks: int = 1, item_heads: int = 1) -> str:
+  """``BackwardBlocks.order="auto"``'s order: ``HEADS`` without a mask, with the queries in ``chunks`` (in chunks
+  pairs ran 0.65-0.70x at S32K causal) or where an item runs one query head (``item_heads``); for items of several
+  query heads under a causal mask on the whole queries, ``HEADS`` where each of the ``lanes`` has at least
+  ``2 sms`` key pairs and ``PAIRS`` would share a lane among fewer than 8 CTAs (``sms < 8 lanes``), else ``PAIRS``.
+
+  Items of one query head, in turn by head, keep the CTAs side by side on one head's query rows, in step down the
+  diagonal: an H100 profile at S32K KV 8 causal read 108 GB/s from DRAM (L2 hit rate 98%) against 1.26 TB/s (74%)
+  in pairs, and in sustained runs, where the GPU runs at its 700 W cap and the clock follows the power, heads ran
+  1.01-1.04x of cuDNN's at S 8K-64K where pairs of whole groups (the earlier default) ran 0.98-1.02x
+  (docs/benchmarks.md).
 
   Heads in turn is longest first per head only: the last head's longest item starts when that head's work, about
   ``pairs / 2`` of its longest items' worth, is left for the ``sms`` SMs, which outlasts it from ``pairs >= 2 sms``
@@ -376,13 +375,18 @@ def auto_order(causal: bool, pairs: int, heads: int, sms: int, chunks: int = 1) 
   KV 8, 16 CTAs a head, pairs ran 0.980-0.982x against 0.960-0.966x in two (a tie in the third). Measured at
   those two head counts only (docs/benchmarks.md).
   """
-  return HEADS if not causal or chunks > 1 or (pairs >= 2 * sms and sms < 8 * heads) else PAIRS
+  return HEADS if not causal or chunks > 1 or item_heads == 1 or (pairs >= 2 * sms and sms < 8 * lanes) else PAIRS
 
 
 def auto_chunks(s_q: int, causal: bool, group: int = 1) -> int:
-  """``BackwardBlocks.query_chunks=None``'s chunks of ``s_q`` queries, ``group`` query heads per K/V head (an item
-  holds them all): without a mask the fewest of at most ``CHUNK_ROWS`` rows (S64K: 2); under a causal one
-  ``CAUSAL_CHUNKS`` from ``CAUSAL_CHUNKED_FROM`` queries on, from ``GROUPED_CAUSAL_CHUNKED_FROM`` where ``group`` > 1.
+  """``BackwardBlocks.query_chunks=None``'s chunks of ``s_q`` queries for items of ``group`` query heads: without a
+  mask the fewest of at most ``CHUNK_ROWS`` rows (S64K: 2); under a causal one none for items of one query head
+  (in turn by head, ``auto_order``), ``CAUSAL_CHUNKS`` from ``GROUPED_CAUSAL_CHUNKED_FROM`` queries on for items of
+  several.
+
+  Sustained runs on an H100 (docs/benchmarks.md): causal, items of one query head in turn by head, the whole
+  queries 1.03x of cuDNN's at S32K KV 32 where 8 chunks ran 1.00x, 1.008x at S64K KV 8 against 1.005x. Earlier
+  (rotating rounds, items of whole groups):
 
   Measured on an H100 (B1 H32 D128, x cuDNN's backward, two processes; module docstring): without a mask S64K
   KV 8 ran 1.01x in 2 chunks against 0.95x whole, KV 32 1.01x against 0.98-0.99x, S32K KV 8 whole 1.01x against
@@ -393,8 +397,7 @@ def auto_chunks(s_q: int, causal: bool, group: int = 1) -> int:
   than 8 chunks (four runs; the kernel alone 0.5-1.6%), on an H200 0.8% more (one); KV 32 8 chunks 1.7-3.6% less
   than whole (H100, two); S64K KV 8, 8 chunks 2.5% less than whole (H100, one)."""
   if causal:
-    start = GROUPED_CAUSAL_CHUNKED_FROM if group > 1 else CAUSAL_CHUNKED_FROM
-    return CAUSAL_CHUNKS if s_q >= start else 1
+    return CAUSAL_CHUNKS if group > 1 and s_q >= GROUPED_CAUSAL_CHUNKED_FROM else 1
   return max(1, -(-s_q // CHUNK_ROWS))
 
 
@@ -434,7 +437,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
   scale = 1.0 / math.sqrt(d)
   scale_log2 = LOG2E * scale
   waits = PAIRED if interpret and blocks.waits == OVERLAPPED else blocks.waits  # interpret: its products are dots
-  order = auto_order(causal, pairs, lanes, num_ctas, chunks) if blocks.order == AUTO else blocks.order
+  order = auto_order(causal, pairs, lanes, num_ctas, chunks, heads) if blocks.order == AUTO else blocks.order
   specialized = not causal if blocks.specialized is None else blocks.specialized
   deferred = not causal if blocks.deferred_dq is None else blocks.deferred_dq
   col = plgpu.Layout.WGMMA.reduce(0)  # a vector along the columns (queries) of a [keys, queries] tile
@@ -466,20 +469,11 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       return lane // (kv * parts), kh, first_head, kv0, jnp.maximum(lo, _first_tile(kv0, bq, causal)), hi
 
     def item_steps(runs, step, state):
-      """``step(j, t, tag, state)`` over an item's query heads (``j``: from its first) and the query tiles ``t`` of
-      its ``runs``, ``(first tile, end tile, tag)`` in order: each head's runs in turn, or (``heads_inner``) for each
-      tile of each run each head."""
-      def run(j, lo, hi, tag, state):
-        return lax.fori_loop(lo, hi, lambda t, state: step(j, t, tag, state), state)
-      if blocks.heads_inner:
-        for lo, hi, tag in runs:
-          state = lax.fori_loop(lo, hi, lambda t, state, tag=tag: lax.fori_loop(
-              0, heads, lambda j, state: step(j, t, tag, state), state), state)
-        return state
-
+      """``step(j, t, tag, state)`` over an item's query heads (``j``: from its first) and, for each, the query
+      tiles ``t`` of its ``runs``, ``(first tile, end tile, tag)``, in order."""
       def head(j, state):
         for lo, hi, tag in runs:
-          state = run(j, lo, hi, tag, state)
+          state = lax.fori_loop(lo, hi, lambda t, state, tag=tag: step(j, t, tag, state), state)
         return state
       return lax.fori_loop(0, heads, head, state)
 
@@ -649,14 +643,9 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
         pt = jnp.exp2(st * scale_log2 - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
         if mask_from is None:
           return pt
-
-        def mask(pt):
-          key = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
-          query = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
-          return jnp.where(query - key >= mask_from, pt, 0.0)
-        if blocks.branch_mask:  # a tile whose every query follows every key keeps all: no mask
-          return lax.cond(mask_from > 1 - bkv, mask, lambda pt: pt, pt)
-        return mask(pt)
+        key = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
+        query = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
+        return jnp.where(query - key >= mask_from, pt, 0.0)
 
       def step(carry, n, bi, hq, t, mask_from):
         """Query tile ``t`` of head ``hq`` (the item's ``n``-th tile loaded): dk, dv updated, dq added (``deferred_dq``:

@@ -282,22 +282,46 @@ def _timed_runs(compiled, inputs, warmup: int, iters: int) -> list[float]:
   return times
 
 
-def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
+def sustained(call: Callable, seconds: float) -> float:
+  """Milliseconds per run of ``call`` run back to back, one run queued behind the one running: for half of
+  ``seconds`` untimed (the clock settles to the power this call draws), then timed for at least ``seconds``."""
+  def back_to_back(until: float) -> int:
+    runs, queued = 0, None
+    while not runs or time.perf_counter() < until:
+      out = call()
+      if queued is not None:
+        jax.block_until_ready(queued)
+      queued, runs = out, runs + 1
+    jax.block_until_ready(queued)
+    return runs
+
+  back_to_back(time.perf_counter() + seconds / 2)
+  t0 = time.perf_counter()
+  runs = back_to_back(t0 + seconds)
+  return (time.perf_counter() - t0) * 1e3 / runs
+
+
+def rounds(calls: dict, counts, on_error=None, block_s: float = 0.0) -> dict[str, list[float]]:
   """Times calls side by side: per round one run of each, in an order that rotates every round.
 
   Machine drift (clocks, temperature, other load) then spreads over all of
   them alike, which separates calls closer than the spread of one-at-a-time
-  timings.
+  timings. A GPU at its power cap sets its clock by the power drawn, so in
+  single runs each call's clock is set by the mix; with ``block_s`` each run
+  is a block of back-to-back runs (``sustained``), at the clock the call
+  itself allows, as in a loop of it alone.
 
   Args:
     calls: name -> a callable of no arguments (its result is waited for).
-    counts: runs per name (an int: the same for every name); a name stops
-      once it has its count.
+    counts: runs (blocks) per name (an int: the same for every name); a name
+      stops once it has its count.
     on_error: ``on_error(name, exception)`` for a run that raises; that name
       is then dropped. None: the exception propagates.
+    block_s: seconds per timed block (``sustained``); 0: single runs.
 
   Returns:
-    name -> per-run milliseconds, for the names not dropped.
+    name -> per-run milliseconds (per block: its mean), for the names not
+    dropped.
   """
   counts = counts if isinstance(counts, dict) else dict.fromkeys(calls, counts)
   names, live = list(calls), dict(calls)
@@ -308,9 +332,12 @@ def rounds(calls: dict, counts, on_error=None) -> dict[str, list[float]]:
       if name not in live or len(times[name]) >= counts[name]:
         continue
       try:
-        t0 = time.perf_counter()
-        jax.block_until_ready(live[name]())
-        times[name].append((time.perf_counter() - t0) * 1e3)
+        if block_s:
+          times[name].append(sustained(live[name], block_s))
+        else:
+          t0 = time.perf_counter()
+          jax.block_until_ready(live[name]())
+          times[name].append((time.perf_counter() - t0) * 1e3)
       except Exception as exc:
         if on_error is None:
           raise

@@ -57,16 +57,15 @@ def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas):
                             dict(deferred_dq=True, waits="serial", persistent=True),
                             dict(query_chunks=2), dict(query_chunks=3, order="pairs"),
                             dict(query_chunks=5, persistent=True, deferred_dq=True),
-                            dict(heads_per_item=1), dict(heads_inner=True),
-                            dict(heads_per_item=2, heads_inner=True, persistent=True),
-                            dict(one_step=True, branch_mask=True, specialized=True, deferred_dq=True)])
+                            dict(heads_per_item=None), dict(heads_per_item=None, order="pairs"),
+                            dict(heads_per_item=2, persistent=True)])
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal", [
     (1, 4096, 4096, 32, 8, 128, False), (1, 4096, 4096, 8, 2, 128, True), (2, 512, 512, 4, 1, 64, True)])
 def test_variants_match_float32(b, s, skv, h, kv, d, causal, changes):
   """Every way of waiting on the tensor cores, both item orders, the early rows, both register splits, the
   consumers' own copies of the code, one copy of the step, both grids, dq sent a step later, the queries in
-  chunks, a K/V head's query heads over several items and each tile's heads in turn (``BackwardBlocks``) give the
-  float32 derivative."""
+  chunks, a K/V head's query heads over several items (the default) or its whole group per item
+  (``BackwardBlocks``) give the float32 derivative."""
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
   blocks = BackwardBlocks(**changes)
   got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks))(*args)
