@@ -48,6 +48,9 @@
 #                    (benchmarks.ws_trace, jax.profiler's trace), S32K KV 8 and 32 causal, S64K KV8 (TRACE_ARGS: one case)
 #   ws-trace-backward  one GPU: the backward alone the same way (ws_trace --backward), cuDNN's and ours by default,
 #                    whole and in 8 chunks, S32K KV 8 and 32 causal, S64K KV8 causal (TRACE_ARGS: one case)
+#   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
+#                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
+#                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -174,6 +177,14 @@ for stage in "$@"; do
           --variants ws_default ws_whole --query_chunks 8 --out "$W/$name.json" > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       done ;;
+    ws-sustained)
+      timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --training --sustain_s 1.5 --iters 3 \
+        --seqs ${SUSTAINED_SEQS:-16K 32K} --time_budget $((${STAGE_LIMIT:-420} - 20)) --out "$W/$stage.json" \
+        > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt"
+      timeout 150 python3 -m benchmarks.ws_power --seq 32K --kv 8 --causal --seconds 3 \
+        --variants ws_default ws_grouped --out "$W/$stage-power.json" > "$W/$stage-power.log" 2>&1
+      echo "$stage-power rc=$?" | tee -a "$W/stages.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done

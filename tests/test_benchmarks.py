@@ -15,7 +15,7 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_profile, ws_trace
+from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_power, ws_profile, ws_trace
 from jaxmercury.tuner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,6 +322,16 @@ def test_ws_profile_smoke(capsys, monkeypatch):
   monkeypatch.setattr(ws_local, "ws_backward_of", swapped)
   with pytest.raises(SystemExit, match="ws_default: dk differs from cuDNN's"):
     ws_profile.main(["--smoke", "--variants", "ws_default"])
+
+
+def test_ws_power_smoke(tmp_path):
+  """Each contestant's sustained window is recorded (on the CPU without nvidia-smi's samples)."""
+  out = tmp_path / "power.json"
+  ws_power.main(["--smoke", "--seconds", "0.01", "--cycles", "1", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results["suite"] == "ws_power" and results["command"].startswith("python -m benchmarks.ws_power --smoke")
+  assert [r["name"] for r in results["rows"]] == ["cudnn", "ws_default"]
+  assert all(r["ms_per_call"] > 0 and r["calls"] >= 5 and r["samples"] == 0 for r in results["rows"])
 
 
 def test_ncu_source_summary(tmp_path, capsys):

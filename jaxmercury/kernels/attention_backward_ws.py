@@ -364,7 +364,7 @@ def auto_order(causal: bool, pairs: int, lanes: int, sms: int, chunks: int = 1, 
   Items of one query head, in turn by head, keep the CTAs side by side on one head's query rows, in step down the
   diagonal: an H100 profile at S32K KV 8 causal read 108 GB/s from DRAM (L2 hit rate 98%) against 1.26 TB/s (74%)
   in pairs, and in sustained runs, where the GPU runs at its 700 W cap and the clock follows the power, heads ran
-  1.01-1.04x of cuDNN's at S 8K-64K where pairs of whole groups (the earlier default) ran 0.98-1.02x
+  1.01-1.04x of cuDNN's at S 8K-64K where items of whole groups (the earlier default) ran 0.97-1.02x
   (docs/benchmarks.md).
 
   Heads in turn is longest first per head only: the last head's longest item starts when that head's work, about
