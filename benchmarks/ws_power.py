@@ -51,10 +51,7 @@ def _summary(name: str, cycle: int, start: float, end: float, runs: int, samples
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
-  parser.add_argument("--seq", default="32K")
-  parser.add_argument("--kv", type=int, default=8)
-  parser.add_argument("--causal", action="store_true")
-  parser.add_argument("--variants", nargs="+", default=["ws_default"], choices=list(ws_local.BACKWARD_STEPS))
+  ws_profile.case_arguments(parser, "32K", 8)
   parser.add_argument("--seconds", type=float, default=4.0)
   parser.add_argument("--cycles", type=int, default=2)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")

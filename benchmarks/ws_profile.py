@@ -72,12 +72,17 @@ def training(args, s: int, h: int, d: int) -> None:
   print(f"{args.step}: {1 + args.reps} calls of the training step (the first a warm-up)", flush=True)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seq", default="16K")
-  parser.add_argument("--kv", type=int, default=32)
+def case_arguments(parser, seq: str, kv: int) -> None:
+  """A backward case's flags (``--seq``, ``--kv``, ``--causal``) and ``--variants``, our backward's contestants."""
+  parser.add_argument("--seq", default=seq)
+  parser.add_argument("--kv", type=int, default=kv)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--variants", nargs="+", default=["ws_default"], choices=list(ws_local.BACKWARD_STEPS))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  case_arguments(parser, "16K", 32)
   parser.add_argument("--reps", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)
