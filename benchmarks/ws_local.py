@@ -48,14 +48,15 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "split_tail": dict(pipeline=Pipeline(), pipelined=False),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
          "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
-# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``). Each
-# name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step), so that it still
-# means the kernel measured under it. Those with the auto order ran at S <= 32K, where its causal pairs stand.
-def _as_of(**changes) -> BackwardBlocks:
-  return BackwardBlocks(**{"persistent": True, "deferred_dq": False, "heads_per_item": None} | changes)
-
-
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
+
+
+# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``). Each
+# name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step, items of whole
+# groups), so that it still means the kernel measured under it. Those with the auto order ran at S <= 32K, where its
+# causal pairs stand.
+def _as_of(**changes) -> BackwardBlocks:
+  return BackwardBlocks(**{"persistent": True, "deferred_dq": False, **GROUPED} | changes)
 
 
 BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=232),

@@ -175,7 +175,7 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.fused_common import snake_order
+from jaxmercury.kernels.fused_common import positive_ints, snake_order
 from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
 from jaxmercury.kernels.peer_gemm import sm_count
 
@@ -264,12 +264,9 @@ class BackwardBlocks:
       return f"specialized={self.specialized!r} must be None (by the mask), True or False"
     if self.deferred_dq not in (None, True, False):
       return f"deferred_dq={self.deferred_dq!r} must be None (by the mask), True or False"
-    if self.query_chunks is not None and (not isinstance(self.query_chunks, int) or isinstance(self.query_chunks, bool)
-                                          or self.query_chunks < 1):
-      return f"query_chunks={self.query_chunks!r} must be None (auto_chunks) or a positive int"
-    if self.heads_per_item is not None and (not isinstance(self.heads_per_item, int)
-                                            or isinstance(self.heads_per_item, bool) or self.heads_per_item < 1):
-      return f"heads_per_item={self.heads_per_item!r} must be None (the whole group) or a positive int"
+    for name, none in (("query_chunks", "auto_chunks"), ("heads_per_item", "the whole group")):
+      if getattr(self, name) is not None and positive_ints(self, name):
+        return f"{name}={getattr(self, name)!r} must be None ({none}) or a positive int"
     if self.persistent not in (True, False):
       return f"persistent={self.persistent!r} must be True (one CTA per SM) or False (one CTA per item)"
     if self.registers not in REGISTER_SPLITS:
