@@ -89,8 +89,10 @@ class Settings:
 
   @classmethod
   def from_args(cls, args, deadline: float | None, tolerance: float = BF16_TOLERANCE) -> "Settings":
-    """``benchmarks.run``'s timing flags (``--iters``, ``--warmup``, ``--max_timing_s``, ``--min_timing_s``)."""
-    return cls(args.iters, args.warmup, args.max_timing_s, deadline, tolerance, args.min_timing_s)
+    """``benchmarks.run``'s timing flags (``--iters``, ``--warmup``, ``--max_timing_s``, ``--min_timing_s``,
+    ``--sustain_s``)."""
+    return cls(args.iters, args.warmup, args.max_timing_s, deadline, tolerance, args.min_timing_s,
+               args.sustain_s)
 
   def runs(self, first_s: float) -> int:
     """Timed runs of a contestant whose first run took ``first_s`` (``sustain_s``: ``iters`` blocks)."""

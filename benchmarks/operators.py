@@ -11,7 +11,7 @@
   ``measure.training_step``), jaxmercury tuned with ``training=True``.
 * ``fused``: every registered fused kernel of the case's placement kind (``Schedule.lower_with``, at its
   defaults) against the library schedule it lowers (its ordinary ``shard_map`` lowering, a baseline here) and the
-  baselines; ``--training`` times their training steps.
+  baselines; ``--training`` times their training steps, each kernel also with every other backward it offers.
 
 A contestant that fails at one size is skipped at the larger sizes of its family. ``--smoke`` adds the program's
 own reference on one device, which every contestant is checked against.
@@ -37,6 +37,7 @@ from benchmarks.baselines import WINDOWED_EINSUM_FLAGS, gemm
 from benchmarks.baselines import attention as attn
 from benchmarks.cases import size_label
 from jaxmercury.analysis import placements
+from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
 from jaxmercury.kernels.placements import ALLGATHER, REDUCESCATTER, RING_ATTENTION
@@ -180,10 +181,25 @@ def fused(env, case, prog, mesh, ins, out) -> list[harness.Contestant]:
     for k in registry.fused_kernels():
       if k.placement == kind:
         why = placements.why_not(k, base)
-        lowered = None if why else base.copy().lower_with(k.name)
-        result.append(harness.Contestant(f"{strategy} {{{k.name}}}", "jaxmercury", lambda s=lowered: s.compile(),
-                                         k.description, skip=why, record={"strategy": strategy, "lowering": k.name}))
+        for params in backward_choices(k) if env.training else ({},):
+          lowered, skip = None, why
+          if not why:
+            try:
+              lowered = base.copy().lower_with(k.name, **params)
+            except PreconditionError as exc:  # these parameters do not fit the case (the kernel's own reason)
+              skip = str(exc)
+          label = " ".join([k.name, *(f"{key}={value}" for key, value in params.items())])
+          result.append(harness.Contestant(
+              f"{strategy} {{{label}}}", "jaxmercury", lambda s=lowered: s.compile(),
+              k.description, skip=skip, record={"strategy": strategy, "lowering": k.name, "lowering_config": params}))
   return result
+
+
+def backward_choices(kernel) -> list[dict]:
+  """A fused kernel's configurations that differ in their backward: its defaults first, then each other choice of
+  its configuration's ``backward`` field (a ring attention's: cuDNN's blocks, then ours)."""
+  options = configs.choices(kernel.config).get("backward", (None,)) if kernel.config else (None,)
+  return [{}] + [{"backward": b} for b in options[1:]]
 
 
 def tuned(env, case, prog, mesh, ins, out, rec: dict) -> harness.Contestant:

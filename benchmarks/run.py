@@ -59,6 +59,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--min_timing_s", type=float,
                  help="timed seconds per contestant at least: a fast one runs more than --iters times (default 0.5; "
                       "smoke 0)")
+  p.add_argument("--sustain_s", type=float, default=0.0,
+                 help="each timed run a block of back-to-back runs this long, --iters blocks per contestant "
+                      "(measure.sustained: power-capped GPUs clock each contestant as it runs alone; default 0: "
+                      "single runs in rotating rounds)")
   p.add_argument("--mesh", help="N (one level) or AxB (levels node x gpu); default one level over every device")
   size = cases.parse_size
   g = p.add_argument_group("cases (defaults: the suite's, benchmarks.cases.SUITE_DEFAULTS)")
@@ -201,8 +205,9 @@ def run(suite, args, argv, previous: dict, start: float, windowed: dict) -> int:
   """The suite's cases in order, each checked and timed; the results file rewritten after each."""
   from benchmarks import harness  # after the windowed-einsum child: harness starts JAX
   deadline = start + args.time_budget
-  settings = {k: getattr(args, k) for k in ("iters", "warmup", "max_timing_s", "min_timing_s", "time_budget", "mesh",
-                                            "top_k", "space", "tune_iters", "tune_max_tflop", "training", "configs")}
+  settings = {k: getattr(args, k) for k in ("iters", "warmup", "max_timing_s", "min_timing_s", "sustain_s",
+                                            "time_budget", "mesh", "top_k", "space", "tune_iters", "tune_max_tflop",
+                                            "training", "configs")}
   results = harness.header(args.suite, argv, smoke=args.smoke, seed=args.seed, settings=settings)
   results.update(links=previous.get("links", {}), machines=previous.get("machines", {}))
   if windowed:

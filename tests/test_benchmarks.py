@@ -15,7 +15,8 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_power, ws_profile, ws_trace
+from benchmarks import harness, ncu_kernels, ncu_source, operators, ws_local, ws_power, ws_profile, ws_trace
+from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +148,14 @@ def test_fused_suite(tmp_path):
   fused_rs = [n for n in _by_name(rs) if n.startswith("async_tp_reducescatter {")]
   _check(rs, ["dot_psum_scatter", "xla_auto", "async_tp_reducescatter"], {n: "Hopper" for n in fused_rs})
   assert len(fused_rs) == 2
+
+
+def test_fused_training_tries_every_backward():
+  """In a training run each fused kernel is a contestant at its defaults and at every other backward it offers:
+  the warp-specialized ring attention with cuDNN's blocks and with ours; a GEMM's has one backward."""
+  kernels = {k.name: k for k in registry.fused_kernels()}
+  assert operators.backward_choices(kernels["fused_ring_attention_ws"]) == [{}, {"backward": "ws_attention"}]
+  assert operators.backward_choices(kernels["fused_allgather_matmul"]) == [{}]
 
 
 def test_training_suite(tmp_path):
