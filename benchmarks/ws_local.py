@@ -47,7 +47,11 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "prefetch_q": dict(pipeline=Pipeline(split_tail=False)),
          "split_tail": dict(pipeline=Pipeline(), pipelined=False),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
-         "default": dict()}  # the kernel's defaults: split tail and pipelined consumers where they measured faster
+         "default": dict(),  # the kernel's defaults: split tail and pipelined consumers where they measured faster
+         # Other blocks at the default pipeline (the GPU tests' CONFIGS), asked for by name (--steps)
+         "kv64x3": dict(block_kv=64, max_concurrent_steps=3),
+         "kv64x4": dict(block_kv=64, max_concurrent_steps=4)}
+BLOCK_STEPS = ("kv64x3", "kv64x4")
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 
@@ -90,8 +94,8 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item, one query head per
                                                    # item, heads in turn; without a mask specialized, dq deferred,
                                                    # query chunks from S64K; under a causal mask the whole queries
-CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default")
-NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default")  # loops, snake: causal work only
+CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default", *BLOCK_STEPS)
+NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default", *BLOCK_STEPS)  # loops, snake: causal
 
 
 def chunk_steps(counts) -> dict:
@@ -212,7 +216,8 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
           name, "jaxmercury", lambda p=params: _kernel_forward(mesh, causal, args.smoke, **p),
           f"fused_ring_attention_ws, {params}",
           record={"pipeline": dataclasses.asdict(params.get("pipeline", Pipeline())),
-                  "pipelined": params.get("pipelined")}))
+                  "pipelined": params.get("pipelined"),
+                  "blocks": {k: params[k] for k in ("block_kv", "max_concurrent_steps") if k in params}}))
     tolerance = harness.BF16_TOLERANCE
   seq = f"{s // 1024}K" if s >= 1024 else str(s)
   mode = " training" if args.training else " backward" if args.backward else ""
@@ -250,7 +255,7 @@ def main(argv=None):
   parser.add_argument("--seqs", nargs="+", default=["4K", "8K", "16K", "32K", "64K"])
   parser.add_argument("--kv", nargs="+", type=int, default=[32, 8])
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-  parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=list(STEPS))
+  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in BLOCK_STEPS], choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
   parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))
