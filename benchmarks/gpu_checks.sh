@@ -21,6 +21,8 @@
 #   fused-attention  the fused ring attentions, non-causal S 16K-64K, MHA and GQA
 #   fused-causal     the fused ring attentions, causal S 32K GQA, natural and zigzag order
 #   fused-training   training steps of the fused ring attentions, GQA S 16K-32K, causal and not
+#   fused-training-sustained-32K fused-training-sustained-64K  the same at one length, timed in sustained blocks
+#                    (--sustain_s 1), each fused kernel also with our backward (configured backward="ws_attention")
 #   training         training steps: jaxmercury tuned for them against every baseline
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
@@ -93,6 +95,8 @@ for stage in "$@"; do
     fused-attention) suite "$stage" 570 --suite fused --ops attention --causal no ;;
     fused-causal) suite "$stage" 570 --suite fused --ops attention --causal yes --variants GQA --seqs 32K ;;
     fused-training) suite "$stage" 570 --suite fused --training --ops attention --variants GQA ;;
+    fused-training-sustained-32K|fused-training-sustained-64K) suite "$stage" 570 --suite fused --training \
+        --ops attention --variants GQA --seqs "${stage##*-}" --sustain_s 1.0 --iters 3 ;;
     training) suite "$stage" 570 --suite training ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;
     tuner) suite "$stage" 570 --suite tuner ;;

@@ -42,6 +42,7 @@ from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
 from jaxmercury.kernels.placements import ALLGATHER, REDUCESCATTER, RING_ATTENTION
 from jaxmercury.tuner import measure
+from jaxmercury.tuner.autotuner import lowering_variants
 from jaxmercury.tuner.calibrate import calibrate
 from jaxmercury.tuner.cost import Machine
 from jaxmercury.tuner.database import FORWARD, TRAINING
@@ -181,7 +182,7 @@ def fused(env, case, prog, mesh, ins, out) -> list[harness.Contestant]:
     for k in registry.fused_kernels():
       if k.placement == kind:
         why = placements.why_not(k, base)
-        for params in backward_choices(k) if env.training else ({},):
+        for params in lowering_variants(k.name, mesh, env.training):  # training: each backward it offers
           lowered, skip = None, why
           if not why:
             try:
@@ -194,12 +195,6 @@ def fused(env, case, prog, mesh, ins, out) -> list[harness.Contestant]:
               k.description, skip=skip, record={"strategy": strategy, "lowering": k.name, "lowering_config": params}))
   return result
 
-
-def backward_choices(kernel) -> list[dict]:
-  """A fused kernel's configurations that differ in their backward: its defaults first, then each other choice of
-  its configuration's ``backward`` field (a ring attention's: cuDNN's blocks, then ours)."""
-  options = configs.choices(kernel.config).get("backward", (None,)) if kernel.config else (None,)
-  return [{}] + [{"backward": b} for b in options[1:]]
 
 
 def tuned(env, case, prog, mesh, ins, out, rec: dict) -> harness.Contestant:

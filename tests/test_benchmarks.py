@@ -12,12 +12,13 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import harness, ncu_kernels, ncu_source, operators, ws_local, ws_power, ws_profile, ws_trace
-from jaxmercury.kernels import registry
+from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_power, ws_profile, ws_trace
 from jaxmercury.tuner import measure
+from jaxmercury.tuner.autotuner import lowering_variants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = {"schema", "suite", "date", "device", "platform", "n_devices", "jax_version", "jaxlib_version",
@@ -151,11 +152,13 @@ def test_fused_suite(tmp_path):
 
 
 def test_fused_training_tries_every_backward():
-  """In a training run each fused kernel is a contestant at its defaults and at every other backward it offers:
-  the warp-specialized ring attention with cuDNN's blocks and with ours; a GEMM's has one backward."""
-  kernels = {k.name: k for k in registry.fused_kernels()}
-  assert operators.backward_choices(kernels["fused_ring_attention_ws"]) == [{}, {"backward": "ws_attention"}]
-  assert operators.backward_choices(kernels["fused_allgather_matmul"]) == [{}]
+  """The fused suite's contestants are the tuner's: in training each fused kernel at its defaults and at every other
+  backward it offers (the warp-specialized ring attention with cuDNN's blocks and with ours, which interpret mode
+  runs on a CPU device); a GEMM's has one backward, and the forward one configuration."""
+  mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+  assert lowering_variants("fused_ring_attention_ws", mesh, True) == [{}, {"backward": "ws_attention"}]
+  assert lowering_variants("fused_ring_attention_ws", mesh, False) == [{}]
+  assert lowering_variants("fused_allgather_matmul", mesh, True) == [{}]
 
 
 def test_training_suite(tmp_path):

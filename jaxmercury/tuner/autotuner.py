@@ -205,7 +205,7 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
     kernels: the local kernels to try (``KernelChoice``s or names); default each that applies, at its
       defaults (``candidates.kernel_choices``).
     training: also offer each fused kernel with every other backward its configuration names
-      (``_lowering_variants``: a fused ring attention's backward on our kernel as well as on cuDNN's).
+      (``lowering_variants``: a fused ring attention's backward on our kernel as well as on cuDNN's).
   """
   base = [(name, LIBRARY, s, None) for name, s in library(program, mesh).items()]
   if math.prod(mesh.shape.values()) == 1:
@@ -236,7 +236,7 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       patched = s.copy() if k.name == "xla" else s.copy().patch(k)
       out.append(Candidate(name, patched, math.nan, 0, result=pruned, origin=origin))
     for lowering in _fused_lowerings(s, in_shardings, out_sharding):
-      for params in _lowering_variants(lowering, mesh, training):
+      for params in lowering_variants(lowering, mesh, training):
         try:
           lowered = s.copy().lower_with(lowering, **params)
         except PreconditionError:  # a backward whose blocks do not fit this schedule's
@@ -248,7 +248,7 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
   return out
 
 
-def _lowering_variants(lowering: str, mesh, training: bool) -> list[dict]:
+def lowering_variants(lowering: str, mesh, training: bool) -> list[dict]:
   """The configurations a fused kernel is offered with: its defaults, and in training each other choice of its
   configuration's ``backward`` field (the forward is the same kernel; only the backward differs) whose kernel is
   trusted on ``mesh``'s devices (``Kernel.unverified``; interpret mode tries it)."""
