@@ -196,7 +196,6 @@ def fused(env, case, prog, mesh, ins, out) -> list[harness.Contestant]:
   return result
 
 
-
 def tuned(env, case, prog, mesh, ins, out, rec: dict) -> harness.Contestant:
   """jaxmercury's contestant: ``jm.autotune``'s winner for the callers' layouts (``rec["tuner"]`` says how it went).
 
