@@ -39,6 +39,7 @@ import traceback
 
 from benchmarks import cases, readme
 from benchmarks.baselines import WINDOWED_EINSUM_FLAGS
+from jaxmercury._cpu_flags import cpu_flags
 
 SUITES = ("attention", "gemm", "fused", "training", "llama", "kernels", "tuner", "model", "moe")
 
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.smoke:  # 8 simulated CPU devices; read when JAX starts (the tests' JAX has started already)
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ["XLA_FLAGS"] = cpu_flags(flags, None if "xla_force_host_platform_device_count" in flags else 8)
   start = time.time()
   deadline = start + args.time_budget
   previous = _previous(args.out) if args.resume else {}

@@ -18,6 +18,8 @@ import sys
 
 from absl import flags
 
+from jaxmercury._cpu_flags import cpu_flags
+
 FLAGS = flags.FlagValues()
 flags.DEFINE_integer("batch", 1, "attention: batch", flag_values=FLAGS)
 flags.DEFINE_integer("heads", 8, "attention: query heads", flag_values=FLAGS)
@@ -186,8 +188,7 @@ def main(argv) -> int:
     what = f"unknown operator {rest[1]!r}" if rest[1] not in OPERATORS else f"unexpected arguments {rest[2:]}"
     raise ValueError(f"{what}; the operators are {', '.join(OPERATORS)}")
   check_flags(rest[1])
-  flag = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), FLAGS.cpu_devices)
   # JAX starts here, after XLA_FLAGS asked for the simulated CPU devices
   import jax
   from jax.sharding import AxisType

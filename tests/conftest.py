@@ -2,7 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from jaxmercury._cpu_flags import cpu_flags  # before JAX makes its CPU client, which reads XLA_FLAGS
+
+os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax

@@ -285,6 +285,19 @@ def test_ws_local_smoke(tmp_path):
   assert all(r["median_ms"] > 0 and r["rel_err"] < 2e-2 for r in case["contestants"])
 
 
+def test_ws_local_causal_training_smoke_finishes(tmp_path):
+  """A causal training step on our kernels in interpret mode, in a fresh process as run from a shell: with XLA's
+  concurrency-optimized scheduler on, a two-core machine hung here every time (``jaxmercury._cpu_flags``)."""
+  out = tmp_path / "ws.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  subprocess.run([sys.executable, "-m", "benchmarks.ws_local", "--smoke", "--training", "--causal", "yes", "--out",
+                  str(out)], cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+  (case,) = json.loads(out.read_text())["cases"]
+  assert case["causal"] and case["training"] and case["agree"]
+  assert [r["name"] for r in case["contestants"]] == ["cudnn", "ws", "ws_own"]
+  assert all(r["median_ms"] > 0 and r["rel_err"] < 3e-2 for r in case["contestants"])
+
+
 def test_sustained_blocks_time_back_to_back_runs():
   """``Settings.sustain_s``: each contestant's ``iters`` timed runs are blocks of back-to-back runs (after an untimed
   half block), each recorded as its mean per run; a call that takes longer takes longer per block."""

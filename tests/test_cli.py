@@ -13,6 +13,7 @@ from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
 from jaxmercury import tune
+from jaxmercury._cpu_flags import SEQUENTIAL_KERNELS, cpu_flags
 from jaxmercury.tuner.plain import runnable_from_json
 
 ATTENTION = ["attention", "--batch", "1", "--heads", "4", "--kv_heads", "2", "--seq_len", "64",
@@ -159,3 +160,13 @@ def test_ctrl_c_keeps_the_measurements_and_the_same_command_resumes(tmp_path):
                          env=env, timeout=600)
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
   assert again.stdout.count("(resumed)") == int(kept.group(1)) and "winner:" in again.stdout
+
+
+def test_cpu_flags_run_interpreted_kernels_one_at_a_time():
+  """The simulated CPU platform's XLA flags: the device count replaced, XLA's concurrency-optimized scheduler off
+  once (interpret-mode kernels side by side hang two-core machines), a caller's explicit choice kept."""
+  flags = cpu_flags("--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/d", 8)
+  assert flags.split() == ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=8", SEQUENTIAL_KERNELS]
+  assert cpu_flags(flags) == flags
+  kept = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+  assert cpu_flags(kept) == kept

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 import jax
 
 from jaxmercury import programs
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure as measure_module
 
@@ -82,8 +82,7 @@ def _environment(request) -> dict:
     n = 1
     for s in request["mesh"]["sizes"]:
       n *= s
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    env["XLA_FLAGS"] = cpu_flags(env.get("XLA_FLAGS", ""), n)
   else:
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   return env

@@ -1,0 +1,25 @@
+"""XLA's flags for the CPU platform that simulates meshes, set in ``XLA_FLAGS`` before JAX makes its CPU client.
+
+Mosaic GPU interpret mode runs each of a kernel's threads as an XLA execution of its own, started from inside a
+host callback of the program that calls the kernel. XLA's concurrency-optimized scheduler lets independent
+kernels of one program run at once on XLA's CPU thread pool, one thread per core: on a machine of two cores both
+pool threads can then wait inside kernels whose threads need a pool thread to run, and the program hangs (a
+causal training step of the fused ring attention with our backward kernel, ``benchmarks.ws_local --smoke
+--training``, hung every time). With the scheduler off, such kernels run one after another.
+"""
+
+import re
+
+DEVICE_COUNT = "--xla_force_host_platform_device_count"
+SEQUENTIAL_KERNELS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def cpu_flags(flags: str, devices: int | None = None) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value) with interpret-mode kernels run one at a time and, where ``devices`` is
+  given, that many simulated CPU devices (replacing a count ``flags`` names)."""
+  parts = flags.split()
+  if devices is not None:
+    parts = [p for p in parts if not re.match(rf"{DEVICE_COUNT}=", p)] + [f"{DEVICE_COUNT}={devices}"]
+  if not any(p.startswith(SEQUENTIAL_KERNELS.split("=")[0]) for p in parts):
+    parts.append(SEQUENTIAL_KERNELS)
+  return " ".join(parts)
