@@ -8,10 +8,9 @@ causal training step of the fused ring attention with our backward kernel, ``ben
 --training``, hung every time). With the scheduler off, such kernels run one after another.
 """
 
-import re
-
 DEVICE_COUNT = "--xla_force_host_platform_device_count"
-SEQUENTIAL_KERNELS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler"
+SEQUENTIAL_KERNELS = f"{SCHEDULER}=false"
 
 
 def cpu_flags(flags: str, devices: int | None = None) -> str:
@@ -19,7 +18,7 @@ def cpu_flags(flags: str, devices: int | None = None) -> str:
   given, that many simulated CPU devices (replacing a count ``flags`` names)."""
   parts = flags.split()
   if devices is not None:
-    parts = [p for p in parts if not re.match(rf"{DEVICE_COUNT}=", p)] + [f"{DEVICE_COUNT}={devices}"]
-  if not any(p.startswith(SEQUENTIAL_KERNELS.split("=")[0]) for p in parts):
+    parts = [p for p in parts if not p.startswith(f"{DEVICE_COUNT}=")] + [f"{DEVICE_COUNT}={devices}"]
+  if not any(p.startswith(SCHEDULER) for p in parts):
     parts.append(SEQUENTIAL_KERNELS)
   return " ".join(parts)
