@@ -39,7 +39,7 @@ import traceback
 
 from benchmarks import cases, readme
 from benchmarks.baselines import WINDOWED_EINSUM_FLAGS
-from jaxmercury._cpu_flags import cpu_flags
+from jaxmercury._cpu_flags import DEVICE_COUNT, cpu_flags
 
 SUITES = ("attention", "gemm", "fused", "training", "llama", "kernels", "tuner", "model", "moe")
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.smoke:  # 8 simulated CPU devices; read when JAX starts (the tests' JAX has started already)
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = cpu_flags(flags, None if "xla_force_host_platform_device_count" in flags else 8)
+    os.environ["XLA_FLAGS"] = cpu_flags(flags, None if DEVICE_COUNT in flags else 8)
   start = time.time()
   deadline = start + args.time_budget
   previous = _previous(args.out) if args.resume else {}
