@@ -173,27 +173,41 @@ def fused(env, case, prog, mesh, ins, out) -> list[harness.Contestant]:
   kind = RING_ATTENTION if case.op == "attention" else case.kind
   strategies = FUSED_STRATEGIES[kind] if case.op == "gemm" or case.causal else ("ring",)  # zigzag: causal balance
   lib, default, result = jm.library(prog, mesh), registry.default_kernel(prog, mesh), []
+  kernels = [k for k in registry.fused_kernels() if k.placement == kind]
+  chosen = env.args.fused_kernels
+  if chosen and (unknown := set(chosen) - {k.name for k in registry.fused_kernels()}):
+    raise ValueError(f"--fused_kernels: no fused kernel {sorted(unknown)}; fused kernels: "
+                     f"{[k.name for k in registry.fused_kernels()]}")
+  kernels = [k for k in kernels if not chosen or k.name in chosen]
   for strategy in strategies:
     base = lib[strategy].with_layouts(ins, out)
     ordinary = base.copy().patch(default) if default else base
     result.append(harness.Contestant(strategy, "baseline", lambda s=ordinary: s.compile(),
                                      f"jaxmercury {strategy}, ordinary shard_map lowering",
                                      record={"strategy": strategy, **fields(ordinary)}))
-    for k in registry.fused_kernels():
-      if k.placement == kind:
-        why = placements.why_not(k, base)
-        for params in lowering_variants(k.name, mesh, env.training):  # training: each backward it offers
-          lowered, skip = None, why
-          if not why:
-            try:
-              lowered = base.copy().lower_with(k.name, **params)
-            except PreconditionError as exc:  # these parameters do not fit the case (the kernel's own reason)
-              skip = str(exc)
-          label = " ".join([k.name, *(f"{key}={value}" for key, value in params.items())])
-          result.append(harness.Contestant(
-              f"{strategy} {{{label}}}", "jaxmercury", lambda s=lowered: s.compile(),
-              k.description, skip=skip, record={"strategy": strategy, "lowering": k.name, "lowering_config": params}))
+    for k in kernels:
+      why = placements.why_not(k, base)
+      for params in fused_variants(k, mesh, env):
+        lowered, skip = None, why
+        if not why:
+          try:
+            lowered = base.copy().lower_with(k.name, **params)
+          except PreconditionError as exc:  # these parameters do not fit the case (the kernel's own reason)
+            skip = str(exc)
+        label = " ".join([k.name, *(f"{key}={value}" for key, value in params.items())])
+        result.append(harness.Contestant(
+            f"{strategy} {{{label}}}", "jaxmercury", lambda s=lowered: s.compile(),
+            k.description, skip=skip, record={"strategy": strategy, "lowering": k.name, "lowering_config": params}))
   return result
+
+
+def fused_variants(kernel, mesh, env) -> list[dict]:
+  """The parameters ``kernel`` is timed at: the tuner's (``lowering_variants``: in training each backward it
+  offers), then each of those with every ``--fused_params`` set whose fields its configuration has."""
+  variants = lowering_variants(kernel.name, mesh, env.training)
+  fields = configs.choices(kernel.config) if kernel.config is not None else {}
+  extras = [extra for extra in env.args.fused_params or () if set(extra) <= set(fields)]
+  return variants + [{**v, **extra} for extra in extras for v in variants]
 
 
 def tuned(env, case, prog, mesh, ins, out, rec: dict) -> harness.Contestant:

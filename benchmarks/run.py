@@ -44,6 +44,18 @@ from jaxmercury._cpu_flags import DEVICE_COUNT, cpu_flags
 SUITES = ("attention", "gemm", "fused", "training", "llama", "kernels", "tuner", "model", "moe")
 
 
+def fused_params(text: str) -> dict:
+  """A ``--fused_params`` set: a JSON object of configuration fields."""
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+  if not isinstance(value, dict) or not value:
+    raise argparse.ArgumentTypeError(f"a JSON object of configuration fields expected, e.g. '{{\"balanced\": false}}'"
+                                     f", got {text!r}")
+  return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +100,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   g.add_argument("--windowed_child", action="store_true", help=argparse.SUPPRESS)
   g = p.add_argument_group("suite options")
   g.add_argument("--training", action="store_true", help="fused, kernels, moe: time training steps")
+  g.add_argument("--fused_kernels", nargs="+", metavar="NAME", help="fused: only these fused kernels")
+  g.add_argument("--fused_params", nargs="+", type=fused_params, metavar="JSON",
+                 help='fused: also time each fused kernel whose configuration has these fields at them, e.g. '
+                      '\'{"balanced": false}\' (a JSON object per set)')
   g.add_argument("--configs", action="store_true", help="kernels: every configuration of every kernel")
   g.add_argument("--moe_kinds", nargs="+", choices=("grouped_gemm", "layer"), help="moe: which cases (default both): "
                  "the grouped GEMMs side by side, the MoE layer")

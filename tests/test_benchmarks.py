@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import harness, ncu_kernels, ncu_source, ws_local, ws_power, ws_profile, ws_trace
+from benchmarks import harness, ncu_kernels, ncu_source, operators, run, ws_local, ws_power, ws_profile, ws_trace
+from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.autotuner import lowering_variants
 
@@ -159,6 +161,20 @@ def test_fused_training_tries_every_backward():
   assert lowering_variants("fused_ring_attention_ws", mesh, True) == [{}, {"backward": "ws_attention"}]
   assert lowering_variants("fused_ring_attention_ws", mesh, False) == [{}]
   assert lowering_variants("fused_allgather_matmul", mesh, True) == [{}]
+
+
+def test_fused_params_add_variants_where_the_configuration_has_the_fields():
+  """``--fused_params`` sets are data (JSON objects), each added to a fused kernel's variants where its configuration
+  has every field: the warp-specialized ring attention's round-robin order beside its default, at each backward."""
+  mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+  args = run.parse_args(["--suite", "fused", "--fused_params", '{"balanced": false}', '{"balanced": false, "x": 1}'])
+  env = types.SimpleNamespace(args=args, training=True)
+  assert operators.fused_variants(registry.fused("fused_ring_attention_ws"), mesh, env) == [
+      {}, {"backward": "ws_attention"}, {"balanced": False}, {"backward": "ws_attention", "balanced": False}]
+  assert operators.fused_variants(registry.fused("fused_allgather_matmul"), mesh, env) == [{}]
+  for bad in ("[1]", "{}", "balanced=false"):
+    with pytest.raises(SystemExit):
+      run.parse_args(["--suite", "fused", "--fused_params", bad])
 
 
 def test_training_suite(tmp_path):

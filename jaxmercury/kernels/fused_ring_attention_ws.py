@@ -81,9 +81,10 @@ semaphore, and they need not wait for it themselves.
 
 Ring and forwarding: as in ``fused_ring_attention``, ``received_k`` and
 ``received_v`` (``[n - 1, b, s, kv, d]``) are extra outputs that the right
-neighbour fills; for each ``(b, kv head)`` exactly one item forwards (pair 0
-of the group's first query head; ``F = b * kv`` forwarders, items
-``0 .. F - 1``, ``_item``). Its memory warpgroup, once a tile's load
+neighbour fills; for each ``(b, kv head)`` exactly one item forwards (a
+query block of the group's first query head: pair 0 in round-robin order,
+items ``0 .. F - 1``, ``_item``; the heaviest block in the balanced order,
+its ranks ``0 .. F - 1``, ``_forwarders_first``; ``F = b * kv``). Its memory warpgroup, once a tile's load
 completed, stores the K and V tile from SMEM into the left neighbour's
 ``received[s]`` (``plgpu.remote_ref``) and does not refill that slot before
 the stores have read it (``wait_smem_to_gmem(..., wait_read_only=True)``);
@@ -119,8 +120,9 @@ Deadlock freedom: the grid is persistent with at most one CTA per SM (the
 three warpgroups' 232 + 232 + 40 registers per thread fill an SM's register
 file) and, for ``n > 1``, at most the SM count of CTAs where the device
 reports it, so every CTA is resident from the start. The ``F`` forwarder
-items are work items ``0 .. F - 1`` and the grid has at least ``F`` CTAs, so
-each forwarder is the first item of one of CTAs ``0 .. F - 1``. Inside a CTA
+items come first in either order (items or ranks ``0 .. F - 1``) and the
+grid has at least ``F`` CTAs, so each forwarder is the first item of one of
+CTAs ``0 .. F - 1``. Inside a CTA
 the memory warpgroup waits only for the consumers (slots) and, at step
 ``s > 0``, for semaphore ``s - 1``; the consumers wait only for the memory
 warpgroup's loads and for each other (the schedule barrier, which both
@@ -147,10 +149,11 @@ accumulator).
 Scheduling (``Pipeline``; each change measured against the last on one
 H100 and one H200 by ``benchmarks.ws_local``): causal tiles come in class
 order along a run (visible, then partial, then hidden), so each consumer runs
-three loops, the first without a branch or a mask; on one device causal items
-run longest first in snake order, which balances the CTAs (round-robin left
-5-28% more work on the busiest CTA at S 4K-16K), in bands of query blocks
-head after head (``_band``) where that keeps the balance; each consumer loads its next
+three loops, the first without a branch or a mask; causal items run longest
+first in snake order, which balances the CTAs (on one device round-robin left
+5-28% more work on the busiest CTA at S 4K-16K; in a zigzag ring of two, 4-34%
+at S 16K-32K, 2-4% at S64K), in bands of query blocks head after head
+(``_band``) where that keeps the balance; each consumer loads its next
 item's Q tile into a second buffer while it computes this one; and on one
 device without a mask, when the items leave the last round part empty, its
 items' key tiles are shared out over every CTA and each item's parts merged
@@ -250,10 +253,12 @@ class Pipeline:
   Attributes:
     causal_loops: causal tiles run in three loops per run (visible, partial, hidden; the classes come in that
       order), not one loop that switches on each tile's class: the visible tiles' loop has no branch.
-    balanced: on one device (no ring), items run longest first in snake order: CTA ``c`` takes rank
-      ``i * grid + c`` in its even rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by
-      decreasing causal work (query block; in bands of blocks head after head, ``_band``), so every CTA gets
-      about the same work and the last round holds the shortest items.
+    balanced: causal items run longest first in snake order: CTA ``c`` takes rank ``i * grid + c`` in its even
+      rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by decreasing causal work (the query
+      block's global position, ``_pair_by_weight``; in bands of blocks head after head, ``_band``), so every CTA
+      gets about the same work and the last round holds the shortest items; in a ring the forwarders first
+      (``_forwarders_first``). Zigzag chunks that a device does not hold in (early, late) pairs keep the
+      round-robin order.
     prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one;
       not for causal items of more than ``PREFETCH_MAX_CAUSAL_TILES`` key tiles (measured slower there).
     split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
@@ -274,26 +279,84 @@ BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_ta
 PREFETCH_MAX_CAUSAL_TILES = 256
 
 
-def _imbalance(pairs: int, heads: int, grid: int, band: int) -> float:
-  """The busiest CTA's causal work over the mean, items in snake order by bands of ``band`` query blocks."""
-  rank = np.arange(pairs * heads)
+def _imbalance(work: np.ndarray, heads: int, grid: int, band: int) -> float:
+  """The busiest CTA's causal work over the mean: ``work[w]`` the work of the query blocks of weight rank ``w``
+  (heaviest first), items in snake order by bands of ``band`` blocks."""
+  rank = np.arange(len(work) * heads)
   rounds, c = np.divmod(rank, grid)
   cta = np.where(rounds % 2 == 0, c, grid - 1 - c)
-  pair = pairs - 1 - rank // (band * heads) * band - rank % band
-  loads = np.bincount(cta, weights=pair + 1, minlength=grid)
+  weight_rank = rank // (band * heads) * band + rank % band
+  loads = np.bincount(cta, weights=work[weight_rank], minlength=grid)
   return float(loads.max() / loads.mean())
 
 
-def _band(pairs: int, heads: int, grid: int) -> int:
-  """Query blocks per band of the balanced order: ranks go by decreasing block in bands of this many blocks,
-  each band head after head, so CTAs running together read the keys of fewer heads (with one block per band
-  they read every head's; at S64K, 32 heads of 128 rows, that lost 2-9% to round-robin, whose CTAs share one
-  head, in three of four runs on an H100 and an H200). The widest of 32, 16, 8 that divides ``pairs`` and keeps
-  the busiest CTA within 0.2% of the mean, else 1."""
+def _band(work: np.ndarray, heads: int, grid: int) -> int:
+  """Query blocks per band of the balanced order (``work [devices, pairs]``: each device's blocks' work, heaviest
+  first): ranks go by decreasing work in bands of this many blocks, each band head after head, so CTAs running
+  together read the keys of fewer heads (with one block per band they read every head's; at S64K, 32 heads of 128
+  rows, that lost 2-9% to round-robin, whose CTAs share one head, in three of four runs on an H100 and an H200).
+  The widest of 32, 16, 8 that divides the blocks and keeps every device's busiest CTA within 0.2% of the mean
+  above what one block per band leaves (on one device B1 H32 at S 4K-64K: within 0.2% of the mean), else 1."""
+  worst = lambda band: max(_imbalance(w, heads, grid, band) for w in work)
   for band in (32, 16, 8):
-    if pairs % band == 0 and _imbalance(pairs, heads, grid, band) <= 1.002:
+    if work.shape[1] % band == 0 and worst(band) <= max(worst(1), 1.0) + 0.002:
       return band
   return 1
+
+
+def _chunk_by_weight(rank, local_chunks: int):
+  """The local chunk (of ``local_chunks``, an int or traced) holding the positions of weight rank ``rank``
+  (latest first): a device's stored zigzag chunks pair up as (early, late) in true order, so the late ones
+  (odd) come first, earliest late chunk first, then the early ones (even), latest first."""
+  if local_chunks == 1:
+    return 0 * rank
+  late = 2 * rank + 1
+  early = 2 * (local_chunks - 1 - rank)
+  return jnp.where(rank < local_chunks // 2, late, early) if not isinstance(rank, int) else (
+      late if rank < local_chunks // 2 else early)
+
+
+def _pair_by_weight(rank, per_chunk: int, local_chunks: int):
+  """The local query block (work item pair) of weight rank ``rank``: blocks by decreasing global position."""
+  chunk, within = rank // per_chunk, rank % per_chunk if isinstance(rank, int) else lax.rem(rank, per_chunk)
+  return _chunk_by_weight(chunk, local_chunks) * per_chunk + per_chunk - 1 - within
+
+
+def _weights(order: SequenceOrder, pairs: int, rows: int, devices: int) -> np.ndarray | None:
+  """``[devices, pairs]``: each device's causal work per block (its last query's global position + 1) by weight
+  rank (``_pair_by_weight``); None where that rank order is not heaviest first on every device (zigzag chunks
+  that a device does not hold in (early, late) pairs)."""
+  per_chunk = order.segment // rows
+  local_chunks = pairs // per_chunk
+  pair = [_pair_by_weight(w, per_chunk, local_chunks) for w in range(pairs)]
+  work = np.array([[order.first(dev, p * rows) + rows for p in pair] for dev in range(devices)])
+  return work if np.all(np.diff(work, axis=1) <= 0) else None
+
+
+def _balanced_item(rank, heads: int, h: int, g: int, band: int, per_chunk: int, local_chunks: int,
+                   forwarders: int = 0):
+  """Rank ``rank`` of the balanced order -> ``(batch, query head, pair, forwards)``: ranks by decreasing weight
+  rank in bands of ``band`` blocks, each band over every one of the ``heads`` (batch, head) pairs in turn; with
+  ``forwarders`` (a ring), those first (``_forwarders_first``)."""
+  forwards = False
+  if forwarders:
+    rank, forwards = _forwarders_first(rank, forwarders, g * band)
+  band_index, within = rank // (band * heads), lax.rem(rank, band * heads)
+  bh = within // band
+  pair = _pair_by_weight(band_index * band + lax.rem(within, band), per_chunk, local_chunks)
+  return bh // h, lax.rem(bh, h), pair, forwards
+
+
+def _forwarders_first(rank, forwarders: int, stride: int):
+  """A ring's balanced rank -> (the rank in the balanced order, forwards): ranks ``0 .. F - 1`` are the ``F``
+  forwarders, each the heaviest block of its group's first head (rank ``f stride`` in the balanced order,
+  ``stride`` = heads per group x blocks per band); the rest of the first band follows in its order, and every
+  later rank keeps its place. So a forwarder is the first item of CTA ``f`` (deadlock freedom, module docstring)."""
+  others = max(stride - 1, 1)
+  m = rank - forwarders
+  rest = m // others * stride + lax.rem(m, others) + 1
+  moved = jnp.where(rank < forwarders, rank * stride, jnp.where(rank < forwarders * stride, rest, rank))
+  return moved, rank < forwarders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,8 +522,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   run = order.segment if causal else s_loc
   starts = range(0, s_loc, run)
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
-  balanced = pipeline.balanced and causal and not ring  # without causal every item is as long
-  band_pairs = _band(pairs, b * h, grid) if balanced else 1
+  weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
+  balanced = weights is not None  # without causal every item is as long
+  band_pairs = _band(weights, b * h, grid) if balanced else 1
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
@@ -490,11 +554,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       to_left = recv_k, recv_v
 
     def item_of(i):
-      if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing query block
-        rank = snake_rank(i)
-        band, within = rank // (band_pairs * b * h), lax.rem(rank, band_pairs * b * h)
-        pair, bh = pairs - 1 - band * band_pairs - lax.rem(within, band_pairs), within // band_pairs
-        bi, hi, forwards = bh // h, lax.rem(bh, h), False
+      if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing work
+        bi, hi, pair, forwards = _balanced_item(snake_rank(i), b * h, h, g, band_pairs, order.segment // rows,
+                                                pairs // (order.segment // rows), forwarders if ring else 0)
       else:
         index = cta + i * grid
         if split:  # a part of the last round's item first_part + (i - full)
@@ -867,13 +929,15 @@ class WsRingConfig:
   """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots; and
   ``backward``, the local kernel whose backward blocks run the dual programs (None: cuDNN's where the devices have
   it, ``schedules.dual.backward_schedule``; ``"ws_attention"``: ours, ``kernels.attention_backward_ws``, dq, dk
-  and dv in one pass: the training step on one kernel family)."""
+  and dv in one pass: the training step on one kernel family); ``balanced``, causal items heaviest first
+  (``Pipeline.balanced``; False: round-robin, the order before 2026-11-28, which benchmarks time beside it)."""
 
   OPEN = True
   block_q: int = param(64)
   block_kv: int = param(128)
   max_concurrent_steps: int = param(2)
   backward: str | None = param(None, "ws_attention")
+  balanced: bool = param(True)
 
 
 def _problem(p, config: WsRingConfig) -> str | None:
@@ -886,6 +950,8 @@ def _problem(p, config: WsRingConfig) -> str | None:
     return reason
   if config.backward not in BACKWARDS:
     return f"backward={config.backward!r} is not one of {list(BACKWARDS)}"
+  if not isinstance(config.balanced, bool):
+    return f"balanced={config.balanced!r} must be True or False"
   if config.backward is not None:
     backward = BackwardBlocks()
     reason = backward.problem(p.local_shape()[4], p.itemsize) or fra.rows_problem(
@@ -896,9 +962,9 @@ def _problem(p, config: WsRingConfig) -> str | None:
 
 
 def _make(p, config: WsRingConfig, interpret: bool):
-  blocks = {k: v for k, v in dataclasses.asdict(config).items() if k != "backward"}
+  blocks = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("backward", "balanced")}
   return fra.per_device(fused_ring_attention_ws, p, lambda: INTERPRET_CTAS_FUSED if interpret else None,
-                        interpret=interpret, **blocks)
+                        interpret=interpret, pipeline=Pipeline(balanced=config.balanced), **blocks)
 
 
 FUSED_RING_ATTENTION_WS = FusedKernel(
