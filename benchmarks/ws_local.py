@@ -52,8 +52,12 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "default": dict(),  # the kernel's defaults: split tail and pipelined consumers where they measured faster
          # Other blocks at the default pipeline (the GPU tests' CONFIGS), asked for by name (--steps)
          "kv64x3": dict(block_kv=64, max_concurrent_steps=3),
-         "kv64x4": dict(block_kv=64, max_concurrent_steps=4)}
+         "kv64x4": dict(block_kv=64, max_concurrent_steps=4),
+         # The balanced order in other bands (``Pipeline.band``; by default ``_band``'s choice), by name only
+         "band8": dict(pipeline=Pipeline(band=8)),
+         "band32": dict(pipeline=Pipeline(band=32))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
+BAND_STEPS = ("band8", "band32")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 
@@ -96,7 +100,7 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                   "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item, one query head per
                                                    # item, heads in turn; without a mask specialized, dq deferred,
                                                    # query chunks from S64K; under a causal mask the whole queries
-CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default", *BLOCK_STEPS)
+CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default", *BLOCK_STEPS, *BAND_STEPS)
 NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default", *BLOCK_STEPS)  # loops, snake: causal
 
 
@@ -257,7 +261,8 @@ def main(argv=None):
   parser.add_argument("--seqs", nargs="+", default=["4K", "8K", "16K", "32K", "64K"])
   parser.add_argument("--kv", nargs="+", type=int, default=[32, 8])
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in BLOCK_STEPS], choices=list(STEPS))
+  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in BLOCK_STEPS + BAND_STEPS],
+                      choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
   parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))

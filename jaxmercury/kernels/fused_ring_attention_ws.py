@@ -264,12 +264,14 @@ class Pipeline:
     split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
       are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
       log-sum-exps.
+    band: query blocks per band of the balanced order (None: ``_band``'s choice); it must divide the blocks.
   """
 
   causal_loops: bool = True
   balanced: bool = True
   prefetch_q: bool = True
   split_tail: bool = True
+  band: int | None = None
 
 
 BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
@@ -524,7 +526,10 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
-  band_pairs = _band(weights, b * h, grid) if balanced else 1
+  band_pairs = (pipeline.band or _band(weights, b * h, grid)) if balanced else 1
+  if balanced and pairs % band_pairs:
+    raise PreconditionError(f"{NAME}: Pipeline(band={pipeline.band}) does not divide the {pairs} query blocks of "
+                            f"{rows} rows")
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
