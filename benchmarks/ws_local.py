@@ -54,10 +54,12 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "kv64x3": dict(block_kv=64, max_concurrent_steps=3),
          "kv64x4": dict(block_kv=64, max_concurrent_steps=4),
          # The balanced order in other bands (``Pipeline.band``; by default ``_band``'s choice), by name only
+         "band1": dict(pipeline=Pipeline(band=1)),
          "band8": dict(pipeline=Pipeline(band=8)),
+         "band16": dict(pipeline=Pipeline(band=16)),
          "band32": dict(pipeline=Pipeline(band=32))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
-BAND_STEPS = ("band8", "band32")  # causal only
+BAND_STEPS = ("band1", "band8", "band16", "band32")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 
