@@ -292,18 +292,35 @@ def _imbalance(work: np.ndarray, heads: int, grid: int, band: int) -> float:
   return float(loads.max() / loads.mean())
 
 
-def _band(work: np.ndarray, heads: int, grid: int) -> int:
+def _kv_heads_at_once(pairs: int, heads: int, g: int, grid: int, band: int) -> float:
+  """The K/V heads (of every batch) that a round's ``grid`` CTAs read together, on average over the rounds of the
+  balanced order by bands of ``band`` blocks (``g`` query heads per K/V head)."""
+  rank = np.arange(pairs * heads)
+  kv_head = rank % (band * heads) // band // g
+  rounds = [kv_head[r:r + grid] for r in range(0, len(rank) - grid + 1, grid)] or [kv_head]
+  return float(np.mean([len(np.unique(r)) for r in rounds]))
+
+
+# The K/V heads a round may read together: with one block per band, B1 H32 KV8 (8 K/V heads) was the fastest band at
+# S 4K-16K on one H100 and KV32 (32) the slowest at every S 4K-64K; bands of 32 blocks (about 5 K/V heads) ran 2.5-4%
+# faster at S 4K-16K and 1% at S32K (benchmarks/results/2026-11-28-ws_local_bands-*-H100*.json).
+KV_HEADS_AT_ONCE = 8
+
+
+def _band(work: np.ndarray, heads: int, grid: int, g: int = 1) -> int:
   """Query blocks per band of the balanced order (``work [devices, pairs]``: each device's blocks' work, heaviest
-  first): ranks go by decreasing work in bands of this many blocks, each band head after head, so CTAs running
-  together read the keys of fewer heads (with one block per band they read every head's; at S64K, 32 heads of 128
-  rows, that lost 2-9% to round-robin, whose CTAs share one head, in three of four runs on an H100 and an H200).
-  The widest of 32, 16, 8 that divides the blocks and keeps every device's busiest CTA within 0.2% of the mean
-  above what one block per band leaves (on one device B1 H32 at S 4K-64K: within 0.2% of the mean), else 1."""
-  worst = lambda band: max(_imbalance(w, heads, grid, band) for w in work)
-  for band in (32, 16, 8):
-    if work.shape[1] % band == 0 and worst(band) <= max(worst(1), 1.0) + 0.002:
-      return band
-  return 1
+  first; ``g`` query heads per K/V head): ranks go by decreasing work in bands of this many blocks, each band head
+  after head, so CTAs running together read the keys of fewer heads (with one block per band they read every
+  head's; at S64K, 32 heads of 128 rows, that lost 2-9% to round-robin, whose CTAs share one head, in three of
+  four runs on an H100 and an H200). Of the bands (32, 16, 8, 1) that divide the blocks and whose rounds read at
+  most ``KV_HEADS_AT_ONCE`` K/V heads together (none: the widest), the widest that keeps every device's busiest
+  CTA within 0.2% of the mean above the best balance among them."""
+  bands = [band for band in (32, 16, 8, 1) if work.shape[1] % band == 0]
+  local = [band for band in bands if _kv_heads_at_once(work.shape[1], heads, g, grid, band) <= KV_HEADS_AT_ONCE]
+  local = local or bands[:1]
+  worst = {band: max(_imbalance(w, heads, grid, band) for w in work) for band in local}
+  best = max(min(worst.values()), 1.0)
+  return next(band for band in local if worst[band] <= best + 0.002)
 
 
 def _chunk_by_weight(rank, local_chunks: int):
@@ -526,7 +543,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
-  band_pairs = (pipeline.band or _band(weights, b * h, grid)) if balanced else 1
+  band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced else 1
   if balanced and pairs % band_pairs:
     raise PreconditionError(f"{NAME}: Pipeline(band={pipeline.band}) does not divide the {pairs} query blocks of "
                             f"{rows} rows")
