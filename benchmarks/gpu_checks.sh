@@ -23,6 +23,8 @@
 #   fused-training   training steps of the fused ring attentions, GQA S 16K-32K, causal and not
 #   fused-training-sustained-32K fused-training-sustained-64K  the same at one length, timed in sustained blocks
 #                    (--sustain_s 1), each fused kernel also with our backward (configured backward="ws_attention")
+#   fused-causal-order  the warp-specialized ring attention, causal GQA S 16K-64K, its items heaviest first (the
+#                    default) and round-robin (balanced=False), sustained blocks; -training: training steps at S32K
 #   training         training steps: jaxmercury tuned for them against every baseline
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
@@ -50,6 +52,8 @@
 #                    (benchmarks.ws_trace, jax.profiler's trace), S32K KV 8 and 32 causal, S64K KV8 (TRACE_ARGS: one case)
 #   ws-trace-backward  one GPU: the backward alone the same way (ws_trace --backward), cuDNN's and ours by default,
 #                    whole and in 8 chunks, S32K KV 8 and 32 causal, S64K KV8 causal (TRACE_ARGS: one case)
+#   ws-bands         one GPU: the forward's causal items in bands of 1, 8 and 32 query blocks beside the default
+#                    (benchmarks.ws_local --steps band1 band8 band32), S 4K 16K 64K, KV 32 and 8
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
 #                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
 #                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
@@ -95,6 +99,12 @@ for stage in "$@"; do
     fused-attention) suite "$stage" 570 --suite fused --ops attention --causal no ;;
     fused-causal) suite "$stage" 570 --suite fused --ops attention --causal yes --variants GQA --seqs 32K ;;
     fused-training) suite "$stage" 570 --suite fused --training --ops attention --variants GQA ;;
+    fused-causal-order) suite "$stage" 430 --suite fused --ops attention --causal yes --variants GQA \
+        --seqs 16K 32K 64K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
+        --sustain_s 1 --iters 3 ;;
+    fused-causal-order-training) suite "$stage" 450 --suite fused --training --ops attention --causal yes \
+        --variants GQA --seqs 32K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
+        --sustain_s 1 --iters 3 ;;
     fused-training-sustained-32K|fused-training-sustained-64K) suite "$stage" 570 --suite fused --training \
         --ops attention --variants GQA --seqs "${stage##*-}" --sustain_s 1.0 --iters 3 ;;
     training) suite "$stage" 570 --suite training ;;
@@ -181,6 +191,11 @@ for stage in "$@"; do
           --variants ws_default ws_whole --query_chunks 8 --out "$W/$name.json" > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       done ;;
+    ws-bands)  # one GPU: the balanced order's bands (Pipeline.band) beside the default, causal
+      timeout "${STAGE_LIMIT:-400}" python3 -m benchmarks.ws_local --causal yes --kv 32 8 --seqs 4K 16K 64K \
+        --steps default band1 band8 band32 --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-400} - 20)) \
+        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     ws-sustained)
       timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --training --sustain_s 1.5 --iters 3 \
         --seqs ${SUSTAINED_SEQS:-16K 32K} --time_budget $((${STAGE_LIMIT:-420} - 20)) --out "$W/$stage.json" \
