@@ -111,6 +111,12 @@ def chunk_steps(counts) -> dict:
   return {f"q{n}": BackwardBlocks(query_chunks=n) for n in counts}
 
 
+def smoke_flags():
+  """The CPU flags of a ``--smoke`` run (``_cpu_flags``: interpreted kernels one at a time, so that two kernels'
+  host callbacks cannot hold both of a small machine's XLA threads), set before JAX makes its client."""
+  os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""))
+
+
 def seq_length(text: str) -> int:
   """A sequence length from ``"16K"`` (times 1024) or ``"500"``."""
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
@@ -285,7 +291,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.smoke:
     args.seqs, args.kv, args.heads, args.head_dim, args.iters, args.min_timing_s = ["256"], [2], 4, 64, 3, 0.0
-    os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""))  # read below, when JAX makes its client
+    smoke_flags()
   start = time.time()
   deadline = start + args.time_budget
   mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -59,6 +59,7 @@ def main(argv=None):
   s, h, kv, d = ws_local.seq_length(args.seq), 32, args.kv, 128
   if args.smoke:
     s, h, kv, d = 256, 4, 2, 64
+    ws_local.smoke_flags()
   variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}
   inputs, contestants = ws_profile.backward_case(s, h, kv, d, args.causal, args.smoke, variants)
   smi = shutil.which("nvidia-smi") if not args.smoke else None

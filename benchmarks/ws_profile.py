@@ -93,6 +93,7 @@ def main(argv=None):
   s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
+    ws_local.smoke_flags()
   if args.training:
     return training(args, s, h, d)
   variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}

@@ -132,6 +132,7 @@ def main(argv=None):
   s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim
   if args.smoke:
     s, args.kv, h, d = 256, 2, 4, 64
+    ws_local.smoke_flags()
   if args.backward:
     variants = {n: ws_local.BACKWARD_STEPS[n] for n in args.variants} | ws_local.chunk_steps(args.query_chunks)
     inputs, steps = ws_profile.backward_case(s, h, args.kv, d, args.causal, args.smoke, variants)
