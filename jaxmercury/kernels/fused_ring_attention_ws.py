@@ -84,15 +84,16 @@ Ring and forwarding: as in ``fused_ring_attention``, ``received_k`` and
 neighbour fills; for each ``(b, kv head)`` exactly one item forwards (a
 query block of the group's first query head: pair 0 in round-robin order,
 items ``0 .. F - 1``, ``_item``; the heaviest block in the balanced order,
-its ranks ``0 .. F - 1``, ``_forwarders_first``; ``F = b * kv``). Its memory warpgroup, once a tile's load
-completed, stores the K and V tile from SMEM into the left neighbour's
-``received[s]`` (``plgpu.remote_ref``) and does not refill that slot before
-the stores have read it (``wait_smem_to_gmem(..., wait_read_only=True)``);
-at the end of step ``s < n - 1`` it waits until its stores have landed and
-increments semaphore ``s`` of the left device (``peer_gemm.step_semaphores``:
-one per step, so that a forwarder running ahead cannot let a waiter for an
-earlier step through). Before loading step ``s``'s tiles every item waits
-until its device's semaphore ``s - 1`` reaches ``F``.
+its ranks ``0 .. F - 1``, ``_forwarders_first``; ``F = b * kv``). Its memory
+warpgroup, once a tile's load completed, stores the K and V tile from SMEM
+into the left neighbour's ``received[s]`` (``plgpu.remote_ref``) and does
+not refill that slot before the stores have read it
+(``wait_smem_to_gmem(..., wait_read_only=True)``); at the end of step
+``s < n - 1`` it waits until its stores have landed and increments semaphore
+``s`` of the left device (``peer_gemm.step_semaphores``: one per step, so that a
+forwarder running ahead cannot let a waiter for an earlier step through).
+Before loading step ``s``'s tiles every item waits until its device's
+semaphore ``s - 1`` reaches ``F``.
 
 Barrier protocol. Mosaic GPU tracks each barrier's phase per thread, so
 every warpgroup that waits on a barrier waits on every one of its phases,
@@ -122,14 +123,13 @@ file) and, for ``n > 1``, at most the SM count of CTAs where the device
 reports it, so every CTA is resident from the start. The ``F`` forwarder
 items come first in either order (items or ranks ``0 .. F - 1``) and the
 grid has at least ``F`` CTAs, so each forwarder is the first item of one of
-CTAs ``0 .. F - 1``. Inside a CTA
-the memory warpgroup waits only for the consumers (slots) and, at step
-``s > 0``, for semaphore ``s - 1``; the consumers wait only for the memory
-warpgroup's loads and for each other (the schedule barrier, which both
-meet equally often). A forwarder at step ``s`` waits only for the
-forwarders of the right device at step ``s - 1``; step 0 waits for no peer,
-so by induction over ``s`` every forwarder signals every step; every other
-item waits only for forwarders, so every item finishes.
+CTAs ``0 .. F - 1``. Inside a CTA the memory warpgroup waits only for the
+consumers (slots) and, at step ``s > 0``, for semaphore ``s - 1``; the
+consumers wait only for the memory warpgroup's loads and for each other (the
+schedule barrier, which both meet equally often). A forwarder at step ``s``
+waits only for the forwarders of the right device at step ``s - 1``; step 0
+waits for no peer, so by induction over ``s`` every forwarder signals every
+step; every other item waits only for forwarders, so every item finishes.
 
 Preconditions (``PreconditionError`` otherwise): those of
 ``fused_ring_attention`` (dtypes, shapes, ``d`` a multiple of 64 at most
@@ -337,8 +337,8 @@ def _chunk_by_weight(rank, local_chunks: int):
 
 def _pair_by_weight(rank, per_chunk: int, local_chunks: int):
   """The local query block (work item pair) of weight rank ``rank``: blocks by decreasing global position."""
-  chunk, within = rank // per_chunk, rank % per_chunk if isinstance(rank, int) else lax.rem(rank, per_chunk)
-  return _chunk_by_weight(chunk, local_chunks) * per_chunk + per_chunk - 1 - within
+  within = rank % per_chunk if isinstance(rank, int) else lax.rem(rank, per_chunk)
+  return _chunk_by_weight(rank // per_chunk, local_chunks) * per_chunk + per_chunk - 1 - within
 
 
 def _weights(order: SequenceOrder, pairs: int, rows: int, devices: int) -> np.ndarray | None:
@@ -352,15 +352,15 @@ def _weights(order: SequenceOrder, pairs: int, rows: int, devices: int) -> np.nd
   return work if np.all(np.diff(work, axis=1) <= 0) else None
 
 
-def _balanced_item(rank, heads: int, h: int, g: int, band: int, per_chunk: int, local_chunks: int,
+def _balanced_item(rank, batch_heads: int, h: int, g: int, band: int, per_chunk: int, local_chunks: int,
                    forwarders: int = 0):
   """Rank ``rank`` of the balanced order -> ``(batch, query head, pair, forwards)``: ranks by decreasing weight
-  rank in bands of ``band`` blocks, each band over every one of the ``heads`` (batch, head) pairs in turn; with
+  rank in bands of ``band`` blocks, each band over the ``batch_heads`` (batch, query head) pairs in turn; with
   ``forwarders`` (a ring), those first (``_forwarders_first``)."""
   forwards = False
   if forwarders:
     rank, forwards = _forwarders_first(rank, forwarders, g * band)
-  band_index, within = rank // (band * heads), lax.rem(rank, band * heads)
+  band_index, within = rank // (band * batch_heads), lax.rem(rank, band * batch_heads)
   bh = within // band
   pair = _pair_by_weight(band_index * band + lax.rem(within, band), per_chunk, local_chunks)
   return bh // h, lax.rem(bh, h), pair, forwards
