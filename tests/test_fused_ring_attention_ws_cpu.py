@@ -273,6 +273,8 @@ def test_one_device_lowers_without_peers(causal):
     (dict(blocks=dict(block_q=128, block_kv=256)), "exceed one warpgroup's registers"),
     (dict(d=128, blocks=dict(block_kv=128, max_concurrent_steps=3)), "needs 232960 bytes of shared memory"),
     (dict(blocks=dict(num_ctas=-1)), "num_ctas=-1 must be a positive int"),
+    (dict(blocks=dict(pipeline=Pipeline(band=3))), r"band=3\) must be a positive int dividing the 1 query blocks"),
+    (dict(s=256, blocks=dict(pipeline=Pipeline(band=0))), r"band=0\) must be a positive int dividing the 2 query"),
 ])
 def test_inputs_are_checked_before_anything_runs(change, message):
   s, d, dtype = change.get("s", 128), change.get("d", 64), change.get("dtype", jnp.bfloat16)

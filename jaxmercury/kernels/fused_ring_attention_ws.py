@@ -480,6 +480,10 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   if pipelined and causal:
     raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
                             "pipelined=False")
+  band, pairs = pipeline.band, s // (CONSUMERS * block_q)
+  if band is not None and (not isinstance(band, int) or isinstance(band, bool) or band < 1 or pairs % band):
+    raise PreconditionError(f"{NAME}: Pipeline(band={band!r}) must be a positive int dividing the {pairs} query "
+                            f"blocks of 2 * block_q = {CONSUMERS * block_q} rows")
   if causal and seq_order.segment % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: zigzag chunks of {seq_order.segment} positions are not a multiple of "
                             f"2 * block_q = {CONSUMERS * block_q}: a work item's two query tiles must lie in one chunk")
@@ -544,9 +548,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
   band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced else 1
-  if balanced and pairs % band_pairs:
-    raise PreconditionError(f"{NAME}: Pipeline(band={pipeline.band}) does not divide the {pairs} query blocks of "
-                            f"{rows} rows")
+  per_chunk = order.segment // rows  # query blocks per run of contiguous positions
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
@@ -577,8 +579,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
 
     def item_of(i):
       if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing work
-        bi, hi, pair, forwards = _balanced_item(snake_rank(i), b * h, h, g, band_pairs, order.segment // rows,
-                                                pairs // (order.segment // rows), forwarders if ring else 0)
+        bi, hi, pair, forwards = _balanced_item(snake_rank(i), b * h, h, g, band_pairs, per_chunk, pairs // per_chunk,
+                                                forwarders if ring else 0)
       else:
         index = cta + i * grid
         if split:  # a part of the last round's item first_part + (i - full)
