@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     if windowed["code"] == 2:  # it found no GPU and said so
       return 2
   suite = _suite(args.suite)
+  if args.fused_kernels:
+    from jaxmercury.kernels import registry  # after the suite's module, which starts JAX with the flags above
+    names = [k.name for k in registry.fused_kernels()]
+    if unknown := sorted(set(args.fused_kernels) - set(names)):
+      print(f"benchmarks.run: --fused_kernels names no fused kernel {unknown}; fused kernels: {names}",
+            file=sys.stderr)
+      return 2
   if args.reprice:
     return suite.reprice(args)
   import jax  # started by the suite's module already, after the windowed-einsum child

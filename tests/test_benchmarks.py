@@ -177,6 +177,15 @@ def test_fused_params_add_variants_where_the_configuration_has_the_fields():
       run.parse_args(["--suite", "fused", "--fused_params", bad])
 
 
+def test_an_unknown_fused_kernel_is_refused_before_any_work(capsys, monkeypatch):
+  for name in ("JAX_PLATFORMS", "XLA_FLAGS"):  # main sets them for --smoke: restored after the test
+    monkeypatch.setenv(name, os.environ.get(name, ""))
+  assert run.main(["--suite", "fused", "--smoke", "--fused_kernels", "fused_ring_attention_wx"]) == 2
+  err = capsys.readouterr().err
+  assert "--fused_kernels names no fused kernel ['fused_ring_attention_wx']" in err
+  assert "fused_ring_attention_ws" in err  # the valid names
+
+
 def test_training_suite(tmp_path):
   """Training steps (output and every input's gradient) of the baselines and of jaxmercury tuned for them agree."""
   results = _smoke(tmp_path, "training")
