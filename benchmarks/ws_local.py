@@ -199,15 +199,15 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     step = lambda name: lambda: training_step(name, mesh, b, s, h, kv, d, causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", step("cudnn"), f"jax.vjp of {label}"),
                    harness.Contestant("ws", "jaxmercury", step("ws"),
-                                      "ring schedule lowered with fused_ring_attention_ws, its own backward")]
-    contestants.append(harness.Contestant(
-        "ws_own", "jaxmercury", step("ws_own"),
-        "the same, configured with backward='ws_attention': our one-pass backward kernel",
-        record={"backward": "ws_attention"}))
+                                      "ring schedule lowered with fused_ring_attention_ws, its own backward"),
+                   harness.Contestant("ws_own", "jaxmercury", step("ws_own"),
+                                      "the same, configured with backward='ws_attention': our one-pass backward "
+                                      "kernel", record={"backward": "ws_attention"})]
     if not args.smoke:  # the same backward after cuDNN's forward: which half a gap is in
       contestants.append(harness.Contestant(
           "cudnn_blocks", "jaxmercury", step("cudnn_blocks"),
           "the ring schedule patched with cuDNN blocks: cuDNN's forward, the same backward"))
+    contestants = [c for c in contestants if c.name == "cudnn" or c.name in args.training_steps]
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   elif args.backward:
     inputs = backward_inputs(inputs, keys[3], causal, args.smoke)
@@ -272,6 +272,8 @@ def main(argv=None):
   parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in BLOCK_STEPS + BAND_STEPS],
                       choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
+  parser.add_argument("--training_steps", nargs="+", default=list(TRAINING_STEPS[1:]), choices=TRAINING_STEPS[1:],
+                      help="with --training, these contestants beside cuDNN's (default: all)")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
   parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))
   parser.add_argument("--query_chunks", nargs="+", type=int, default=[],

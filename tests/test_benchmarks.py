@@ -323,6 +323,24 @@ def test_ws_local_causal_training_smoke_finishes(tmp_path):
   assert all(r["median_ms"] > 0 and r["rel_err"] < 3e-2 for r in case["contestants"])
 
 
+def test_ws_local_training_steps_choose_the_contestants(tmp_path, monkeypatch):
+  """``--training_steps ws_own``: cuDNN's step and ours only, the others neither built nor timed (each contestant
+  here XLA's attention, so that the test times no kernel)."""
+  built = []
+
+  def xla_step(name, mesh, b, s, h, kv, d, causal, smoke):
+    built.append(name)
+    return measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal))
+  monkeypatch.setattr(ws_local, "training_step", xla_step)
+  out = tmp_path / "ws.json"
+  ws_local.main(["--smoke", "--training", "--causal", "no", "--training_steps", "ws_own", "--out", str(out)])
+  (case,) = json.loads(out.read_text())["cases"]
+  assert [r["name"] for r in case["contestants"]] == ["cudnn", "ws_own"] and built == ["cudnn", "ws_own"]
+  assert case["agree"] and all(r["median_ms"] > 0 for r in case["contestants"])
+  with pytest.raises(SystemExit):
+    ws_local.main(["--smoke", "--training", "--training_steps", "cudnn", "--out", str(out)])
+
+
 def test_sustained_blocks_time_back_to_back_runs():
   """``Settings.sustain_s``: each contestant's ``iters`` timed runs are blocks of back-to-back runs (after an untimed
   half block), each recorded as its mean per run; a call that takes longer takes longer per block."""
