@@ -57,9 +57,11 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "band1": dict(pipeline=Pipeline(band=1)),
          "band8": dict(pipeline=Pipeline(band=8)),
          "band16": dict(pipeline=Pipeline(band=16)),
-         "band32": dict(pipeline=Pipeline(band=32))}
+         "band32": dict(pipeline=Pipeline(band=32)),
+         "band64": dict(pipeline=Pipeline(band=64)),
+         "band128": dict(pipeline=Pipeline(band=128))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
-BAND_STEPS = ("band1", "band8", "band16", "band32")  # causal only
+BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 
