@@ -10,6 +10,7 @@ down) as reduce-scatter GEMMs. ``--smoke`` plans tiny versions of the same for t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 
@@ -125,6 +126,14 @@ def parse_size(text: str) -> int:
   if not m:
     raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 4K or 1M)")
   return int(m.group(1)) << {"": 0, "k": 10, "m": 20}[m.group(2).lower()]
+
+
+def count(text: str) -> int:
+  """A count of 0 or more from ``text`` (a flag's value)."""
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{value} is negative (expected 0 or more)")
+  return value
 
 
 def llama3_layers(model: str) -> list[tuple[str, str, int, int]]:

@@ -25,6 +25,8 @@
 #                    (--sustain_s 1), each fused kernel also with our backward (configured backward="ws_attention")
 #   fused-causal-order  the warp-specialized ring attention, causal GQA S 16K-64K, its items heaviest first (the
 #                    default) and round-robin (balanced=False), sustained blocks; -training: training steps at S32K
+#   fused-training-trace  the training steps of fused-causal-order-training (defaults only), then each one's
+#                    kernels on the first GPU in 5 traced rounds (--trace_rounds): where the zigzag ring's step loses
 #   training         training steps: jaxmercury tuned for them against every baseline
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
@@ -105,6 +107,8 @@ for stage in "$@"; do
     fused-causal-order-training) suite "$stage" 450 --suite fused --training --ops attention --causal yes \
         --variants GQA --seqs 32K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
         --sustain_s 1 --iters 3 ;;
+    fused-training-trace) suite "$stage" 450 --suite fused --training --ops attention --causal yes --variants GQA \
+        --seqs 32K --fused_kernels fused_ring_attention_ws --sustain_s 1 --iters 3 --trace_rounds 5 ;;
     fused-training-sustained-32K|fused-training-sustained-64K) suite "$stage" 570 --suite fused --training \
         --ops attention --variants GQA --seqs "${stage##*-}" --sustain_s 1.0 --iters 3 ;;
     training) suite "$stage" 570 --suite training ;;

@@ -30,6 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury
+from benchmarks import kernel_trace
 from jaxmercury.tuner import measure
 
 SCHEMA = "jaxmercury-benchmarks/2"
@@ -86,13 +87,14 @@ class Settings:
   tolerance: float = BF16_TOLERANCE
   min_timing_s: float = 0.0  # benchmarks.run: 0.5 s on GPUs
   sustain_s: float = 0.0  # each timed run a block of back-to-back runs this long (measure.sustained): iters blocks
+  trace_rounds: int = 0  # after the timing, this many rounds under the profiler: each one's kernels (kernel_trace)
 
   @classmethod
   def from_args(cls, args, deadline: float | None, tolerance: float = BF16_TOLERANCE) -> "Settings":
     """``benchmarks.run``'s timing flags (``--iters``, ``--warmup``, ``--max_timing_s``, ``--min_timing_s``,
-    ``--sustain_s``)."""
+    ``--sustain_s``, ``--trace_rounds``)."""
     return cls(args.iters, args.warmup, args.max_timing_s, deadline, tolerance, args.min_timing_s,
-               args.sustain_s)
+               args.sustain_s, getattr(args, "trace_rounds", 0))
 
   def runs(self, first_s: float) -> int:
     """Timed runs of a contestant whose first run took ``first_s`` (``sustain_s``: ``iters`` blocks)."""
@@ -172,7 +174,24 @@ def run_contestants(contestants: list[Contestant], inputs, settings: Settings) -
                          on_error=dropped, block_s=settings.sustain_s)
   for name, t in times.items():
     records[name].update(median_ms=statistics.median(t), min_ms=min(t), times_ms=[round(x, 4) for x in t])
+  if settings.trace_rounds and times:
+    _trace(records, {name: ready[name][0] for name in times}, settings.trace_rounds)
   return list(records.values()), ref_name
+
+
+def _trace(records: dict, calls: dict, rounds: int):
+  """Each timed contestant's kernels (``kernel_trace.traced`` on the first GPU) in ``records[name]["trace"]``; a
+  trace that fails is recorded, not raised (the times stand)."""
+  try:
+    traced = kernel_trace.traced(calls, rounds, device=0, top=kernel_trace.TOP)
+  except Exception as exc:  # the profiler's failure is data, as a contestant's is
+    log(f"  ERROR while tracing: {error_text(exc)}")
+    for name in calls:
+      records[name]["trace"] = {"error": error_text(exc)}
+    return
+  for name, summary in traced.items():
+    records[name]["trace"] = summary
+  log(kernel_trace.table(traced))
 
 
 def finish(case: dict, records: list[dict], reference: str | None, *, floor_ms: float | None = None,

@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  help="each timed run a block of back-to-back runs this long, --iters blocks per contestant "
                       "(measure.sustained: power-capped GPUs clock each contestant as it runs alone; default 0: "
                       "single runs in rotating rounds)")
+  p.add_argument("--trace_rounds", type=cases.count, default=0,
+                 help="after the timing, run each timed contestant this many rounds more under the profiler and "
+                      "record its kernels' times on the first GPU (benchmarks.kernel_trace; default 0: no trace)")
   p.add_argument("--mesh", help="N (one level) or AxB (levels node x gpu); default one level over every device")
   size = cases.parse_size
   g = p.add_argument_group("cases (defaults: the suite's, benchmarks.cases.SUITE_DEFAULTS)")
@@ -229,8 +232,8 @@ def run(suite, args, argv, previous: dict, start: float, windowed: dict) -> int:
   from benchmarks import harness  # after the windowed-einsum child: harness starts JAX
   deadline = start + args.time_budget
   settings = {k: getattr(args, k) for k in ("iters", "warmup", "max_timing_s", "min_timing_s", "sustain_s",
-                                            "time_budget", "mesh", "top_k", "space", "tune_iters", "tune_max_tflop",
-                                            "training", "configs")}
+                                            "trace_rounds", "time_budget", "mesh", "top_k", "space", "tune_iters",
+                                            "tune_max_tflop", "training", "configs")}
   results = harness.header(args.suite, argv, smoke=args.smoke, seed=args.seed, settings=settings)
   results.update(links=previous.get("links", {}), machines=previous.get("machines", {}))
   if windowed:

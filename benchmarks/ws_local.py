@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from benchmarks import harness
+from benchmarks import cases, harness
 from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.kernels import config, registry, ws_attention
 from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
@@ -240,7 +240,8 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   name = f"B{b} S{seq} H{h} KV{kv} D{d}{' causal' if causal else ''}{mode}"
   harness.log(f"case {name}")
   settings = harness.Settings(iters=args.iters, warmup=3, max_timing_s=args.max_timing_s, deadline=deadline,
-                              tolerance=tolerance, min_timing_s=args.min_timing_s, sustain_s=args.sustain_s)
+                              tolerance=tolerance, min_timing_s=args.min_timing_s, sustain_s=args.sustain_s,
+                              trace_rounds=args.trace_rounds)
   records, ref = harness.run_contestants(contestants, inputs, settings)
   flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if args.training else 2.5 if args.backward else 1.0)
   case = {"name": name, "batch": b, "seq": s, "heads": h, "kv_heads": kv, "head_dim": d, "causal": causal,
@@ -289,6 +290,9 @@ def main(argv=None):
   parser.add_argument("--sustain_s", type=float, default=0.0,
                       help="time --iters blocks of back-to-back runs this long each (a GPU at its power cap then "
                            "clocks as under that contestant alone; measure.sustained); 0: single runs")
+  parser.add_argument("--trace_rounds", type=cases.count, default=0,
+                      help="after the timing, this many rounds more under the profiler: each contestant's kernels "
+                           "(benchmarks.kernel_trace)")
   parser.add_argument("--time_budget", type=float, default=480.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")

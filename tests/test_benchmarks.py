@@ -17,7 +17,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import harness, ncu_kernels, ncu_source, operators, run, ws_local, ws_power, ws_profile, ws_trace
+from benchmarks import (
+  harness,
+  kernel_trace,
+  ncu_kernels,
+  ncu_source,
+  operators,
+  run,
+  ws_local,
+  ws_power,
+  ws_profile,
+  ws_trace,
+)
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.autotuner import lowering_variants
@@ -135,9 +146,15 @@ def test_gemm_suite_and_its_windowed_einsum_child(tmp_path):
 
 def test_fused_suite(tmp_path):
   """The library schedules the fused kernels lower run and agree; every fused kernel of their placement kind is a
-  contestant, skipped on the CPU with the kernel's own reason."""
-  results = _smoke(tmp_path, "fused")
+  contestant, skipped on the CPU with the kernel's own reason; ``--trace_rounds``: each timed one traced after (on
+  the CPU wall times only, no GPU lines)."""
+  results = _smoke(tmp_path, "fused", "--trace_rounds", "1")
   attention, ag, rs = results["cases"]
+  assert results["settings"]["trace_rounds"] == 1
+  for case in results["cases"]:
+    timed = [r for r in case["contestants"] if "median_ms" in r]
+    assert timed and all(r["trace"]["calls"] == 1 and r["trace"]["wall_ms"] > 0 for r in timed)
+    assert all("span_ms" not in r["trace"] for r in timed)
   recs = _check(attention, ["cp_allgather", "ring", "ring_zigzag"],
                 {"ulysses": "do not split", "usp": "two-level", "ring {fused_ring_attention}": "block_q",
                  "ring {fused_ring_attention_ws}": "block_q", "ring_zigzag {fused_ring_attention}": "zigzag chunk",
@@ -323,6 +340,14 @@ def test_ws_local_causal_training_smoke_finishes(tmp_path):
   assert all(r["median_ms"] > 0 and r["rel_err"] < 3e-2 for r in case["contestants"])
 
 
+def test_negative_trace_rounds_refused(capsys):
+  """``--trace_rounds -1``: a usage error naming the flag, before any work."""
+  for main in (run.main, ws_local.main):
+    with pytest.raises(SystemExit) as exit_:
+      main(["--suite", "fused", "--trace_rounds", "-1"] if main is run.main else ["--out", "x", "--trace_rounds", "-1"])
+    assert exit_.value.code == 2 and "--trace_rounds: -1 is negative (expected 0 or more)" in capsys.readouterr().err
+
+
 def test_ws_local_training_steps_choose_the_contestants(tmp_path, monkeypatch):
   """``--training_steps ws_own``: cuDNN's step and ours only, the others neither built nor timed (each contestant
   here XLA's attention, so that the test times no kernel)."""
@@ -436,23 +461,29 @@ def test_ncu_kernels_table(tmp_path, capsys):
   assert lines[3].split()[-2:] == ["2.00", "30500.0"]
 
 
-def test_ws_trace_reads_kernels_by_call():
+def test_kernel_trace_reads_kernels_by_call():
   """Each GPU kernel of the trace goes to the host call it started in; busy time counts overlaps once."""
   meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
           {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
           {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
           {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}}]
   x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
-  events = meta + [x(1, 0, "ws_trace:ws:0", 0, 100), x(1, 0, "ws_trace:ws:1", 200, 110),
-                   x(2, 7, "fwd", 10, 30), x(2, 7, "bwd", 30, 50), x(2, 8, "fusion.1", 10, 80),
-                   x(2, 7, "fwd", 210, 30), x(2, 7, "bwd", 250, 40)]
-  calls = ws_trace.kernels_by_call({"traceEvents": events})
-  assert calls[("ws", 0)]["kernels"] == [("fwd", 10, 30), ("bwd", 30, 50)]  # not the derived "XLA Ops" line
-  (step,) = ws_trace.summary(calls).values()
+  gpu1 = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:1"}},
+          {"ph": "M", "name": "thread_name", "pid": 3, "tid": 9, "args": {"name": "Stream #14(Compute)"}}]
+  events = meta + gpu1 + [x(1, 0, "kernel_trace:ws {a:b}:0", 0, 100), x(1, 0, "kernel_trace:ws {a:b}:1", 200, 110),
+                          x(2, 7, "fwd", 10, 30), x(2, 7, "bwd", 30, 50), x(2, 8, "fusion.1", 10, 80),
+                          x(2, 7, "fwd", 210, 30), x(2, 7, "bwd", 250, 40), x(3, 9, "peer", 20, 70)]
+  calls = kernel_trace.kernels_by_call({"traceEvents": events}, device=0)
+  assert calls[("ws {a:b}", 0)]["kernels"] == [("fwd", 10, 30), ("bwd", 30, 50)]  # not "XLA Ops", not GPU 1's
+  (step,) = kernel_trace.summary(calls).values()
   assert step["calls"] == 2 and step["wall_ms"] == 0.105
   assert step["span_ms"] == 0.075 and step["busy_ms"] == 0.07  # medians of (70, 80) and (70, 70)
   assert step["kernels_ms"] == {"bwd": 0.045, "fwd": 0.03}
-  assert ws_trace.gpu_lines({"traceEvents": events}) == ["/device:GPU:0: Stream #14(Compute)", "/device:GPU:0: XLA Ops"]
+  assert kernel_trace.summary(calls, top=1)["ws {a:b}"]["kernels_ms"] == {"bwd": 0.045, "other": 0.03}
+  both = kernel_trace.kernels_by_call({"traceEvents": events})  # every GPU's kernels
+  assert both[("ws {a:b}", 0)]["kernels"] == [("fwd", 10, 30), ("bwd", 30, 50), ("peer", 20, 70)]
+  assert kernel_trace.gpu_lines({"traceEvents": events}) == [
+      "/device:GPU:0: Stream #14(Compute)", "/device:GPU:0: XLA Ops", "/device:GPU:1: Stream #14(Compute)"]
 
 
 def test_ws_profile_and_trace_training_smoke(tmp_path, capsys):
