@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.tuner import cost
 
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
@@ -219,7 +220,6 @@ def test_tuner_and_graph_search(kind):
 
 REMAT_CHECK = textwrap.dedent("""
     import os, sys, tempfile
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from flax import nnx
@@ -257,7 +257,7 @@ def test_decorated_training_steps_rematerialize_nothing(kind):
   """XLA logs "Involuntary full rematerialization" for each tensor it must replicate and re-split: none, in the
   decorated Llama's and MultiHeadAttention + Linear model's forward and training steps."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags("", 8)}
   run = subprocess.run([sys.executable, "-c", REMAT_CHECK, kind], cwd=root, env=env, capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0 and "steps ran" in run.stdout, run.stderr[-3000:]

@@ -15,12 +15,14 @@ from conftest import fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.tuner import cost, database, measure
 from jaxmercury.tuner.autotuner import Candidate
 
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
+       "XLA_FLAGS": cpu_flags("", 8)}
 
 
 def _quiet(_):
@@ -267,7 +269,6 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 TUNER = textwrap.dedent("""
     import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     from jax.sharding import AxisType
     import jaxmercury as jm

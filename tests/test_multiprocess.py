@@ -18,6 +18,7 @@ import pytest
 from conftest import fresh_key, make_mesh
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.tuner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESS = textwrap.dedent("""
     import json, os, sys
     pid, port, db_path, stored = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -84,7 +84,7 @@ def _free_port() -> int:
 def test_two_processes_agree_on_process_zeros_schedule(tmp_path):
   port = _free_port()
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = cpu_flags("", 4)
   stored = {0: "allgather_matmul", 1: "async_tp"}
   procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(tmp_path / f"p{i}.db"), stored[i]],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]

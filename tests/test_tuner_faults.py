@@ -19,6 +19,7 @@ import pytest
 from conftest import assert_matches, fresh_key, make_mesh
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import cost, measure
 from jaxmercury.tuner.autotuner import Candidate
@@ -139,7 +140,6 @@ def test_interrupted_tune_keeps_measurements_and_resumes(tmp_path, monkeypatch):
 
 KILLED_TUNE = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     from jax.sharding import AxisType
@@ -163,7 +163,8 @@ def _finished_rows(path) -> int:
 
 def test_tune_killed_halfway_resumes_with_records_intact(tmp_path, monkeypatch):
   path = str(tmp_path / "t.db")
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+         "XLA_FLAGS": cpu_flags("", 8)}
   proc = subprocess.Popen([sys.executable, "-c", KILLED_TUNE, path], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   try:
