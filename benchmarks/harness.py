@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury
-from benchmarks import kernel_trace
+from benchmarks import clocks, kernel_trace
 from jaxmercury.tuner import measure
 
 SCHEMA = "jaxmercury-benchmarks/2"
@@ -170,10 +170,17 @@ def run_contestants(contestants: list[Contestant], inputs, settings: Settings) -
     records[name]["error"] = error_text(exc)
     log(f"  ERROR while timing {name}: {records[name]['error']}")
 
-  times = measure.rounds({n: call for n, (call, _) in ready.items()}, {n: k for n, (_, k) in ready.items()},
-                         on_error=dropped, block_s=settings.sustain_s)
+  calls, sampler = clocks.Calls(), clocks.Sampler() if settings.sustain_s and ready else None
+  try:
+    times = measure.rounds({n: calls.wrap(n, call) if sampler else call for n, (call, _) in ready.items()},
+                           {n: k for n, (_, k) in ready.items()}, on_error=dropped, block_s=settings.sustain_s)
+  finally:  # nvidia-smi ends with the timing, also on Ctrl-C
+    samples = sampler.stop() if sampler else []
   for name, t in times.items():
     records[name].update(median_ms=statistics.median(t), min_ms=min(t), times_ms=[round(x, 4) for x in t])
+  for name, seen in clocks.by_contestant(calls.blocks(), samples).items():  # the clock each block ran at
+    if name in times:
+      records[name]["clocks"] = seen
   if settings.trace_rounds and times:
     _trace(records, {name: ready[name][0] for name in times}, settings.trace_rounds)
   return list(records.values()), ref_name

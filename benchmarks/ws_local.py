@@ -260,7 +260,8 @@ def table(cases: list[dict]) -> str:
     for n in names:
       r = recs.get(n, {})
       ok = "" if r.get("numerics_ok", True) else " DISAGREES"
-      cells.append(f"{r['median_ms']:.3f} ({r['ratio_to_best_baseline']:.3f}){ok}" if "median_ms" in r
+      clock = f" {r['clocks']['sm_mhz']} MHz" if "clocks" in r else ""
+      cells.append(f"{r['median_ms']:.3f} ({r['ratio_to_best_baseline']:.3f}){clock}{ok}" if "median_ms" in r
                    else r.get("error", r.get("skipped", ""))[:40])
     lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
   return "\n".join(lines)

@@ -5,47 +5,30 @@
 An H100 or H200 running attention's backward sits at its power cap (700 W): its clock follows the power drawn.
 Timed in rotating single runs (``tuner.measure.rounds``), all contestants share one clock, set by their mix; here
 each runs alone for ``--seconds`` (``--cycles`` times, in turn), so that its time is the one a loop of it gets,
-and nvidia-smi's samples after its first second give the clock, power, temperature and throttle reasons it ran
-at. Inputs and contestants are ``ws_profile.backward_case``'s (cuDNN's flash backward and ours at ``--variants``,
-gradients checked against cuDNN's first). ``--smoke``: the CPU case, without samples.
+and nvidia-smi's samples (``clocks.Sampler``) after its first second give the clock, power, temperature and
+throttle reasons it ran at. Inputs and contestants are ``ws_profile.backward_case``'s (cuDNN's flash backward and
+ours at ``--variants``, gradients checked against cuDNN's first). ``--smoke``: the CPU case, without samples.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import shutil
-import subprocess
 import sys
 import time
 
 import jax
 
-from benchmarks import harness, ws_local, ws_profile
+from benchmarks import clocks, harness, ws_local, ws_profile
 
-QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 SETTLE_S = 1.0  # samples this long after a contestant starts are left out (the clock settling)
 
 
-def _samples(text: str) -> list[tuple]:
-  """``(epoch seconds, SM MHz, watts, degrees C, throttle reasons)`` per line of nvidia-smi's CSV (local time)."""
-  rows = []
-  for line in text.splitlines():
-    parts = [x.strip() for x in line.split(",")]
-    try:
-      stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-      rows.append((stamp, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
-    except (ValueError, IndexError):  # a header or a field the GPU does not report
-      continue
-  return rows
-
-
 def _summary(name: str, cycle: int, start: float, end: float, runs: int, samples: list[tuple]) -> dict:
-  inside = [x for x in samples if start + SETTLE_S <= x[0] <= end]
+  inside = [x for x in samples if start + SETTLE_S <= x[0] <= end]  # clocks.parse's rows
   mean = lambda k: round(sum(x[k] for x in inside) / len(inside), 1) if inside else None
   return {"name": name, "cycle": cycle, "ms_per_call": round((end - start) * 1e3 / runs, 4), "calls": runs,
-          "samples": len(inside), "sm_mhz": mean(1), "power_w": mean(2), "temp_c": mean(3),
-          "throttle": sorted({x[4] for x in inside})}
+          "samples": len(inside), "sm_mhz": mean(2), "power_w": mean(3), "temp_c": mean(4),
+          "throttle": sorted({x[5] for x in inside})}
 
 
 def main(argv=None):
@@ -62,23 +45,19 @@ def main(argv=None):
     ws_local.smoke_flags()
   variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}
   inputs, contestants = ws_profile.backward_case(s, h, kv, d, args.causal, args.smoke, variants)
-  smi = shutil.which("nvidia-smi") if not args.smoke else None
-  sampler = smi and subprocess.Popen([smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                                     stdout=subprocess.PIPE, text=True)
+  sampler = clocks.Sampler() if not args.smoke else None
   windows = []
-  for cycle in range(args.cycles):
-    for name, fn in contestants.items():
-      start, runs = time.time(), 0
-      while not runs or time.time() - start < args.seconds:
-        out = [fn(*inputs) for _ in range(5)]
-        jax.block_until_ready(out)
-        runs += 5
-      windows.append((name, cycle, start, time.time(), runs))
-  samples = []
-  if sampler:
-    time.sleep(0.3)
-    sampler.terminate()
-    samples = _samples(sampler.communicate()[0])
+  try:
+    for cycle in range(args.cycles):
+      for name, fn in contestants.items():
+        start, runs = time.time(), 0
+        while not runs or time.time() - start < args.seconds:
+          out = [fn(*inputs) for _ in range(5)]
+          jax.block_until_ready(out)
+          runs += 5
+        windows.append((name, cycle, start, time.time(), runs))
+  finally:  # nvidia-smi ends with the runs, also on Ctrl-C
+    samples = sampler.stop() if sampler else []
   out = harness.header("ws_power", [])
   out["command"] = "python -m benchmarks.ws_power " + " ".join(sys.argv[1:] if argv is None else argv)
   out |= {"seq": s, "kv": kv, "causal": args.causal, "seconds": args.seconds,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import (
+  clocks,
   harness,
   kernel_trace,
   ncu_kernels,
@@ -387,6 +388,45 @@ def test_sustained_blocks_time_back_to_back_runs():
   assert slow["median_ms"] > fast["median_ms"]
   assert calls["fast"] >= 20 and calls["slow"] >= 6  # blocks of many runs (about 140 and 18 unloaded)
   assert measure.sustained(lambda: jnp.ones(2), 0.01) > 0
+
+
+def test_clocks_read_nvidia_smi_and_attribute_samples_to_blocks():
+  """nvidia-smi's CSV rows (a field it cannot report left out); consecutive runs of one contestant make a block
+  (``MIN_BLOCK_S`` long at least); each contestant gets the samples of its blocks' second halves, power summed over
+  the GPUs sampled."""
+  text = ("0, 2026/11/28 03:00:00.000, 1980, 100.5, 40, 0x0000000000000000\n"
+          "0, 2026/11/28 03:00:00.100, [N/A], 101.0, 40, 0x0000000000000000\nindex, timestamp\n")
+  (row,) = clocks.parse(text)
+  assert row[1:] == (0, 1980.0, 100.5, 40.0, "0x0000000000000000")
+  calls = clocks.Calls()
+  calls.starts = [("a", 0.0), ("a", 0.5), ("a", 1.0), ("b", 1.1), ("b", 2.1), ("a", 2.2), ("a", 2.25)]
+  assert calls.blocks() == [("a", 0.0, 1.0), ("b", 1.1, 2.1)]  # a's last two runs: too short a block
+  samples = [(t / 10, gpu, 1000.0 + t, 300.0, 50.0, "0x4") for t in range(25) for gpu in (0, 1)]
+  seen = clocks.by_contestant(calls.blocks(), samples)
+  assert seen["a"] == {"sm_mhz": 1008, "power_w": 600.0, "temp_c": 50.0, "samples": 12, "gpus": 2,
+                       "reasons": ["0x4"]}  # t = 0.5 .. 1.0
+  assert seen["b"]["sm_mhz"] == 1018 and seen["b"]["samples"] == 12  # t = 1.6 .. 2.1
+  wrapped = calls.wrap("c", lambda: 7)
+  assert wrapped() == 7 and calls.starts[-1][0] == "c"
+
+
+def test_sustained_blocks_record_each_contestants_clock(monkeypatch):
+  """``sustain_s``: nvidia-smi (here a stand-in) samples while the blocks run; each timed contestant records the
+  clock its blocks ran at."""
+  class Sampler:
+    def __init__(self):
+      self.start = time.time()
+
+    def stop(self):
+      end = time.time()
+      return [(self.start + k * 0.01, 0, 1500.0, 650.0, 60.0, "0x4") for k in range(int((end - self.start) / 0.01))]
+  monkeypatch.setattr(clocks, "Sampler", Sampler)
+  contestants = [harness.Contestant(name, role, lambda: jax.jit(lambda x: x * 2))
+                 for name, role in (("base", "baseline"), ("mine", "jaxmercury"))]
+  records, _ = harness.run_contestants(contestants, (jnp.arange(8.0),), harness.Settings(iters=2, warmup=1,
+                                                                                         sustain_s=0.2))
+  for r in records:
+    assert r["clocks"]["sm_mhz"] == 1500 and r["clocks"]["samples"] >= 10 and r["clocks"]["reasons"] == ["0x4"]
 
 
 def test_ws_local_backward_at_query_chunks(tmp_path):
