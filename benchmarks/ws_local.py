@@ -16,7 +16,9 @@ against cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts
 ``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
 ``--sustain_s`` times each contestant in blocks of back-to-back runs instead of single runs: a GPU at its power
 cap clocks by the power drawn, so single runs in rotation share one clock and hide what a contestant's own draw
-does to it; a block runs at the clock the contestant allows alone, as a training loop of it does.
+does to it; a block runs at the clock the contestant allows alone, as a training loop of it does (each records
+that clock and power, ``benchmarks.clocks``). ``--training_steps`` keeps some of the training contestants;
+``--trace_rounds`` traces each contestant's kernels after its timing (``benchmarks.kernel_trace``).
 """
 
 from __future__ import annotations
