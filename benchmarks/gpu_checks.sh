@@ -27,6 +27,7 @@
 #                    default) and round-robin (balanced=False), sustained blocks; -training: training steps at S32K
 #   fused-training-trace  the training steps of fused-causal-order-training (defaults only), then each one's
 #                    kernels on the first GPU in 5 traced rounds (--trace_rounds): where the zigzag ring's step loses
+#                    its time against Ulysses'
 #   training         training steps: jaxmercury tuned for them against every baseline
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
