@@ -126,7 +126,8 @@ def seq_length(text: str) -> int:
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
 
 
-def _kernel_forward(mesh, causal: bool, smoke: bool, **params):
+def kernel_forward(mesh, causal: bool, smoke: bool, **params):
+  """The kernel's forward at ``params`` on a one-device ``mesh``, jitted: ``(q, k, v) -> out``."""
   kernel = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=causal, interpret=smoke, **params)
   return jax.jit(jax.shard_map(lambda q, k, v: kernel(q, k, v)[0], mesh=mesh, in_specs=(P(),) * 3, out_specs=P(),
                                check_vma=False))
@@ -231,7 +232,7 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
     for name in (n for n in steps if n in args.steps):
       params = STEPS[name]
       contestants.append(harness.Contestant(
-          name, "jaxmercury", lambda p=params: _kernel_forward(mesh, causal, args.smoke, **p),
+          name, "jaxmercury", lambda p=params: kernel_forward(mesh, causal, args.smoke, **p),
           f"fused_ring_attention_ws, {params}",
           record={"pipeline": dataclasses.asdict(params.get("pipeline", Pipeline())),
                   "pipelined": params.get("pipelined"),

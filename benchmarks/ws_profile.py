@@ -1,4 +1,4 @@
-"""One attention backward case for a profiler: cuDNN's flash backward and ours (``attention_backward_ws``), run apart.
+"""One attention case for a profiler: cuDNN's kernels and ours (backward by default, or forward), run apart.
 
     ncu -k regex:'attention_backward_ws|bprop' --section WarpStateStats ... \\
         python3 -m benchmarks.ws_profile --seq 16K --kv 32 [--causal] [--variants ws_default ws_serial]
@@ -7,6 +7,10 @@ Each contestant runs ``--reps`` times after one warm-up call, so that a profiler
 (``--launch-skip``/``--launch-count``) sees compiled, warm launches. The inputs are ``benchmarks.ws_local``'s
 (B1 H32 D128 bf16, the forward's output and log-sum-exp from our forward kernel); our gradients are checked against
 cuDNN's before the profiled calls, so a profile is never of a kernel that computes something else.
+
+``--forward`` runs the forward instead: cuDNN's (``jax.nn.dot_product_attention(implementation="cudnn")``) and
+the kernel (``kernels.fused_ring_attention_ws``) at each of ``--steps`` (``ws_local.STEPS``), outputs checked against
+cuDNN's first: for counters such as DRAM bytes and L2 hit rates of the two forwards on the same inputs.
 
 ``--training --step NAME`` runs one training step of ``benchmarks.ws_local --training`` instead (``cudnn``: the
 vjp of cuDNN's attention; ``ws``, ``ws_own``: the fused ring attention's schedule with cuDNN's backward or ours;
@@ -63,6 +67,24 @@ def backward_case(s: int, h: int, kv: int, d: int, causal: bool, smoke: bool, va
   return inputs, contestants
 
 
+def forward_case(s: int, h: int, kv: int, d: int, causal: bool, smoke: bool, steps: list) -> tuple[list, dict]:
+  """``(inputs, {name: forward})``: ``ws_local``'s forward inputs and, jitted, cuDNN's forward (``cudnn``) and the
+  kernel at each of ``steps`` (``ws_local.STEPS`` names), each called once and its output checked against cuDNN's."""
+  keys = jax.random.split(jax.random.key(s + 7 * kv + causal), 4)
+  inputs = ws_local.random_qkv(keys, 1, s, h, kv, d)
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  impl = "xla" if smoke else "cudnn"
+  contestants = {"cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                               implementation=impl))}
+  contestants |= {name: ws_local.kernel_forward(mesh, causal, smoke, **ws_local.STEPS[name]) for name in steps}
+  reference = jax.block_until_ready(contestants["cudnn"](*inputs))
+  for name, fn in contestants.items():
+    if not (err := harness.rel_err(jax.block_until_ready(fn(*inputs)), reference)) <= harness.BF16_TOLERANCE:
+      raise SystemExit(f"{name}: the output differs from cuDNN's by {err:.3g} (relative Frobenius, over "
+                       f"{harness.BF16_TOLERANCE})")
+  return inputs, contestants
+
+
 def training(args, s: int, h: int, d: int) -> None:
   """``args.step``'s training step, a warm-up call and ``args.reps`` more, on inputs made on the host."""
   inputs = host_inputs(s, h, args.kv, d, s + 7 * args.kv + args.causal)
@@ -88,6 +110,8 @@ def main(argv=None):
   parser.add_argument("--head_dim", type=int, default=128)
   parser.add_argument("--training", action="store_true", help="one training step, --step, alone in the process")
   parser.add_argument("--step", default="ws", choices=ws_local.TRAINING_STEPS)
+  parser.add_argument("--forward", action="store_true", help="the forwards, cuDNN's and the kernel's at --steps")
+  parser.add_argument("--steps", nargs="+", default=["default"], choices=list(ws_local.STEPS))
   parser.add_argument("--smoke", action="store_true", help="a small case on the CPU (XLA, interpret mode)")
   args = parser.parse_args(argv)
   s, h, d = ws_local.seq_length(args.seq), args.heads, args.head_dim
@@ -96,13 +120,17 @@ def main(argv=None):
     ws_local.smoke_flags()
   if args.training:
     return training(args, s, h, d)
-  variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}
-  inputs, contestants = backward_case(s, h, args.kv, d, args.causal, args.smoke, variants)
+  if args.forward:
+    inputs, contestants = forward_case(s, h, args.kv, d, args.causal, args.smoke, args.steps)
+    checked = f"output within {harness.BF16_TOLERANCE}"
+  else:
+    variants = {name: ws_local.BACKWARD_STEPS[name] for name in args.variants}
+    inputs, contestants = backward_case(s, h, args.kv, d, args.causal, args.smoke, variants)
+    checked = f"gradients within {GRADIENT_TOLERANCE}"
   for name, fn in contestants.items():
     for _ in range(args.reps):
       jax.block_until_ready(fn(*inputs))
-    print(f"{name}: {args.reps} profiled calls, gradients within {GRADIENT_TOLERANCE} of cuDNN's (relative)",
-          flush=True)
+    print(f"{name}: {args.reps} profiled calls, {checked} of cuDNN's (relative)", flush=True)
 
 
 if __name__ == "__main__":

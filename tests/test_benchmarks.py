@@ -457,6 +457,19 @@ def test_ws_profile_smoke(capsys, monkeypatch):
     ws_profile.main(["--smoke", "--variants", "ws_default"])
 
 
+def test_ws_profile_forward_smoke(capsys, monkeypatch):
+  """``--forward`` runs cuDNN's forward and the kernel's at each step after checking the outputs, and refuses a
+  kernel whose output is another's."""
+  ws_profile.main(["--smoke", "--forward", "--steps", "default", "band1", "--causal", "--reps", "2"])
+  out = capsys.readouterr().out
+  assert all(f"{name}: 2 profiled calls, output within" in out for name in ("cudnn", "default", "band1"))
+  real = ws_local.kernel_forward
+  monkeypatch.setattr(ws_local, "kernel_forward", lambda *a, **p: (lambda fn: lambda q, k, v: fn(q, v, k))(
+      real(*a, **p)))  # keys and values exchanged
+  with pytest.raises(SystemExit, match="default: the output differs from cuDNN's"):
+    ws_profile.main(["--smoke", "--forward"])
+
+
 def test_ws_power_smoke(tmp_path):
   """Each contestant's sustained window is recorded (on the CPU without nvidia-smi's samples)."""
   out = tmp_path / "power.json"
