@@ -61,9 +61,11 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "band16": dict(pipeline=Pipeline(band=16)),
          "band32": dict(pipeline=Pipeline(band=32)),
          "band64": dict(pipeline=Pipeline(band=64)),
-         "band128": dict(pipeline=Pipeline(band=128))}
+         "band128": dict(pipeline=Pipeline(band=128)),
+         # The balanced order in folded rounds (``Pipeline.folded``), by name only
+         "folded": dict(pipeline=Pipeline(folded=True))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
-BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128")  # causal only
+BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "folded")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 

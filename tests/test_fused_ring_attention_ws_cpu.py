@@ -39,6 +39,7 @@ from jaxmercury.kernels.fused_ring_attention_ws import (
   WsBlocks,
   _balanced_item,
   _band,
+  _Folded,
   _imbalance,
   _kernel,
   _kv_heads_at_once,
@@ -192,6 +193,53 @@ def test_bands_keep_few_kv_heads_read_at_once():
   assert [_band(work, 32, 132, g=1) for work in blocks.values()] == [32] * 4
   assert [round(_kv_heads_at_once(128, 32, 1, 132, band)) for band in (1, 8, 32)] == [32, 17, 5]
   assert _kv_heads_at_once(128, 32, 4, 132, 1) == 8
+
+
+def _folded_loads(folded: _Folded) -> tuple[np.ndarray, list]:
+  """Each CTA's causal work (blocks of linear work, heaviest first) and each round's heads, in the kernel's
+  folded order; checks that every item runs once."""
+  loads, rounds, seen = np.zeros(folded.grid), {}, set()
+  for c in range(folded.grid):
+    count, tail_rank = folded.count(jnp.int32(c))
+    i = jnp.arange(int(count))
+    bh, w = (np.asarray(x) for x in folded.item(i, jnp.int32(c), tail_rank))
+    seen |= set(zip(bh.tolist(), w.tolist()))
+    loads[c] = (folded.pairs - w).sum()
+    for r, head in zip(np.asarray(i).tolist(), bh.tolist()):
+      rounds.setdefault(r, set()).add(head)
+  assert len(seen) == folded.heads * folded.pairs and sum(len(x) for x in rounds.values()) >= 1  # every item once
+  return loads, [rounds[r] for r in sorted(rounds)]
+
+
+def test_folded_rounds_even_out_the_ctas_and_read_few_heads():
+  """One device, B1 H32, 132 CTAs: S64K folds all but the 50 lightest blocks of each head into 56 pairs of
+  rounds that each read one or two heads; the busiest CTA is within 0.01% of the mean (bands of 32 blocks: 0.2%,
+  rounds of about 5 heads)."""
+  folded = _Folded.make(np.arange(512, 0, -1), 32, 132)
+  assert (folded.tail, folded.round_pairs) == (50, 56)
+  loads, heads = _folded_loads(folded)
+  assert loads.max() / loads.mean() < 1.0001 < 1.002 < _imbalance(np.arange(512, 0, -1), 32, 132, 32)
+  assert max(len(x) for x in heads[:2 * folded.round_pairs]) == 2
+  assert [_Folded.make(np.arange(p, 0, -1), 32, 132).tail for p in (128, 256)] == [62, 58]
+
+
+def test_folded_rounds_need_work_linear_in_the_rank():
+  assert _Folded.make(np.array([9, 7, 4, 2, 1, 1]), 2, 2) is None  # 9 + 1 != 7 + 2: couples of unequal work
+  assert _Folded.make(np.array([4, 3, 2, 1]), 2, 3) is None  # no tail under 2 blocks leaves whole pairs of rounds
+  assert _Folded.make(np.arange(6, 0, -1), 1, 2) == _Folded(1, 6, 2, 2)  # couples (6, 3), (5, 4); then 2, 1
+
+
+@pytest.mark.parametrize("num_ctas,tail", [(4, 0), (6, 2)])
+def test_folded_rounds_match_the_reference(num_ctas, tail):
+  """B1 H4 KV2 S1024 causal, 8 blocks of 128 rows a head: over 4 CTAs four pairs of rounds and no tail, over 6 two
+  pairs of rounds and then each head's 2 lightest blocks; with and without the Q prefetch."""
+  assert _Folded.make(np.arange(8, 0, -1), 4, num_ctas).tail == tail
+  q, k, v = local_inputs(1, 1024, 4, 2, 64)
+  for prefetch_q in (True, False):
+    params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, causal=True,
+                  pipeline=Pipeline(folded=True, prefetch_q=prefetch_q))
+    out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+    assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v), q)
 
 
 def test_item_weights_follow_global_positions():

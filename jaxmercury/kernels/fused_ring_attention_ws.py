@@ -265,6 +265,9 @@ class Pipeline:
       are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
       log-sum-exps.
     band: query blocks per band of the balanced order (None: ``_band``'s choice); it must divide the blocks.
+    folded: on one device with a causal mask, the balanced order in folded rounds instead of bands
+      (``_Folded``): CTAs running together read the keys of one or two heads, and every CTA has the same work
+      after each pair of rounds.
   """
 
   causal_loops: bool = True
@@ -272,6 +275,7 @@ class Pipeline:
   prefetch_q: bool = True
   split_tail: bool = True
   band: int | None = None
+  folded: bool = False
 
 
 BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
@@ -415,6 +419,60 @@ class _SplitTail:
     return parts
 
 
+@dataclasses.dataclass(frozen=True)
+class _Folded:
+  """The balanced order in folded rounds, for causal blocks whose work falls linearly with their weight rank
+  (one device): each (batch, head) pair's heaviest ``pairs - tail`` blocks fold into ``(w, pairs - tail - 1 - w)``
+  couples of equal total work, ``grid`` couples per pair of rounds, CTA ``c`` taking couple ``k grid + c``'s
+  heavy block in round ``2k`` and its light one in round ``2k + 1``; the couples go head after head, so a round's
+  CTAs read the keys of one or two heads, and every CTA has done the same work after each pair of rounds. The
+  ``tail`` lightest blocks of every head (``tail``: the fewest that leave whole pairs of rounds) then run
+  heaviest first in snake order.
+
+      for k in 0 .. round_pairs - 1:          # every CTA c
+        couple = k * grid + c                 # (head, w), head after head
+        run block w of head; run block pairs - tail - 1 - w of head
+      for rank in snake order over the tail:  # heaviest first, every head at each weight
+        run block pairs - tail + rank // heads of head rank % heads
+  """
+
+  heads: int  # (batch, query head) pairs
+  pairs: int  # query blocks per head
+  grid: int
+  tail: int
+
+  @staticmethod
+  def make(work: np.ndarray, heads: int, grid: int) -> "_Folded | None":
+    """The folding of blocks of ``work [pairs]`` (by weight rank) over ``heads`` heads and ``grid`` CTAs; None where
+    the work is not linear in the rank or no tail shorter than half the blocks leaves whole pairs of rounds."""
+    pairs = len(work)
+    for tail in range(pairs // 2):
+      folded = work[:pairs - tail]
+      if len(folded) % 2 == 0 and heads * len(folded) // 2 % grid == 0:
+        return _Folded(heads, pairs, grid, tail) if np.all(folded + folded[::-1] == folded[0] + folded[-1]) else None
+    return None
+
+  @property
+  def round_pairs(self) -> int:
+    return self.heads * (self.pairs - self.tail) // 2 // self.grid
+
+  def count(self, cta):
+    """CTA ``cta``'s items and ``rank(j)``, the rank of its ``j``-th tail item (``snake_order``)."""
+    tail_items, tail_rank = snake_order(self.heads * self.tail, self.grid, cta)
+    return 2 * self.round_pairs + tail_items, tail_rank
+
+  def item(self, i, cta, tail_rank):
+    """CTA ``cta``'s ``i``-th item (traced) -> ``(batch-head, weight rank)``."""
+    half = (self.pairs - self.tail) // 2
+    couple = i // 2 * self.grid + cta
+    w = lax.rem(couple, half)
+    t = tail_rank(jnp.maximum(i - 2 * self.round_pairs, 0))
+    folded = i < 2 * self.round_pairs
+    partner = jnp.where(lax.rem(i, 2) == 0, w, 2 * half - 1 - w)
+    return (jnp.where(folded, couple // half, lax.rem(t, self.heads)),
+            jnp.where(folded, partner, self.pairs - self.tail + t // self.heads))
+
+
 @contextlib.contextmanager
 def _named():
   """Re-raises ``fused_ring_attention``'s precondition errors under this kernel's name."""
@@ -548,6 +606,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
   band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced else 1
+  folded = _Folded.make(weights[0], b * h, grid) if balanced and pipeline.folded and not ring else None
   per_chunk = order.segment // rows  # query blocks per run of contiguous positions
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
@@ -567,6 +626,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       first_unit, end_unit = split.start(cta), split.start(cta + 1)
       first_part = first_unit // split.tiles
       items = split.full + jnp.where(end_unit > first_unit, (end_unit - 1) // split.tiles - first_part + 1, 0)
+    elif folded:
+      items, tail_rank = folded.count(cta)
     elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
       items, snake_rank = snake_order(work, grid, cta)
     else:
@@ -578,7 +639,11 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       to_left = recv_k, recv_v
 
     def item_of(i):
-      if balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing work
+      if folded:
+        bh, weight_rank = folded.item(i, cta, tail_rank)
+        pair = _pair_by_weight(weight_rank, per_chunk, pairs // per_chunk)
+        bi, hi, forwards = bh // h, lax.rem(bh, h), False
+      elif balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing work
         bi, hi, pair, forwards = _balanced_item(snake_rank(i), b * h, h, g, band_pairs, per_chunk, pairs // per_chunk,
                                                 forwarders if ring else 0)
       else:
