@@ -47,8 +47,8 @@ from jaxmercury.tuner import measure
 # change (``pipelined``: the consumers' intra-warpgroup pipelining, taking turns; non-causal only).
 STEPS = {"before": dict(pipeline=BEFORE),
          "causal_loops": dict(pipeline=Pipeline(causal_loops=True, balanced=False, prefetch_q=False)),
-         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False)),
-         "prefetch_q": dict(pipeline=Pipeline(split_tail=False)),
+         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False, folded=False)),
+         "prefetch_q": dict(pipeline=Pipeline(split_tail=False, folded=False)),
          "split_tail": dict(pipeline=Pipeline(), pipelined=False),
          "pipelined": dict(pipeline=Pipeline(), pipelined=True),
          "default": dict(),  # the kernel's defaults: split tail and pipelined consumers where they measured faster
@@ -62,10 +62,12 @@ STEPS = {"before": dict(pipeline=BEFORE),
          "band32": dict(pipeline=Pipeline(band=32)),
          "band64": dict(pipeline=Pipeline(band=64)),
          "band128": dict(pipeline=Pipeline(band=128)),
-         # The balanced order in folded rounds (``Pipeline.folded``), by name only
+         # The balanced order in bands where it folds (``Pipeline.folded=False``: the default before 2026-11-28),
+         # and in folded rounds (the default since), by name only
+         "unfolded": dict(pipeline=Pipeline(folded=False)),
          "folded": dict(pipeline=Pipeline(folded=True))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
-BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "folded")  # causal only
+BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "unfolded", "folded")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
 

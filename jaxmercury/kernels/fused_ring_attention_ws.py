@@ -152,8 +152,10 @@ order along a run (visible, then partial, then hidden), so each consumer runs
 three loops, the first without a branch or a mask; causal items run longest
 first in snake order, which balances the CTAs (on one device round-robin left
 5-28% more work on the busiest CTA at S 4K-16K; in a zigzag ring of two, 4-34%
-at S 16K-32K, 2-4% at S64K), in bands of query blocks head after head
-(``_band``) where that keeps the balance; each consumer loads its next
+at S 16K-32K, 2-4% at S64K); on one device in folded rounds of one or two
+heads where the blocks fold into whole pairs of rounds (``_Folded``, S >= 16K
+at H32 on 132 SMs), else in bands of query blocks head after head (``_band``)
+where that keeps the balance; each consumer loads its next
 item's Q tile into a second buffer while it computes this one; and on one
 device without a mask, when the items leave the last round part empty, its
 items' key tiles are shared out over every CTA and each item's parts merged
@@ -265,9 +267,12 @@ class Pipeline:
       are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
       log-sum-exps.
     band: query blocks per band of the balanced order (None: ``_band``'s choice); it must divide the blocks.
-    folded: on one device with a causal mask, the balanced order in folded rounds instead of bands
-      (``_Folded``): CTAs running together read the keys of one or two heads, and every CTA has the same work
-      after each pair of rounds.
+    folded: on one device with a causal mask and no ``band`` given, the balanced order in folded rounds
+      where a folding exists (``_Folded``; else bands): CTAs running together read the keys of one or two heads,
+      and every CTA has the same work after each pair of rounds. On one H200, MHA S64K causal read 2.8-3.0% of
+      the DRAM bandwidth instead of 6.9-7.2% (L2 hits 96% instead of 89%), held a higher clock, and ran 1.007x of
+      cuDNN where the bands ran 0.997x; 1-2% faster than the bands at S 16K-64K, KV 32 and 8
+      (benchmarks/results/2026-11-28-ws_local_folded-4493e8c-H200.json).
   """
 
   causal_loops: bool = True
@@ -275,10 +280,10 @@ class Pipeline:
   prefetch_q: bool = True
   split_tail: bool = True
   band: int | None = None
-  folded: bool = False
+  folded: bool = True
 
 
-BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False)  # as first written
+BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False, folded=False)  # first written
 # On one H100 (benchmarks/results/2026-11-25-ws_local-*): the Q prefetch gains 1-17% at S 4K-32K, and at S64K causal
 # KV 32 lost 2-6% in three runs (KV 8 and non-causal within 1%, either way): above 256 tiles of 128 keys, causal
 # items load their Q tiles one at a time.
@@ -606,7 +611,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
   band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced else 1
-  folded = _Folded.make(weights[0], b * h, grid) if balanced and pipeline.folded and not ring else None
+  fold = balanced and pipeline.folded and pipeline.band is None and not ring
+  folded = _Folded.make(weights[0], b * h, grid) if fold else None
   per_chunk = order.segment // rows  # query blocks per run of contiguous positions
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
