@@ -67,9 +67,14 @@ HEADLINES = (
     ("one GPU: fused ring attention training step, timed in sustained blocks (power-capped clocks), H100",
      "2026-11-27-ws_training_sustained-a56863d-H100.json"),
     ("one GPU: the same, S 16K-64K, a second process", "2026-11-27-ws_training_sustained-a56863d-H100-2.json"),
-    ("one GPU: fused ring attention forward, timed in sustained blocks, H100",
-     "2026-11-27-ws_local_sustained-a56863d-H100.json"),
-    ("one GPU: the same, causal S 16K-64K, with other K/V blocks, H100",
+    ("one GPU: fused ring attention forward at its defaults (causal S >= 16K in folded rounds; the bands beside), "
+     "timed in sustained blocks, H100, 17 cases", "2026-11-28-ws_local_sustained-557abe1-H100.json"),
+    ("the same, S64K, a second process", "2026-11-28-ws_local_sustained-557abe1-H100-64K.json"),
+    ("one GPU: fused ring attention training step with our backward, causal S 16K-64K, folded rounds, sustained "
+     "blocks, H100", "2026-11-28-ws_training_causal-557abe1-H100.json"),
+    ("one GPU: fused ring attention forward, causal S 16K-64K, folded rounds (now the default) beside the bands, "
+     "sustained blocks, H200", "2026-11-28-ws_local_folded-4493e8c-H200.json"),
+    ("one GPU: fused ring attention forward, causal S 16K-64K, with other K/V blocks, H100",
      "2026-11-27-ws_local_blocks_sustained-73f7a02-H100.json"),
     ("one GPU: fused ring attention forward, causal, its items in bands of 1-32 query blocks, S 16K-32K, H100",
      "2026-11-28-ws_local_bands-5fc3521-H100.json"),
