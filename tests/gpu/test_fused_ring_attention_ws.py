@@ -11,13 +11,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import rel_err
 from ring_attention_checks import HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs, run
 
 from gpu.checks import gpu_mesh
 from jaxmercury.kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _kernel, fused_ring_attention_ws
+from jaxmercury.kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _Folded, _kernel, fused_ring_attention_ws
+from jaxmercury.kernels.peer_gemm import sm_count
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -58,6 +60,17 @@ def test_every_gpu_causal(s_local, h, kv, blocks, mask):
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 def test_one_gpu_causal(h, kv, mask):
   _check(first_devices(), 1024, h, kv, CONFIGS[0], **mask)
+
+
+@pytest.mark.parametrize("s,h,kv,num_ctas", [(1024, 4, 2, 6), (4096, 12, 12, None), (4096, 12, 4, None)],
+                         ids=["6-ctas", "mha-every-sm", "gqa-every-sm"])
+def test_one_gpu_causal_in_folded_rounds(s, h, kv, num_ctas):
+  """Causal on one GPU where the blocks fold (``Pipeline.folded``): 8 blocks a head over 6 CTAs (two pairs of
+  rounds, then each head's 2 lightest blocks), and H12 S4K over every SM (132: one pair of rounds, then each
+  head's 10 lightest of 32 blocks)."""
+  grid = num_ctas or sm_count()
+  assert _Folded.make(np.arange(s // 128, 0, -1), h, grid) is not None, f"no folding of H{h} S{s} over {grid} CTAs"
+  _check(first_devices(), s, h, kv, CONFIGS[0], num_ctas=num_ctas, causal=True)
 
 
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
