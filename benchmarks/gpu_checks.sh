@@ -57,6 +57,11 @@
 #                    whole and in 8 chunks, S32K KV 8 and 32 causal, S64K KV8 causal (TRACE_ARGS: one case)
 #   ws-bands         one GPU: the forward's causal items in bands of 1, 8 and 32 query blocks beside the default
 #                    (benchmarks.ws_local --steps band1 band8 band32), S 4K 16K 64K, KV 32 and 8
+#   ws-forward-counters  one GPU: Nsight Compute's counters (DRAM, L2, warp stalls, clocks) of cuDNN's forward and
+#                    ours (FORWARD_STEPS, default "default") in one call each, S64K KV 32 and 8, causal and not
+#                    (benchmarks.ws_profile --forward): where a forward's cycles or DRAM bytes go
+#   ws-noncausal-blocks  one GPU: the forward without a mask at S64K in other K/V blocks (kv64x3, kv64x4) and with
+#                    the consumers not pipelined (split_tail) beside the default, sustained blocks, KV 32 and 8
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
 #                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
 #                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
@@ -209,6 +214,23 @@ for stage in "$@"; do
       timeout 150 python3 -m benchmarks.ws_power --seq 32K --kv 8 --causal --seconds 3 \
         --variants ws_default ws_grouped --out "$W/$stage-power.json" > "$W/$stage-power.log" 2>&1
       echo "$stage-power rc=$?" | tee -a "$W/stages.txt" ;;
+    ws-forward-counters)
+      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      for case in "--kv 32" "--kv 8" "--kv 32 --causal" "--kv 8 --causal"; do
+        name=$stage-$(echo "$case" | tr -d ' -')
+        XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${STAGE_LIMIT:-120}" "$ncu" \
+          --target-processes all --clock-control none -k 'regex:fused_ring_attention_ws|fprop' --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats -o "$W/$name" \
+          python3 -m benchmarks.ws_profile --forward --seq 64K $case --steps ${FORWARD_STEPS:-default} --reps 1 \
+          > "$W/$name.log" 2>&1
+        echo "$name rc=$?" | tee -a "$W/stages.txt"
+        "$ncu" -i "$W/$name.ncu-rep" --page details > "$W/$name-details.txt" 2>&1
+      done ;;
+    ws-noncausal-blocks)
+      timeout "${STAGE_LIMIT:-300}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
+        --steps default kv64x3 kv64x4 split_tail --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-300} - 20)) \
+        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done
