@@ -610,9 +610,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
   weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
   balanced = weights is not None  # without causal every item is as long
-  band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced else 1
   fold = balanced and pipeline.folded and pipeline.band is None and not ring
   folded = _Folded.make(weights[0], b * h, grid) if fold else None
+  band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced and not folded else 1
   per_chunk = order.segment // rows  # query blocks per run of contiguous positions
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
