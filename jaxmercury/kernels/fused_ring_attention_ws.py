@@ -271,7 +271,7 @@ class Pipeline:
       where a folding exists (``_Folded``; else bands): CTAs running together read the keys of one or two heads,
       and every CTA has the same work after each pair of rounds. On one H200, MHA S64K causal read 2.8-3.0% of
       the DRAM bandwidth instead of 6.9-7.2% (L2 hits 96% instead of 89%), held a higher clock, and ran 1.007x of
-      cuDNN where the bands ran 0.997x; 1-2% faster than the bands at S 16K-64K, KV 32 and 8
+      cuDNN where the bands ran 0.997x; 0.7-1.6% faster than the bands at S 16K-64K, KV 32 and 8
       (benchmarks/results/2026-11-28-ws_local_folded-4493e8c-H200.json).
   """
 
@@ -449,7 +449,8 @@ class _Folded:
   @staticmethod
   def make(work: np.ndarray, heads: int, grid: int) -> "_Folded | None":
     """The folding of blocks of ``work [pairs]`` (by weight rank) over ``heads`` heads and ``grid`` CTAs; None where
-    the work is not linear in the rank or no tail shorter than half the blocks leaves whole pairs of rounds."""
+    no tail shorter than half the blocks leaves whole pairs of rounds, or the couples' work differs (work not
+    linear in the rank)."""
     pairs = len(work)
     for tail in range(pairs // 2):
       folded = work[:pairs - tail]
