@@ -229,17 +229,17 @@ def test_folded_rounds_need_work_linear_in_the_rank():
   assert _Folded.make(np.arange(6, 0, -1), 1, 2) == _Folded(1, 6, 2, 2)  # couples (6, 3), (5, 4); then 2, 1
 
 
-@pytest.mark.parametrize("num_ctas,tail", [(4, 0), (6, 2)])
-def test_folded_rounds_match_the_reference(num_ctas, tail):
-  """B1 H4 KV2 S1024 causal, 8 blocks of 128 rows a head: over 4 CTAs four pairs of rounds and no tail, over 6 two
-  pairs of rounds and then each head's 2 lightest blocks; with and without the Q prefetch."""
+@pytest.mark.parametrize("num_ctas,tail,prefetch_q", [(4, 0, True), (6, 2, False)])
+def test_folded_rounds_match_the_reference(num_ctas, tail, prefetch_q):
+  """B1 H4 KV2 S1024 causal, 8 blocks of 128 rows a head: over 4 CTAs four pairs of rounds and no tail (each
+  consumer loading its next item's Q tile ahead), over 6 two pairs of rounds and then each head's 2 lightest
+  blocks (Q tiles one at a time)."""
   assert _Folded.make(np.arange(8, 0, -1), 4, num_ctas).tail == tail
   q, k, v = local_inputs(1, 1024, 4, 2, 64)
-  for prefetch_q in (True, False):
-    params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, causal=True,
-                  pipeline=Pipeline(folded=True, prefetch_q=prefetch_q))
-    out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
-    assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v), q)
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, causal=True,
+                pipeline=Pipeline(folded=True, prefetch_q=prefetch_q))
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x", causal=True), q, k, v), q)
 
 
 def test_item_weights_follow_global_positions():
