@@ -153,6 +153,17 @@ def _schedule_step(mesh, b, s, h, kv, d, causal, smoke: bool, kernel: str = "fus
   return measure.training_step(traced)
 
 
+def cudnn_forward(causal: bool, smoke: bool):
+  """``(q, k, v) -> out``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (``smoke``: XLA's)."""
+  impl = "xla" if smoke else "cudnn"
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+
+def one_device_mesh():
+  """The one-device mesh every case runs on (axis ``x``)."""
+  return jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 TRAINING_STEPS = ("cudnn", "ws", "ws_own", "cudnn_blocks")  # --training's contestants (cudnn_blocks: GPUs only)
 
 
@@ -161,9 +172,7 @@ def training_step(name: str, mesh, b: int, s: int, h: int, kv: int, d: int, caus
   ``ws``, ``ws_own`` the ring schedule lowered with the fused kernel, with cuDNN's backward or ours;
   ``cudnn_blocks`` the schedule on cuDNN blocks."""
   if name == "cudnn":
-    impl = "xla" if smoke else "cudnn"
-    return measure.training_step(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                              implementation=impl))
+    return measure.training_step(cudnn_forward(causal, smoke))
   if name == "cudnn_blocks":
     return _schedule_step(mesh, b, s, h, kv, d, causal, smoke, "cudnn_attention")
   params = {"backward": "ws_attention"} if name == "ws_own" else {}
@@ -200,9 +209,8 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   b, h, d = args.batch, args.heads, args.head_dim
   keys = jax.random.split(jax.random.key(args.seed + s + 7 * kv + causal), 4)
   inputs = random_qkv(keys, b, s, h, kv, d)
-  impl = "xla" if args.smoke else "cudnn"
-  cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
-  label = f'jax.nn.dot_product_attention(implementation="{impl}")'
+  cudnn = cudnn_forward(causal, args.smoke)
+  label = f'jax.nn.dot_product_attention(implementation="{"xla" if args.smoke else "cudnn"}")'
   if args.training:
     inputs.append(jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16))
     step = lambda name: lambda: training_step(name, mesh, b, s, h, kv, d, causal, args.smoke)
@@ -310,7 +318,7 @@ def main(argv=None):
     smoke_flags()
   start = time.time()
   deadline = start + args.time_budget
-  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = one_device_mesh()
   out = harness.header("ws_local", [])
   out["command"] = "python -m benchmarks.ws_local " + " ".join(sys.argv[1:] if argv is None else argv)
   out["sustain_s"] = args.sustain_s  # 0: rotating single runs; else blocks of back-to-back runs this long

@@ -42,8 +42,7 @@ def host_inputs(s: int, h: int, kv: int, d: int, seed: int) -> list:
 
 def training_step(name: str, s: int, h: int, kv: int, d: int, causal: bool, smoke: bool):
   """``ws_local.training_step`` ``name`` at batch 1 on a one-device mesh."""
-  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-  return ws_local.training_step(name, mesh, 1, s, h, kv, d, causal, smoke)
+  return ws_local.training_step(name, ws_local.one_device_mesh(), 1, s, h, kv, d, causal, smoke)
 
 
 GRADIENT_TOLERANCE = measure.gradient_tolerance(jnp.bfloat16)
@@ -72,10 +71,8 @@ def forward_case(s: int, h: int, kv: int, d: int, causal: bool, smoke: bool, ste
   kernel at each of ``steps`` (``ws_local.STEPS`` names), each called once and its output checked against cuDNN's."""
   keys = jax.random.split(jax.random.key(s + 7 * kv + causal), 4)
   inputs = ws_local.random_qkv(keys, 1, s, h, kv, d)
-  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-  impl = "xla" if smoke else "cudnn"
-  contestants = {"cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                               implementation=impl))}
+  mesh = ws_local.one_device_mesh()
+  contestants = {"cudnn": jax.jit(ws_local.cudnn_forward(causal, smoke))}
   contestants |= {name: ws_local.kernel_forward(mesh, causal, smoke, **ws_local.STEPS[name]) for name in steps}
   reference = jax.block_until_ready(contestants["cudnn"](*inputs))
   for name, fn in contestants.items():
