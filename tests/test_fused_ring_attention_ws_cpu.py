@@ -323,6 +323,8 @@ def test_one_device_lowers_without_peers(causal):
     (dict(blocks=dict(num_ctas=-1)), "num_ctas=-1 must be a positive int"),
     (dict(blocks=dict(pipeline=Pipeline(band=3))), r"band=3\) must be a positive int dividing the 1 query blocks"),
     (dict(s=256, blocks=dict(pipeline=Pipeline(band=0))), r"band=0\) must be a positive int dividing the 2 query"),
+    (dict(blocks=dict(pipeline=Pipeline(folded="yes"))), r"Pipeline\(folded='yes'\) must be True or False"),
+    (dict(blocks=dict(pipeline=Pipeline(prefetch_q=1))), r"Pipeline\(prefetch_q=1\) must be True or False"),
 ])
 def test_inputs_are_checked_before_anything_runs(change, message):
   s, d, dtype = change.get("s", 128), change.get("d", 64), change.get("dtype", jnp.bfloat16)

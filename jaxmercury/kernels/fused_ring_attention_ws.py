@@ -544,6 +544,10 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   if pipelined and causal:
     raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
                             "pipelined=False")
+  switch = next((f.name for f in dataclasses.fields(pipeline)
+                 if f.name != "band" and not isinstance(getattr(pipeline, f.name), bool)), None)
+  if switch:
+    raise PreconditionError(f"{NAME}: Pipeline({switch}={getattr(pipeline, switch)!r}) must be True or False")
   band, pairs = pipeline.band, s // (CONSUMERS * block_q)
   if band is not None and (not isinstance(band, int) or isinstance(band, bool) or band < 1 or pairs % band):
     raise PreconditionError(f"{NAME}: Pipeline(band={band!r}) must be a positive int dividing the {pairs} query "
