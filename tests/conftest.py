@@ -43,6 +43,27 @@ def rel_err(y, ref):
   return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
+def assert_grads_match(got, want, tol=1e-4):
+  """Gradient pytrees, leaf by leaf, each relative to its own norm, or to a hundredth of the whole gradient's where
+  a leaf's is next to nothing (a key bias under softmax has none: rounding is all there is)."""
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want)
+  whole = np.sqrt(sum(np.linalg.norm(np.asarray(b, np.float64)) ** 2 for b in want))
+  for a, b in zip(got, want):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), whole / 100)
+
+
+def assert_trains_alike(got, want):
+  """Losses of a few optimizer steps, routed and plain. The first is a forward on equal parameters: tight. Adam
+  then moves each element by about its learning rate whatever its gradient's size, so rounding in a near-zero
+  gradient may move it either way: later losses agree loosely (compare gradients tightly apart)."""
+  assert got[0] == pytest.approx(want[0], rel=1e-5)
+  assert got[1:] == pytest.approx(want[1:], rel=1e-3)
+  assert want[-1] < want[0]
+
+
 def assert_matches(schedule, inputs=None, reference=None):
   """Runs ``schedule`` and compares with the program's reference in float64 terms."""
   prog = schedule.program
