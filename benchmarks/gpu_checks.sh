@@ -60,8 +60,9 @@
 #   ws-forward-counters  one GPU: Nsight Compute's counters (DRAM, L2, warp stalls, clocks) of cuDNN's forward and
 #                    ours (FORWARD_STEPS, default "default") in one call each, S64K KV 32 and 8, causal and not
 #                    (benchmarks.ws_profile --forward): where a forward's cycles or DRAM bytes go
-#   ws-noncausal-blocks  one GPU: the forward without a mask at S64K in other K/V blocks (kv64x3, kv64x4) and with
-#                    the consumers not pipelined (split_tail) beside the default, sustained blocks, KV 32 and 8
+#   ws-noncausal-blocks  one GPU: the forward without a mask at S64K in other K/V blocks (kv64x3, kv64x4), with
+#                    the consumers not pipelined (split_tail), and in the orders heads_in_turn and alternate_keys
+#                    (Pipeline) beside the default, sustained blocks, KV 32 and 8
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
 #                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
 #                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
@@ -227,8 +228,9 @@ for stage in "$@"; do
         "$ncu" -i "$W/$name.ncu-rep" --page details > "$W/$name-details.txt" 2>&1
       done ;;
     ws-noncausal-blocks)
-      timeout "${STAGE_LIMIT:-300}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
-        --steps default kv64x3 kv64x4 split_tail --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-300} - 20)) \
+      timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
+        --steps default kv64x3 kv64x4 split_tail heads_in_turn alternate_keys --sustain_s 1.5 --iters 3 \
+        --time_budget $((${STAGE_LIMIT:-420} - 20)) \
         --out "$W/$stage.json" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;

@@ -65,8 +65,13 @@ STEPS = {"before": dict(pipeline=BEFORE),
          # The balanced order in bands where it folds (``Pipeline.folded=False``: the default before 2026-11-28),
          # and in folded rounds (the default since), by name only
          "unfolded": dict(pipeline=Pipeline(folded=False)),
-         "folded": dict(pipeline=Pipeline(folded=True))}
+         "folded": dict(pipeline=Pipeline(folded=True)),
+         # One device without a mask: items head after head from the first (no forwarder items first), then also
+         # odd items' keys read last to first, by name only
+         "heads_in_turn": dict(pipeline=Pipeline(heads_in_turn=True)),
+         "alternate_keys": dict(pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
+ORDER_STEPS = ("heads_in_turn", "alternate_keys")  # non-causal only
 BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "unfolded", "folded")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 
@@ -111,7 +116,8 @@ BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=2
                                                    # item, heads in turn; without a mask specialized, dq deferred,
                                                    # query chunks from S64K; under a causal mask the whole queries
 CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default", *BLOCK_STEPS, *BAND_STEPS)
-NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default", *BLOCK_STEPS)  # loops, snake: causal
+NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default", *BLOCK_STEPS,
+                    *ORDER_STEPS)  # loops, snake: causal
 
 
 def chunk_steps(counts) -> dict:
@@ -288,8 +294,8 @@ def main(argv=None):
   parser.add_argument("--seqs", nargs="+", default=["4K", "8K", "16K", "32K", "64K"])
   parser.add_argument("--kv", nargs="+", type=int, default=[32, 8])
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in BLOCK_STEPS + BAND_STEPS],
-                      choices=list(STEPS))
+  by_name_only = BLOCK_STEPS + BAND_STEPS + ORDER_STEPS
+  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in by_name_only], choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--training_steps", nargs="+", default=list(TRAINING_STEPS[1:]), choices=TRAINING_STEPS[1:],
                       help="with --training, these contestants beside cuDNN's (default: all)")

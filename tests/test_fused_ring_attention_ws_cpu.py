@@ -115,6 +115,32 @@ def test_split_tails_match_the_reference(num_ctas, prefetch_q, pipelined):
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
+@pytest.mark.parametrize("num_ctas,pipelined", [(3, False), (3, True), (4, False)], ids=["split", "split-pipelined",
+                                                                                      "whole"])
+def test_one_device_orders_without_a_mask_match_the_reference(num_ctas, pipelined):
+  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), B2 H4
+  KV2 S512: 32 items of 8 key tiles; over 3 CTAs 10 whole rounds and a split tail, whose parts on odd items are
+  read backward too; over 4 CTAs 8 whole rounds."""
+  q, k, v = local_inputs(2, 512, 4, 2, 64)
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipelined=pipelined,
+                pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
+  assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
+
+
+def test_heads_in_turn_take_every_item_once_in_order():
+  """No forwarder items (one device): item ``t`` is the ``t``-th (batch, query head, query block), blocks fastest;
+  with forwarders, one per (batch, K/V head) first, then every other item once."""
+  b, h, kv, pairs = 2, 4, 2, 3
+  g = h // kv
+  every = [(bi, hi, p) for bi in range(b) for hi in range(h) for p in range(pairs)]
+  items = [tuple(int(x) for x in _item(jnp.int32(t), 0, g * pairs, pairs, g, kv)[:3]) for t in range(len(every))]
+  assert items == every
+  ringed = [_item(jnp.int32(t), b * kv, g * pairs, pairs, g, kv) for t in range(len(every))]
+  assert [bool(f) for *_, f in ringed] == [True] * (b * kv) + [False] * (len(every) - b * kv)
+  assert sorted(tuple(int(x) for x in i[:3]) for i in ringed) == every
+
+
 def test_split_tail_units():
   split = _SplitTail.make(16, 8, 3)  # 5 whole rounds, then item 15's 8 units: 3, 3, 2
   assert split.full == 5 and [split.start(c) for c in range(4)] == [0, 3, 6, 8]
@@ -401,6 +427,14 @@ def test_one_device_lowers_for_an_h100(causal, s):
 def test_the_pipelined_consumers_lower_with_one_q_buffer():
   """Pipelined consumers without the Q prefetch (one Q buffer per consumer, as where two do not fit)."""
   text = _lower(1, 1, 4096, 32, 8, 128, num_ctas=132, pipelined=True, pipeline=Pipeline(prefetch_q=False))
+  assert mosaic_kernels(text) == 1
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
+def test_the_orders_without_a_mask_lower_for_an_h100(pipelined):
+  """Heads in turn and odd items' keys read backward (their TMA source tile chosen at run time), split tail."""
+  text = _lower(1, 1, 4096, 32, 32, 128, num_ctas=132, pipelined=pipelined,
+                pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
   assert mosaic_kernels(text) == 1
 
 

@@ -309,8 +309,12 @@ def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
 
   Items ``0 .. forwarders - 1`` are the forwarders, one per (batch, kv head)
   group: query block 0 of the group's first query head. The rest enumerate
-  each group's other ``per_group - 1`` (query head, query block) pairs.
+  each group's other ``per_group - 1`` (query head, query block) pairs. With
+  no forwarders (0: one device), each group's pairs in turn.
   """
+  if not forwarders:
+    group, j = t // per_group, lax.rem(t, per_group)
+    return group // kv, lax.rem(group, kv) * g + j // nq, lax.rem(j, nq), False
   forwards = t < forwarders
   rest = jnp.maximum(t - forwarders, 0)
   others = max(per_group - 1, 1)

@@ -273,6 +273,13 @@ class Pipeline:
       the DRAM bandwidth instead of 6.9-7.2% (L2 hits 96% instead of 89%), held a higher clock, and ran 1.007x of
       cuDNN where the bands ran 0.997x; 0.7-1.6% faster than the bands at S 16K-64K, KV 32 and 8
       (benchmarks/results/2026-11-28-ws_local_folded-4493e8c-H200.json).
+    heads_in_turn: on one device without a mask, the round-robin items go head after head from the first; else
+      one item per K/V head first, as a ring's forwarders (on one device they forward nothing, and the first round
+      reads every head's keys).
+    alternate_keys: on one device without a mask, a CTA reads the key tiles of its odd items last to first, so a
+      round starts on the tiles that the round before it ended on, likely still in L2 (a head's keys and values at
+      S64K D128, 32 MiB, are two thirds of an H100's or H200's 50 MB L2: a round reading them in the same order
+      misses on every tile).
   """
 
   causal_loops: bool = True
@@ -281,6 +288,8 @@ class Pipeline:
   split_tail: bool = True
   band: int | None = None
   folded: bool = True
+  heads_in_turn: bool = False
+  alternate_keys: bool = False
 
 
 BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False, folded=False)  # first written
@@ -622,6 +631,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
+  lone = not (ring or causal)  # one device without a mask: the round-robin order, no forwarding
+  leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # round-robin items placed first
+  alternate = lone and pipeline.alternate_keys
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
     if ring:
@@ -661,7 +673,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         index = cta + i * grid
         if split:  # a part of the last round's item first_part + (i - full)
           index = jnp.where(i < split.full, index, split.full * grid + first_part + i - split.full)
-        bi, hi, pair, forwards = _item(index, forwarders, per_group, pairs, g, kv)
+        bi, hi, pair, forwards = _item(index, leaders, per_group, pairs, g, kv)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
 
@@ -692,9 +704,9 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def stream(keys, values, count, loaded, forwarding, dest, first=0):
-        """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first``, into the slots after tile
-        ``loaded``; forwards them."""
+      def stream(keys, values, count, loaded, forwarding, dest, first=0, backward=False):
+        """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first`` (``backward``: from the last,
+        down to ``first``), into the slots after tile ``loaded``; forwards them."""
 
         @pl.loop(0, count + lag)
         def _tile(j):
@@ -702,7 +714,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           def _issue():
             tile = loaded + j
             slot = lax.rem(tile, slots)
-            src = pl.ds((first + j) * bkv, bkv)
+            index = jnp.where(backward, first + count - 1 - j, first + j) if alternate else first + j
+            src = pl.ds(index * bkv, bkv)
             for smem, ref, consumed, barrier, pending in ((k_smem, keys, k_consumed, k_loaded, 1),
                                                           (v_smem, values, v_consumed, v_loaded, 0)):
               @pl.when(tile >= slots)
@@ -729,9 +742,10 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def item(i, loaded):
         bi, hi, _, forwards, q_last = item_of(i)
         kvh = hi // g
+        backward = lax.rem(i, 2) == 1 if alternate else False
         if split:
           first, count = span(i)
-          return stream(k_ref.at[bi, :, kvh], v_ref.at[bi, :, kvh], count, loaded, False, None, first)
+          return stream(k_ref.at[bi, :, kvh], v_ref.at[bi, :, kvh], count, loaded, False, None, first, backward)
 
         def step(s, loaded):
           keys, values, source = step_sources(s)
@@ -748,7 +762,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
             keys_run = pl.ds(start, run)
             dest = (to_left[0].at[s, bi, keys_run, kvh], to_left[1].at[s, bi, keys_run, kvh]) if ring else None
             loaded = stream(keys.at[bi, keys_run, kvh], values.at[bi, keys_run, kvh], count, loaded, forwarding,
-                            dest)
+                            dest, backward=backward)
           if ring:
             @pl.when(forwarding)
             def _signal():

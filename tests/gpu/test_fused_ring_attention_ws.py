@@ -18,7 +18,14 @@ from ring_attention_checks import HEADS, MASKS, check, check_loopback, check_mat
 
 from gpu.checks import gpu_mesh
 from jaxmercury.kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.kernels.fused_ring_attention_ws import CONFIGS, WsBlocks, _Folded, _kernel, fused_ring_attention_ws
+from jaxmercury.kernels.fused_ring_attention_ws import (
+  CONFIGS,
+  Pipeline,
+  WsBlocks,
+  _Folded,
+  _kernel,
+  fused_ring_attention_ws,
+)
 from jaxmercury.kernels.peer_gemm import sm_count
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
@@ -71,6 +78,16 @@ def test_one_gpu_causal_in_folded_rounds(s, h, kv, num_ctas):
   grid = num_ctas or sm_count()
   assert _Folded.make(np.arange(s // 128, 0, -1), h, grid) is not None, f"no folding of H{h} S{s} over {grid} CTAs"
   _check(first_devices(), s, h, kv, CONFIGS[0], num_ctas=num_ctas, causal=True)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
+@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
+def test_one_gpu_orders_without_a_mask(h, kv, pipelined):
+  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), S4K
+  over every SM (a split tail)."""
+  kernel = functools.partial(fused_ring_attention_ws, pipelined=pipelined,
+                             pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
+  check(kernel, first_devices(), 4096, h, kv, CONFIGS[0])
 
 
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
