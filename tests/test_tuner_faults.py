@@ -138,6 +138,7 @@ def test_interrupted_tune_keeps_measurements_and_resumes(tmp_path, monkeypatch):
   assert result.best is not None and len(db) == 1 and db.count_measurements() == timed
 
 
+# Each candidate timed over 400 runs: the tune still has seconds of work left when the test sees two rows.
 KILLED_TUNE = textwrap.dedent("""
     import os, sys
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -148,7 +149,7 @@ KILLED_TUNE = textwrap.dedent("""
     machine = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     prog = jm.programs.matmul(64, 128, 256)
-    jm.autotune(prog, mesh, space=6, top_k=6, iters=40, machine=machine, database=jm.Database(sys.argv[1]),
+    jm.autotune(prog, mesh, space=6, top_k=6, iters=400, machine=machine, database=jm.Database(sys.argv[1]),
                 log=lambda s: print(s, flush=True))
 """)
 
