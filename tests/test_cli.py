@@ -140,13 +140,14 @@ def test_a_mesh_that_divides_no_axis_pads_and_passes(tmp_path):
 def test_ctrl_c_keeps_the_measurements_and_the_same_command_resumes(tmp_path):
   """Ctrl-C after the first measurement (many candidates left, so that the tune is still running when the signal
   lands on a busy machine): exit 130, the count kept named; the same command resumes exactly those. The tune
-  starts with SIGINT at its default: a suite started in the background (``&`` without job control) ignores
-  SIGINT, and so would the tune, as Python installs its Ctrl-C handler only where SIGINT is not ignored."""
+  runs as ``-m`` runs it, its Ctrl-C handler installed first: a suite started in the background (``&`` without
+  job control) ignores SIGINT, and Python installs that handler only where SIGINT is not ignored."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   many = ["--top", "16", "--space", "16", "--iters", "20"]
-  args = [sys.executable, "-u", "-m", "jaxmercury.tune", *MATMUL, *many, "--db", str(tmp_path / "t.db")]
-  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  as_m = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "runpy.run_module('jaxmercury.tune', run_name='__main__', alter_sys=True)")
+  args = [sys.executable, "-u", "-c", as_m, *MATMUL, *many, "--db", str(tmp_path / "t.db")]
+  proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   seen = []
   for line in proc.stdout:
     seen.append(line)
