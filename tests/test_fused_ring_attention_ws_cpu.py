@@ -115,13 +115,15 @@ def test_split_tails_match_the_reference(num_ctas, prefetch_q, pipelined):
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
-@pytest.mark.parametrize("num_ctas,pipelined", [(3, False), (3, True), (4, False)], ids=["split", "split-pipelined",
-                                                                                      "whole"])
-def test_one_device_orders_without_a_mask_match_the_reference(num_ctas, pipelined):
-  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), B2 H4
-  KV2 S512: 32 items of 8 key tiles; over 3 CTAs 10 whole rounds and a split tail, whose parts on odd items are
-  read backward too; over 4 CTAs 8 whole rounds."""
-  q, k, v = local_inputs(2, 512, 4, 2, 64)
+@pytest.mark.parametrize("b,h,kv,num_ctas,pipelined", [(2, 4, 2, 3, False), (2, 4, 2, 3, True), (2, 4, 2, 4, False),
+                                                       (1, 4, 4, 9, False)],
+                         ids=["split", "split-pipelined", "whole", "split-mha"])
+def test_one_device_orders_without_a_mask_match_the_reference(b, h, kv, num_ctas, pipelined):
+  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), S512 in
+  8 key tiles an item. B2 H4 KV2, 32 items: over 3 CTAs 10 whole rounds and a split tail, whose parts on odd items
+  are read backward too; over 4 CTAs 8 whole rounds. B1 H4 KV4, 16 items over 9 CTAs: the split tail spans two
+  heads, so its parts are merged back only at the heads' own rows (not where a ring's order would put them)."""
+  q, k, v = local_inputs(b, 512, h, kv, 64)
   params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipelined=pipelined,
                 pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)

@@ -1007,7 +1007,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
   if split:
-    return _merge_cuts(split, *results, forwarders=forwarders, per_group=per_group, nq=pairs, g=g, kv=kv)
+    return _merge_cuts(split, *results, forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)
   return results[0], results[1]
 
 
