@@ -61,7 +61,7 @@
 #                    ours (FORWARD_STEPS, default "default") in one call each, S64K KV 32 and 8, causal and not
 #                    (benchmarks.ws_profile --forward): where a forward's cycles or DRAM bytes go
 #   ws-noncausal-blocks  one GPU: the forward without a mask at S64K in other K/V blocks (kv64x3, kv64x4), with
-#                    the consumers not pipelined (split_tail), and in the orders heads_in_turn and alternate_keys
+#                    the consumers not pipelined (split_tail), and in the orders round_robin and heads_in_turn
 #                    (Pipeline) beside the default, sustained blocks, KV 32 and 8
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
 #                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
@@ -229,7 +229,7 @@ for stage in "$@"; do
       done ;;
     ws-noncausal-blocks)
       timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
-        --steps default kv64x3 kv64x4 split_tail heads_in_turn alternate_keys --sustain_s 1.5 --iters 3 \
+        --steps default kv64x3 kv64x4 split_tail round_robin heads_in_turn --sustain_s 1.5 --iters 3 \
         --time_budget $((${STAGE_LIMIT:-420} - 20)) \
         --out "$W/$stage.json" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;

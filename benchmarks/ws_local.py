@@ -43,14 +43,16 @@ from jaxmercury.kernels.cudnn_attention import cudnn_backward
 from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
 
+ROUND_ROBIN = dict(heads_in_turn=False, alternate_keys=False)  # one device without a mask: the order before 2026-11-28
 # One change at a time, in the order they were made; each name is the kernel's arguments up to and including its
 # change (``pipelined``: the consumers' intra-warpgroup pipelining, taking turns; non-causal only).
 STEPS = {"before": dict(pipeline=BEFORE),
-         "causal_loops": dict(pipeline=Pipeline(causal_loops=True, balanced=False, prefetch_q=False)),
-         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False, folded=False)),
-         "prefetch_q": dict(pipeline=Pipeline(split_tail=False, folded=False)),
-         "split_tail": dict(pipeline=Pipeline(), pipelined=False),
-         "pipelined": dict(pipeline=Pipeline(), pipelined=True),
+         "causal_loops": dict(pipeline=Pipeline(causal_loops=True, balanced=False, prefetch_q=False, **ROUND_ROBIN)),
+         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False, folded=False,
+                                            **ROUND_ROBIN)),
+         "prefetch_q": dict(pipeline=Pipeline(split_tail=False, folded=False, **ROUND_ROBIN)),
+         "split_tail": dict(pipeline=Pipeline(**ROUND_ROBIN), pipelined=False),
+         "pipelined": dict(pipeline=Pipeline(**ROUND_ROBIN), pipelined=True),
          "default": dict(),  # the kernel's defaults: split tail and pipelined consumers where they measured faster
          # Other blocks at the default pipeline (the GPU tests' CONFIGS), asked for by name (--steps)
          "kv64x3": dict(block_kv=64, max_concurrent_steps=3),
@@ -66,12 +68,14 @@ STEPS = {"before": dict(pipeline=BEFORE),
          # and in folded rounds (the default since), by name only
          "unfolded": dict(pipeline=Pipeline(folded=False)),
          "folded": dict(pipeline=Pipeline(folded=True)),
-         # One device without a mask: items head after head from the first (no forwarder items first), then also
-         # odd items' keys read last to first, by name only
-         "heads_in_turn": dict(pipeline=Pipeline(heads_in_turn=True)),
+         # One device without a mask: the round-robin order (one item per K/V head first; the default until
+         # 2026-11-28), items head after head from the first, then also odd items' keys read last to first (the
+         # default since), by name only
+         "round_robin": dict(pipeline=Pipeline(**ROUND_ROBIN)),
+         "heads_in_turn": dict(pipeline=Pipeline(heads_in_turn=True, alternate_keys=False)),
          "alternate_keys": dict(pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))}
 BLOCK_STEPS = ("kv64x3", "kv64x4")
-ORDER_STEPS = ("heads_in_turn", "alternate_keys")  # non-causal only
+ORDER_STEPS = ("round_robin", "heads_in_turn", "alternate_keys")  # non-causal only
 BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "unfolded", "folded")  # causal only
 GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
 

@@ -115,17 +115,18 @@ def test_split_tails_match_the_reference(num_ctas, prefetch_q, pipelined):
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
 
-@pytest.mark.parametrize("b,h,kv,num_ctas,pipelined", [(2, 4, 2, 3, False), (2, 4, 2, 3, True), (2, 4, 2, 4, False),
-                                                       (1, 4, 4, 9, False)],
-                         ids=["split", "split-pipelined", "whole", "split-mha"])
-def test_one_device_orders_without_a_mask_match_the_reference(b, h, kv, num_ctas, pipelined):
-  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), S512 in
-  8 key tiles an item. B2 H4 KV2, 32 items: over 3 CTAs 10 whole rounds and a split tail, whose parts on odd items
-  are read backward too; over 4 CTAs 8 whole rounds. B1 H4 KV4, 16 items over 9 CTAs: the split tail spans two
-  heads, so its parts are merged back only at the heads' own rows (not where a ring's order would put them)."""
+@pytest.mark.parametrize("b,h,kv,num_ctas,pipelined,pipeline", [
+    (2, 4, 2, 3, False, Pipeline()), (2, 4, 2, 3, True, Pipeline()), (2, 4, 2, 4, False, Pipeline()),
+    (1, 4, 4, 9, False, Pipeline()), (1, 4, 4, 9, False, Pipeline(heads_in_turn=False, alternate_keys=False))],
+    ids=["split", "split-pipelined", "whole", "split-mha", "split-mha-round-robin"])
+def test_one_device_orders_without_a_mask_match_the_reference(b, h, kv, num_ctas, pipelined, pipeline):
+  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``, the
+  defaults), S512 in 8 key tiles an item. B2 H4 KV2, 32 items: over 3 CTAs 10 whole rounds and a split tail, whose
+  parts on odd items are read backward too; over 4 CTAs 8 whole rounds. B1 H4 KV4, 16 items over 9 CTAs: the split
+  tail spans two heads, so its parts are merged back only at the rows of the items the kernel ran, heads in turn
+  or (round-robin) one item per K/V head first."""
   q, k, v = local_inputs(b, 512, h, kv, 64)
-  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipelined=pipelined,
-                pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
+  params = dict(num_ctas=num_ctas, interpret=True, block_kv=64, pipelined=pipelined, pipeline=pipeline)
   out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", **params), q, k, v)
   assert_close(out, lse, *run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v), q)
 
@@ -434,9 +435,9 @@ def test_the_pipelined_consumers_lower_with_one_q_buffer():
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
 def test_the_orders_without_a_mask_lower_for_an_h100(pipelined):
-  """Heads in turn and odd items' keys read backward (their TMA source tile chosen at run time), split tail."""
-  text = _lower(1, 1, 4096, 32, 32, 128, num_ctas=132, pipelined=pipelined,
-                pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
+  """Heads in turn and odd items' keys read backward (the defaults; their TMA source tile chosen at run time),
+  split tail."""
+  text = _lower(1, 1, 4096, 32, 32, 128, num_ctas=132, pipelined=pipelined)
   assert mosaic_kernels(text) == 1
 
 

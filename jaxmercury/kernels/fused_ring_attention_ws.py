@@ -279,7 +279,10 @@ class Pipeline:
     alternate_keys: on one device without a mask, a CTA reads the key tiles of its odd items last to first, so a
       round starts on the tiles that the round before it ended on, likely still in L2 (a head's keys and values at
       S64K D128, 32 MiB, are two thirds of an H100's or H200's 50 MB L2: a round reading them in the same order
-      misses on every tile).
+      misses on every tile). With ``heads_in_turn``, on one H200 MHA S64K read 1.6% of the DRAM bandwidth instead
+      of 3.0% (as cuDNN's forward: 1.6%) and ran 1.012-1.017x of cuDNN where the round-robin order ran 0.998-1.006x
+      (two processes); over S 4K-64K, KV 32 and 8, 1.002-1.034x, within 0.6% of the round-robin order where
+      slower (benchmarks/results/2026-11-28-ws_local_orders-3dfbedb-H200.json).
   """
 
   causal_loops: bool = True
@@ -288,11 +291,12 @@ class Pipeline:
   split_tail: bool = True
   band: int | None = None
   folded: bool = True
-  heads_in_turn: bool = False
-  alternate_keys: bool = False
+  heads_in_turn: bool = True
+  alternate_keys: bool = True
 
 
-BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False, folded=False)  # first written
+BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False, folded=False,
+                  heads_in_turn=False, alternate_keys=False)  # as first written
 # On one H100 (benchmarks/results/2026-11-25-ws_local-*): the Q prefetch gains 1-17% at S 4K-32K, and at S64K causal
 # KV 32 lost 2-6% in three runs (KV 8 and non-causal within 1%, either way): above 256 tiles of 128 keys, causal
 # items load their Q tiles one at a time.

@@ -80,13 +80,15 @@ def test_one_gpu_causal_in_folded_rounds(s, h, kv, num_ctas):
   _check(first_devices(), s, h, kv, CONFIGS[0], num_ctas=num_ctas, causal=True)
 
 
+@pytest.mark.parametrize("pipeline", [Pipeline(), Pipeline(heads_in_turn=False, alternate_keys=False)],
+                         ids=["in-turn", "round-robin"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
-def test_one_gpu_orders_without_a_mask(h, kv, pipelined):
-  """Heads in turn and odd items' keys read last to first (``Pipeline.heads_in_turn``, ``alternate_keys``), S4K
-  over every SM (a split tail)."""
-  kernel = functools.partial(fused_ring_attention_ws, pipelined=pipelined,
-                             pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))
+def test_one_gpu_orders_without_a_mask(h, kv, pipelined, pipeline):
+  """S4K over every SM (a split tail) in both orders without a mask: heads in turn with odd items' keys read last
+  to first (``Pipeline.heads_in_turn``, ``alternate_keys``: the defaults), and round-robin (one item per K/V head
+  first: the split tail's parts must be merged at those items' rows)."""
+  kernel = functools.partial(fused_ring_attention_ws, pipelined=pipelined, pipeline=pipeline)
   check(kernel, first_devices(), 4096, h, kv, CONFIGS[0])
 
 
