@@ -70,6 +70,10 @@ HEADLINES = (
     ("one GPU: fused ring attention forward at its defaults (causal S >= 16K in folded rounds; the bands beside), "
      "timed in sustained blocks, H100, 17 cases", "2026-11-28-ws_local_sustained-557abe1-H100.json"),
     ("the same, S64K, a second process", "2026-11-28-ws_local_sustained-557abe1-H100-64K.json"),
+    ("one GPU: fused ring attention forward without a mask, heads in turn and odd items' keys last to first (now the "
+     "default; round-robin beside it), sustained blocks, H200", "2026-11-28-ws_local_orders-3dfbedb-H200.json"),
+    ("one GPU: fused ring attention training step with our backward, causal (folded rounds), sustained blocks, H200",
+     "2026-11-28-ws_training_causal-3dfbedb-H200.json"),
     ("one GPU: fused ring attention training step with our backward, causal S 16K-64K, folded rounds, sustained "
      "blocks, H100", "2026-11-28-ws_training_causal-557abe1-H100.json"),
     ("one GPU: fused ring attention forward, causal S 16K-64K, folded rounds (now the default) beside the bands, "

@@ -279,10 +279,10 @@ class Pipeline:
     alternate_keys: on one device without a mask, a CTA reads the key tiles of its odd items last to first, so a
       round starts on the tiles that the round before it ended on, likely still in L2 (a head's keys and values at
       S64K D128, 32 MiB, are two thirds of an H100's or H200's 50 MB L2: a round reading them in the same order
-      misses on every tile). With ``heads_in_turn``, on one H200 MHA S64K read 1.6% of the DRAM bandwidth instead
-      of 3.0% (as cuDNN's forward: 1.6%) and ran 1.012-1.017x of cuDNN where the round-robin order ran 0.998-1.006x
-      (two processes); over S 4K-64K, KV 32 and 8, 1.002-1.034x, within 0.6% of the round-robin order where
-      slower (benchmarks/results/2026-11-28-ws_local_orders-3dfbedb-H200.json).
+      misses on every tile). With ``heads_in_turn``, on one H200 MHA S64K read 1.6-1.8% of the DRAM bandwidth
+      instead of 2.6-3.0% (cuDNN's forward: 1.5-1.6%) and ran 1.012-1.017x of cuDNN where the round-robin order
+      ran 0.998-1.006x (two processes); over S 4K-64K, KV 32 and 8, 1.002-1.034x, within 0.6% of the
+      round-robin order where slower (benchmarks/results/2026-11-28-ws_local_orders-3dfbedb-H200.json).
   """
 
   causal_loops: bool = True
