@@ -630,12 +630,12 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   balanced = weights is not None  # without causal every item is as long
   fold = balanced and pipeline.folded and pipeline.band is None and not ring
   folded = _Folded.make(weights[0], b * h, grid) if fold else None
+  lone = not (ring or causal)  # one device without a mask: no forwarding, every item as long
   band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced and not folded else 1
   per_chunk = order.segment // rows  # query blocks per run of contiguous positions
-  split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and not (causal or ring) else None
+  split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and lone else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
-  lone = not (ring or causal)  # one device without a mask: the round-robin order, no forwarding
   leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # round-robin items placed first
   alternate = lone and pipeline.alternate_keys
 
