@@ -636,7 +636,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and lone else None
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
-  leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # round-robin items placed first
+  leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # items first, one per K/V head (0: heads in turn)
   alternate = lone and pipeline.alternate_keys
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
