@@ -637,6 +637,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
   leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # items first, one per K/V head (0: heads in turn)
+  item_args = dict(forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)  # _item's: the kernel's and merge's
   alternate = lone and pipeline.alternate_keys
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
@@ -677,7 +678,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         index = cta + i * grid
         if split:  # a part of the last round's item first_part + (i - full)
           index = jnp.where(i < split.full, index, split.full * grid + first_part + i - split.full)
-        bi, hi, pair, forwards = _item(index, leaders, per_group, pairs, g, kv)
+        bi, hi, pair, forwards = _item(index, **item_args)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
 
@@ -1011,7 +1012,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
   if split:
-    return _merge_cuts(split, *results, forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)
+    return _merge_cuts(split, *results, **item_args)
   return results[0], results[1]
 
 
