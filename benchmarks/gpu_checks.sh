@@ -66,6 +66,11 @@
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
 #                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
 #                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
+#   ws-matrix        one GPU: issue 30's forward cases at the kernel's defaults against cuDNN's, sustained blocks
+#                    (ws_local --causal both --steps default --sustain_s 1.5 --iters 3): B1 H32 D128 S 4K-64K, KV 32
+#                    and 8, causal and not (about 350 s on an H200)
+#   ws-matrix-training  one GPU: the training step on our kernels end to end (--training_steps ws_own) against
+#                    cuDNN's, the same way, S 16K-64K causal and not (about 290 s on an H200)
 # Every job runs under `timeout` (STAGE_LIMIT=seconds overrides each stage's), its suite under a time budget a
 # minute shorter, so that a ring that deadlocks hangs rather than fails and a slow stage still writes its results.
 set -u
@@ -231,6 +236,16 @@ for stage in "$@"; do
       timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
         --steps default kv64x3 kv64x4 split_tail round_robin heads_in_turn --sustain_s 1.5 --iters 3 \
         --time_budget $((${STAGE_LIMIT:-420} - 20)) \
+        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    ws-matrix)
+      timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.ws_local --causal both --kv 32 8 --seqs 4K 8K 16K 32K 64K \
+        --steps default --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-570} - 20)) \
+        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    ws-matrix-training)
+      timeout "${STAGE_LIMIT:-480}" python3 -m benchmarks.ws_local --training --training_steps ws_own --causal both \
+        --kv 32 8 --seqs 16K 32K 64K --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-480} - 20)) \
         --out "$W/$stage.json" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
