@@ -96,6 +96,14 @@ suite() {  # name, seconds, benchmarks.run arguments...
   echo "$name rc=$?" | tee -a "$W/stages.txt"
 }
 
+local_suite() {  # name, seconds, benchmarks.ws_local arguments... (one GPU)
+  local name=$1 limit=${STAGE_LIMIT:-$2}
+  shift 2
+  timeout "$limit" python3 -m benchmarks.ws_local --out "$W/$name.json" --time_budget $((limit - 30)) "$@" \
+    > "$W/$name.log" 2>&1
+  echo "$name rc=$?" | tee -a "$W/stages.txt"
+}
+
 for stage in "$@"; do
   case $stage in
     tests) tests "$stage" 570 tests/gpu -x ;;
@@ -143,13 +151,6 @@ for stage in "$@"; do
     moe-gemm) suite "$stage" 570 --suite moe --moe_kinds grouped_gemm ;;
     tests-moe) tests "$stage" 540 tests/gpu/test_grouped_gemm.py ;;
     ws-backward)
-      local_suite() {  # name, seconds, benchmarks.ws_local arguments...
-        local name=$1 limit=${STAGE_LIMIT:-$2}
-        shift 2
-        timeout "$limit" python3 -m benchmarks.ws_local --out "$W/$name.json" --time_budget $((limit - 30)) "$@" \
-          > "$W/$name.log" 2>&1
-        echo "$name rc=$?" | tee -a "$W/stages.txt"
-      }
       local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_immediate_dq ws_default --seqs 4K 8K 16K 32K
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
     ws-chunks)
@@ -207,16 +208,10 @@ for stage in "$@"; do
           --variants ws_default ws_whole --query_chunks 8 --out "$W/$name.json" > "$W/$name.log" 2>&1
         echo "$name rc=$?" | tee -a "$W/stages.txt"
       done ;;
-    ws-bands)  # one GPU: the balanced order's bands (Pipeline.band) beside the default, causal
-      timeout "${STAGE_LIMIT:-400}" python3 -m benchmarks.ws_local --causal yes --kv 32 8 --seqs 4K 16K 64K \
-        --steps default band1 band8 band32 --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-400} - 20)) \
-        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    ws-bands) local_suite "$stage" 400 --causal yes --kv 32 8 --seqs 4K 16K 64K --steps default band1 band8 band32 \
+        --sustain_s 1.5 --iters 3 ;;
     ws-sustained)
-      timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --training --sustain_s 1.5 --iters 3 \
-        --seqs ${SUSTAINED_SEQS:-16K 32K} --time_budget $((${STAGE_LIMIT:-420} - 20)) --out "$W/$stage.json" \
-        > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt"
+      local_suite "$stage" 420 --training --sustain_s 1.5 --iters 3 --seqs ${SUSTAINED_SEQS:-16K 32K}
       timeout 150 python3 -m benchmarks.ws_power --seq 32K --kv 8 --causal --seconds 3 \
         --variants ws_default ws_grouped --out "$W/$stage-power.json" > "$W/$stage-power.log" 2>&1
       echo "$stage-power rc=$?" | tee -a "$W/stages.txt" ;;
@@ -232,22 +227,12 @@ for stage in "$@"; do
         echo "$name rc=$?" | tee -a "$W/stages.txt"
         "$ncu" -i "$W/$name.ncu-rep" --page details > "$W/$name-details.txt" 2>&1
       done ;;
-    ws-noncausal-blocks)
-      timeout "${STAGE_LIMIT:-420}" python3 -m benchmarks.ws_local --causal no --kv 32 8 --seqs 64K \
-        --steps default kv64x3 kv64x4 split_tail round_robin heads_in_turn --sustain_s 1.5 --iters 3 \
-        --time_budget $((${STAGE_LIMIT:-420} - 20)) \
-        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
-    ws-matrix)
-      timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.ws_local --causal both --kv 32 8 --seqs 4K 8K 16K 32K 64K \
-        --steps default --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-570} - 20)) \
-        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
-    ws-matrix-training)
-      timeout "${STAGE_LIMIT:-480}" python3 -m benchmarks.ws_local --training --training_steps ws_own --causal both \
-        --kv 32 8 --seqs 16K 32K 64K --sustain_s 1.5 --iters 3 --time_budget $((${STAGE_LIMIT:-480} - 20)) \
-        --out "$W/$stage.json" > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    ws-noncausal-blocks) local_suite "$stage" 420 --causal no --kv 32 8 --seqs 64K \
+        --steps default kv64x3 kv64x4 split_tail round_robin heads_in_turn --sustain_s 1.5 --iters 3 ;;
+    ws-matrix) local_suite "$stage" 570 --causal both --kv 32 8 --seqs 4K 8K 16K 32K 64K --steps default \
+        --sustain_s 1.5 --iters 3 ;;
+    ws-matrix-training) local_suite "$stage" 480 --training --training_steps ws_own --causal both --kv 32 8 \
+        --seqs 16K 32K 64K --sustain_s 1.5 --iters 3 ;;
     *) echo "unknown stage $stage" | tee -a "$W/stages.txt" ;;
   esac
 done
