@@ -25,6 +25,8 @@
 #                    (--sustain_s 1), each fused kernel also with our backward (configured backward="ws_attention")
 #   fused-causal-order  the warp-specialized ring attention, causal GQA S 16K-64K, its items heaviest first (the
 #                    default) and round-robin (balanced=False), sustained blocks; -training: training steps at S32K
+#   fused-noncausal  the warp-specialized ring attention without a mask, MHA and GQA S 16K-64K, sustained blocks;
+#                    -training: training steps, S 16K-32K (with cuDNN's backward blocks and with ours)
 #   fused-training-trace  the training steps of fused-causal-order-training (defaults only), then each one's
 #                    kernels on the first GPU in 5 traced rounds (--trace_rounds): where the zigzag ring's step loses
 #                    its time against Ulysses'
@@ -127,6 +129,10 @@ for stage in "$@"; do
     fused-causal-order-training) suite "$stage" 450 --suite fused --training --ops attention --causal yes \
         --variants GQA --seqs 32K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
         --sustain_s 1 --iters 3 ;;
+    fused-noncausal) suite "$stage" 290 --suite fused --ops attention --causal no --seqs 16K 32K 64K \
+        --fused_kernels fused_ring_attention_ws --sustain_s 1 --iters 3 ;;
+    fused-noncausal-training) suite "$stage" 420 --suite fused --training --ops attention --causal no \
+        --seqs 16K 32K --fused_kernels fused_ring_attention_ws --sustain_s 1 --iters 3 ;;
     fused-training-trace) suite "$stage" 450 --suite fused --training --ops attention --causal yes --variants GQA \
         --seqs 32K --fused_kernels fused_ring_attention_ws --sustain_s 1 --iters 3 --trace_rounds 5 ;;
     fused-training-sustained-32K|fused-training-sustained-64K) suite "$stage" 570 --suite fused --training \
