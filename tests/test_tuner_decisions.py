@@ -8,6 +8,7 @@ candidates here compute their product ``REPEATS`` times over, so that they
 are slower whatever the machine's load.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -94,6 +95,95 @@ def test_the_default_layout_splits_the_first_spatial_axis_the_mesh_divides():
   rows = P(("node", "gpu"), None)
   (given,) = laid_out(jm.programs.matmul(64, 128, 256), mesh, (None, rows), P())
   assert given.in_shardings == (P(both, None), rows) and given.out_sharding == P()
+
+
+def test_cudnn_attention_is_called_in_batch_and_head_layouts_only():
+  """cuDNN's partitioner splits q, k and v alike over batch and heads, nothing else (it raised at compile time
+  for the default sequence split on two H200s): other splits move to the heads where both head counts divide,
+  else to the batch, else nowhere."""
+  layout = plain_programs._cudnn_layout
+  prog = jm.programs.attention(2, 8, 4, 64, 64, 16, dtype=jnp.bfloat16)
+  heads, none = P(None, None, "x", None), P(None, None, None, None)
+  assert layout(prog, (P(None, "x"),) * 3, {"x": 4}) == (heads,) * 3  # the sequence's level to the heads
+  assert layout(prog, (P(None, None, None, "x"),) * 3, {"x": 4}) == (heads,) * 3  # the head dimension's
+  assert layout(prog, (P("x"),) * 3, {"x": 2}) == (P("x", None, None, None),) * 3  # batch: kept
+  assert layout(prog, (P(None, None, "x"),) * 3, {"x": 4}) == (heads,) * 3  # heads: kept
+  assert layout(prog, (P("a", "b"),) * 3, {"a": 2, "b": 2}) == (P("a", None, "b", None),) * 3
+  assert layout(prog, (P(None, "a", None, "b"),) * 3, {"a": 2, "b": 2}) == (P(None, None, ("a", "b"), None),) * 3
+  unlike = (P(None, None, "x"), P(None, "x"), P(None, "x"))  # q split by heads, k and v by sequence
+  assert layout(prog, unlike, {"x": 2}) == (heads,) * 3
+  assert layout(prog, (P(None, "x"),) * 3, {"x": 8}) == (none,) * 3  # 4 kv heads, batch 2: whole copies
+  few_heads = jm.programs.attention(4, 8, 2, 64, 64, 16, dtype=jnp.bfloat16)
+  assert layout(few_heads, (P(None, "x"),) * 3, {"x": 4}) == (P("x", None, None, None),) * 3  # to the batch
+
+
+def _cudnn_like(monkeypatch, seen):
+  """The XLA plain attention with cuDNN's layouts (``Plain.layout``), the one plain program of attention: what
+  the cuDNN plain program does on GPUs, on CPU devices; ``seen`` gets the layout its call's ``q`` has (Explicit
+  axes: its type says it)."""
+  xla = plain_programs.find(jm.programs.attention(1, 4, 2, 64, 64, 16), "dot_product_attention", "xla")
+
+  def make(program):
+    call = xla.make(program)
+
+    def run(q, k, v):
+      seen.append(jax.typeof(q).sharding.spec)
+      return call(q, k, v)
+    return run
+  like = dataclasses.replace(xla, make=make, layout=plain_programs._cudnn_layout)
+  monkeypatch.setattr(plain_programs, "applicable", lambda program, platform: [like])
+
+
+@pytest.mark.parametrize("axis_type,inside", [(AxisType.Explicit, True), (AxisType.Explicit, False),
+                                              (AxisType.Auto, False)])
+def test_a_plain_program_with_its_own_layouts_is_laid_out_in_them_and_moves_other_inputs_to_them(
+    monkeypatch, axis_type, inside):
+  """No layouts given: the plain program's inputs and output are in its own (no data moved before the call),
+  also where the mesh divides no query dimension; the caller's sequence split: kept outside, moved to the heads
+  for the call, the output back in the caller's layout. Outputs checked against the reference."""
+  seen = []
+  _cudnn_like(monkeypatch, seen)
+  mesh = make_mesh("8", axis_type)
+  explicit = axis_type == AxisType.Explicit
+  heads, seq = P(None, None, "x", None), P(None, "x", None, None)
+  cases = [(jm.programs.attention(1, 16, 8, 64, 64, 16, causal=True, dtype=jnp.bfloat16), None, heads, heads),
+           (jm.programs.attention(1, 16, 8, 64, 64, 16, causal=True, dtype=jnp.bfloat16), seq, seq, heads),
+           # 60 positions and 4 kv heads on 8 devices: the default splits the head dimension, cuDNN's layout nothing
+           (jm.programs.attention(1, 8, 4, 60, 60, 16, dtype=jnp.bfloat16), None, P(None, None, None, None),
+            P(None, None, None, None))]
+  with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+    for prog, given, outer, inner in cases:
+      (p,) = laid_out(prog, mesh, None if given is None else (given,) * 3, given)
+      assert p.in_shardings == (outer,) * 3 and p.out_sharding == outer and p.inner_shardings() == (inner,) * 3
+      host = prog.random_inputs(fresh_key())
+      q, k, v = (jax.device_put(x, jax.sharding.NamedSharding(mesh, outer)) for x in host)
+      seen.clear()
+      out = p.compile()(q, k, v)
+      want = prog.reference(*host)
+      assert rel_err(out, want) < measure.tolerance(prog.writes.dtype)
+      if outer != seq:  # the reference on inputs split by heads (its causal blocks' cond agrees on their layout)
+        assert rel_err(prog.reference(q, k, v), want) < 1e-6
+      assert out.sharding.spec == outer or not explicit
+      if explicit:
+        assert seen == [inner], seen
+
+
+def test_float32_on_gpus_is_checked_at_tensorfloat32_precision(monkeypatch):
+  """XLA's default float32 dot on NVIDIA GPUs rounds its operands to TensorFloat-32, so a user's plain float32
+  program differs from the full-precision reference there by about 1e-4-1e-3 (on two H200s the plain attention
+  failed the check at 2.39e-4 above 1e-4, and the tune had no plain program to beat): on GPUs such an error
+  passes; on CPUs, where float32 is computed in full, it still fails."""
+  assert measure.tolerance(jnp.float32, "gpu") == measure.TF32_TOLERANCE > measure.tolerance(jnp.float32) == 1e-4
+  assert measure.tolerance(jnp.bfloat16, "gpu") == measure.tolerance(jnp.bfloat16)
+  prog = jm.programs.matmul(64, 128, 256)
+  (p,) = laid_out(prog, make_mesh("8"))
+  inputs = prog.random_inputs(fresh_key())
+  off = prog.reference(*inputs) * (1 + 5e-4)  # relative error 5e-4
+  on_cpu = measure.measure(p, inputs, off, iters=1)
+  assert on_cpu.status == measure.FAILED and on_cpu.reason.startswith("wrong result: relative error 5.0")
+  monkeypatch.setattr(measure, "platform_of", lambda mesh: "gpu")
+  on_gpu = measure.measure(p, inputs, off, iters=1)
+  assert on_gpu.status == measure.OK and on_gpu.rel_err == pytest.approx(5e-4, rel=0.05)
 
 
 def test_a_slowed_schedule_never_wins_and_the_plain_program_is_the_answer(slow_kernel, tmp_path):

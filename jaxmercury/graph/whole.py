@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmercury.graph.dag import INPUT
 from jaxmercury.graph.execute import compile_plan
 from jaxmercury.tuner import decide, measure
+from jaxmercury.tuner.plain import platform_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +120,9 @@ def _ready(c: Contestant, inputs, params, mesh, cotangent):
   return functools.partial(compiled, *args), jax.block_until_ready(compiled(*args))
 
 
-def _differs(got, want, training: bool) -> str | None:
-  """Why ``got`` (the outputs; in training also every gradient) is not ``want``'s values, or None."""
+def _differs(got, want, training: bool, platform: str) -> str | None:
+  """Why ``got`` (the outputs; in training also every gradient, on devices of ``platform``) is not ``want``'s
+  values, or None."""
   got, want = jax.tree.leaves(got), jax.tree.leaves(want)
   if len(got) != len(want):
     return f"{len(got)} results where the reference has {len(want)}"
@@ -128,7 +130,7 @@ def _differs(got, want, training: bool) -> str | None:
     if a.shape != b.shape:
       return f"result {k} has shape {a.shape}, not {b.shape}"
     err = measure.rel_err(a, b)
-    tol = (measure.gradient_tolerance if training else measure.tolerance)(b.dtype)
+    tol = (measure.gradient_tolerance if training else measure.tolerance)(b.dtype, platform)
     if not np.isfinite(err) or err > tol:
       return f"relative error {err:.2e} in result {k}"
   return None
@@ -184,7 +186,7 @@ def choose(plans, wholes: Sequence[WholeProgram], inputs: dict, params: dict, *,
                          "check the plans against")
       reference = results
     else:
-      why = _differs(results, reference, training)
+      why = _differs(results, reference, training, platform_of(mesh))
       if why is not None:
         failed[c.name] = f"differs from {entrants[0].name}: {why}"
         log(f"  {c.name}: {failed[c.name]}")

@@ -54,8 +54,9 @@ def skip_if_hidden(ctx, compute, empty, *blocks, mask: AttentionMask | None = No
 
 
 def _empty_state(q, k, v, *extras):
-  b, i, hk, g, d = q.shape
-  return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
+  """A hidden block's state, laid out as ``q`` (with Explicit axes, ``cond``'s branches must agree on it)."""
+  out = jnp.zeros_like(q, dtype=jnp.float32)
+  return out, jnp.full_like(out[..., 0], -jnp.inf)
 
 
 def _attend(q, k, v, keep):

@@ -18,11 +18,13 @@ whole arrays with the program's own shapes and dtypes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxmercury.programs.masks import mask_of
 from jaxmercury.programs.moe import einsum_dispatch, expert_capacity
@@ -42,12 +44,16 @@ class Plain:
     make: ``make(program) -> f(*inputs) -> output`` on whole arrays.
     why_not: ``why_not(program, platform) -> reason | None``: why it does not apply on devices of ``platform``
       (``"cpu"``, ``"gpu"``, ...); None: it applies.
+    layout: ``layout(program, specs, sizes) -> specs``: the input layouts (a ``PartitionSpec`` per input) JAX can
+      partition the call in, from the caller's ``specs`` on mesh levels of ``sizes`` (``{level: size}``); None:
+      any layout (XLA partitions it).
   """
 
   name: str
   implementation: str
   make: Callable
   why_not: Callable = lambda program, platform: None
+  layout: Callable | None = None
 
   @property
   def label(self) -> str:
@@ -90,6 +96,40 @@ def _cudnn_why_not(program, platform: str) -> str | None:
   return None
 
 
+def _levels(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(levels: tuple[str, ...]):
+  return None if not levels else levels[0] if len(levels) == 1 else levels
+
+
+def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
+  """The layouts cuDNN's attention is partitioned in: ``q``, ``k`` and ``v`` [b, len, heads, d] split alike, over
+  batch and heads only (``jax.nn.dot_product_attention`` raises at compile time for any other). The caller's
+  batch and heads splits are kept where the three share them; the mesh levels it splits anything else over
+  (a sequence, the head dimension, unlike splits) go to the heads where both head counts divide, else to the
+  batch, else nowhere (those levels then hold whole copies).
+
+  Before / after (a sequence split, 8 kv heads, mesh ``x=2``)::
+
+    q [b, i@x, h, d], k, v [b, j@x, hk, d]   ->   q [b, i, h@x, d], k, v [b, j, hk@x, d]
+  """
+  q, k, v = (tuple(spec) + (None,) * (4 - len(spec)) for spec in specs[:3])
+  batch = _levels(q[0]) if q[0] == k[0] == v[0] else ()
+  heads = _levels(q[2]) if q[2] == k[2] == v[2] else ()
+  used = [lv for spec in (q, k, v) for entry in spec for lv in _levels(entry)]
+  moved = tuple(dict.fromkeys(lv for lv in used if lv not in batch + heads))
+  split = lambda levels: math.prod(sizes[lv] for lv in levels)
+  b, h, hk = program.buffer("q").shape[0], program.buffer("q").shape[2], program.buffer("k").shape[2]
+  if moved and h % split(heads + moved) == 0 and hk % split(heads + moved) == 0:
+    heads += moved
+  elif moved and b % split(batch + moved) == 0:
+    batch += moved
+  spec = PartitionSpec(_entry(batch), None, _entry(heads), None)
+  return (spec,) * 3 + tuple(specs[3:])
+
+
 def _xla_attention_why_not(program, platform: str) -> str | None:
   if _cudnn_why_not(program, platform) is None:
     return "cuDNN applies: the plain attention a user runs there"
@@ -121,7 +161,7 @@ def _einsum_dispatch_why_not(program, platform: str) -> str | None:
 # By pattern: the plain programs, in the order a tune offers them.
 PLAIN = {
     "matmul": (Plain("jnp.dot", XLA, _dot),),
-    "attention": (Plain("dot_product_attention", CUDNN, _attention(CUDNN), _cudnn_why_not),
+    "attention": (Plain("dot_product_attention", CUDNN, _attention(CUDNN), _cudnn_why_not, _cudnn_layout),
                   Plain("dot_product_attention", XLA, _attention(XLA), _xla_attention_why_not)),
     # a mixture of experts as Flax's and MaxText's layers write it, and the dense form (every expert, masked)
     "moe": (Plain("einsum_dispatch", XLA, _einsum_dispatch, _einsum_dispatch_why_not), REFERENCE),

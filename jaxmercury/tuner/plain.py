@@ -15,7 +15,11 @@ Layouts are the caller's (``in_shardings``, ``out_sharding``) where given,
 else the default layout (``default_specs``): the output's first spatial axis
 that the mesh's device count divides is split over every mesh level, in the
 output and in every input indexed by it; everything else is whole. (A GEMM's
-rows: ``A`` and ``C`` split by rows, ``B`` whole; attention's queries.)
+rows: ``A`` and ``C`` split by rows, ``B`` whole; attention's queries.) A
+definition that JAX partitions only in some layouts (``Plain.layout``:
+cuDNN's attention splits batch and heads, nothing else) is called in those:
+inputs in other layouts are moved to them first (XLA's all-to-all), as a
+user would have to; where the caller gives none, they are its layouts.
 """
 
 from __future__ import annotations
@@ -107,12 +111,24 @@ class PlainProgram:
       sharding = NamedSharding(mesh, spec)
       return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
 
+    inner = self.inner_shardings()
+
     def run(*inputs):
       prog.check_inputs(inputs)
-      return constrain(fn(*[constrain(x, s) for x, s in zip(inputs, self.in_shardings)]), self.out_sharding)
+      xs = [constrain(x, s) for x, s in zip(inputs, self.in_shardings)]
+      if inner != self.in_shardings:  # moved to layouts the call's partitioner takes (an all-to-all)
+        xs = [constrain(x, s) for x, s in zip(xs, inner)]
+      return constrain(fn(*xs), self.out_sharding)
 
     run.__name__ = f"{prog.name.replace(' ', '_')}_plain"
     return jax.jit(run)
+
+  def inner_shardings(self) -> tuple:
+    """The input layouts the definition is called in: its own (``Plain.layout``: cuDNN's attention splits batch
+    and heads only) where it has one, else the inputs'."""
+    if self.plain.layout is None:
+      return self.in_shardings
+    return tuple(self.plain.layout(self.program, self.in_shardings, self.levels))
 
   def memory_bytes(self) -> int:
     """Per device: its inputs and output in their layouts (XLA's temporaries are not estimated)."""
@@ -217,12 +233,26 @@ def default_specs(program: Program, mesh) -> tuple[tuple, PartitionSpec]:
 
 def plain_programs(program: Program, mesh, in_shardings=None, out_sharding=None) -> list[PlainProgram]:
   """The plain programs that apply on ``mesh``'s devices, in the caller's layouts (a None entry, or none given: the
-  default layout)."""
-  ins, out = default_specs(program, mesh)
-  if in_shardings is not None:
-    ins = tuple(d if s is None else s for s, d in zip(in_shardings, ins))
-  out = out if out_sharding is None else out_sharding
-  return [PlainProgram(program, mesh, p, ins, out) for p in definitions.applicable(program, platform_of(mesh))]
+  default layout; for a definition with its own layouts, ``Plain.layout``, those: no data moved before the call,
+  and the output stays in the first input's layout)."""
+  defaults, default_out = default_specs(program, mesh)
+  given = in_shardings if in_shardings is not None else (None,) * len(defaults)
+  out = []
+  for plain in definitions.applicable(program, platform_of(mesh)):
+    ins = tuple(d if s is None else s for s, d in zip(given, defaults))
+    result = default_out if out_sharding is None else out_sharding
+    if plain.layout is not None:
+      own = plain.layout(program, ins, dict(mesh.shape))
+      ins = tuple(o if s is None else s for s, o in zip(given, own))
+      if out_sharding is None and given[0] is None and _same_dims(program.reads[0], program.writes):
+        result = ins[0]
+    out.append(PlainProgram(program, mesh, plain, ins, result))
+  return out
+
+
+def _same_dims(a, b) -> bool:
+  """Whether buffers ``a`` and ``b`` have the same dims (attention's ``q`` and ``o``)."""
+  return [[x.name for x in d] for d in a.dims] == [[x.name for x in d] for d in b.dims]
 
 
 def is_plain(runnable) -> bool:
