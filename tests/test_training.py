@@ -1,5 +1,6 @@
 """Gradients of distributed schedules equal jax.grad of the plain reference."""
 
+import contextlib
 import random
 import re
 
@@ -150,6 +151,32 @@ def test_head_parallel_backward_is_one_fused_call(causal):
   text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))).lower(*xs).as_text()
   for collective in ("all_to_all", "collective_permute", "all_gather", "reduce_scatter", "all_reduce"):
     assert collective not in text, collective
+
+
+@pytest.mark.parametrize("axis_type,inside", [(AxisType.Explicit, True), (AxisType.Auto, False)])
+def test_the_head_parallel_strategy_moves_nothing_and_trains_in_one_backward_call(axis_type, inside):
+  """``head_parallel`` splits the kv heads over every level, at a length the mesh does not divide: no collective
+  forward or backward for inputs in its layouts, the backward one call per device, the gradients right; where the
+  kv heads do not divide over the devices it is not offered."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxmercury.lowering.local_backward import local_reason
+  mesh = make_mesh("2x4", axis_type)
+  both = ("node", "gpu")
+  heads = P(None, None, both, None)
+  assert "head_parallel" not in jm.library(jm.programs.attention(1, 16, 2, 36, 36, 8), mesh)
+  for prog in (jm.programs.attention(1, 16, 8, 36, 36, 8, causal=True), jm.programs.attention(2, 8, 8, 36, 36, 8)):
+    with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+      schedule = jm.library(prog, mesh)["head_parallel"]
+      assert [schedule.plan().user_spec(b) for b in ("q", "k", "v", "o")] == [heads] * 4
+      assert local_reason(schedule) is None and "communication: none" in str(schedule)
+      _check_grads(schedule)
+      xs = [jax.device_put(x, NamedSharding(mesh, heads)) for x in prog.random_inputs(fresh_key())]
+      f = schedule.compile()
+      text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))).lower(*xs).as_text()
+      for collective in ("all_to_all", "collective_permute", "all_gather", "reduce_scatter", "all_reduce"):
+        assert collective not in text, collective
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel", "tree"])

@@ -114,6 +114,14 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     split(s, head, levels[::-1])  # innermost level first: each level is one all-to-all
     return s
 
+  def head_parallel():
+    s = Schedule(program, mesh)
+    total = math.prod(s.levels.values())
+    if program.axes["hk"].extent % total:
+      raise ScheduleError(f"head_parallel: {program.axes['hk'].extent} kv heads do not divide over {total} devices")
+    split(s, "hk", levels)
+    return s
+
   def usp():
     if len(levels) < 2:
       raise ScheduleError("usp needs a mesh of two levels")
@@ -128,7 +136,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     return s
 
   for name, build in (("context_parallel", ctx_parallel), ("ring", ring), ("ring_zigzag", ring_zigzag),
-                      ("ulysses", ulysses), ("usp", usp), ("tree", tree)):
+                      ("ulysses", ulysses), ("head_parallel", head_parallel), ("usp", usp), ("tree", tree)):
     _try(out, name, build)
   return out
 
@@ -305,8 +313,10 @@ def library(program, mesh) -> dict[str, Schedule]:
   attention: ``context_parallel`` (all-gathered K/V), ``ring``
   (RingAttention), ``ring_zigzag`` (the ring with queries and keys in zigzag
   order, so causal work is balanced), ``ulysses`` (heads spread, all-to-all from sequence-sharded
-  inputs), ``usp`` (heads on the inner level, ring on the outer; two-level
-  meshes), ``tree`` (keys spread, log-sum-exp merge). matmul:
+  inputs), ``head_parallel`` (kv heads spread over every level, where they divide: no communication for
+  callers whose heads are split, as in a tensor-parallel attention block; each device's attention is whole, so
+  its backward is one fused call, ``lowering.local_backward``), ``usp`` (heads on the inner level, ring on the
+  outer; two-level meshes), ``tree`` (keys spread, log-sum-exp merge). matmul:
   ``allgather_matmul``, ``matmul_reducescatter``, ``async_tp`` (all-gather
   ring overlapped with the GEMM), ``async_tp_reducescatter`` (partial outputs
   passed around the ring), ``data_parallel`` (rows spread, B replicated: no
