@@ -171,3 +171,30 @@ def test_jax_cudnn_attention_calls_are_routed(kwargs):
   want = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
   for name, g, w in zip("qkv", got, want):
     assert rel_err(f32(g), f32(w)) < GRAD_TOL, name
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_the_plain_cudnn_program_runs_in_any_caller_layout(axis_type, training):
+  """The plain cuDNN attention a tune measures (``tuner.plain``): cuDNN's partitioner takes batch and head splits
+  only, so inputs split along the sequence are moved to the heads for the call (on two H200s the sequence split
+  did not compile, 2026-11-28); without layouts given it is laid out by heads. Checked and timed as a tune does,
+  outputs (and gradients) against the float32 reference."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxmercury.tuner import measure
+  from jaxmercury.tuner.plain import plain_programs
+  from jaxmercury.tuner.reference import trial
+  mesh = jax.make_mesh((len(jax.devices()),), ("x",), axis_types=(axis_type,))
+  n = len(jax.devices())
+  prog = jm.programs.attention(1, 4 * n, n, 1024 * n, 1024 * n, 128, causal=True, dtype=jnp.bfloat16)
+  seq, heads = P(None, "x", None, None), P(None, None, "x", None)
+  (free,) = [p for p in plain_programs(prog, mesh) if p.plain.implementation == "cudnn"]
+  (given,) = [p for p in plain_programs(prog, mesh, (seq,) * 3, seq) if p.plain.implementation == "cudnn"]
+  assert free.in_shardings == ((heads,) * 3 if n > 1 else (P(None, None, None, None),) * 3)  # one GPU: nothing split
+  assert given.in_shardings == (seq,) * 3 and given.inner_shardings() == (heads,) * 3
+  inputs, cot, reference = trial(prog, int(jax.random.randint(fresh_key(), (), 0, 2 ** 30)), jax.devices()[0],
+                                 training=training)
+  for plain in (free, given):
+    result = measure.measure(plain, inputs, reference, iters=2, cotangent=cot)
+    assert result.status == measure.OK, (plain.in_shardings, result.reason)
