@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
+from jaxmercury.ir.loops import spec_levels
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -66,7 +68,7 @@ class Layout:
     dims = []
     for d in range(rank):
       entry = spec[d] if d < len(spec) else None
-      dims.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+      dims.append(spec_levels(entry))
     return cls(tuple(dims), tuple(partial))
 
   @property

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis.layouts import Layout
 from jaxmercury.errors import PreconditionError, ScheduleError
-from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR
+from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR, spec_levels
 from jaxmercury.kernels.work import Block
 from jaxmercury.programs.masks import mask_of
 
@@ -154,7 +154,7 @@ def from_spec(spec: PartitionSpec, buf) -> Layout:
   out = []
   for dim, group in enumerate(buf.dims):
     entry = spec[dim] if dim < len(spec) else None
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = spec_levels(entry)
     out.extend([names] + [()] * (len(group) - 1))
   return Layout(tuple(out))
 

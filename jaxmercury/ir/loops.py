@@ -9,6 +9,12 @@ SERIAL = "serial"  # a temporal loop: one body call per iteration
 PARALLEL = "parallel"  # spread over one mesh level
 
 
+def spec_levels(entry) -> tuple[str, ...]:
+  """The mesh levels one ``PartitionSpec`` entry names (None: none; a level's name; a tuple of them), major
+  first."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 @dataclasses.dataclass
 class Loop:
   """One loop of the nest.

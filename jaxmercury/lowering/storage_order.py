@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.ir import orders
+from jaxmercury.ir.loops import spec_levels
 
 
 def zigzag_moves(chunks: int, to_storage: bool) -> np.ndarray:
@@ -81,10 +82,7 @@ def routes(dest: np.ndarray, devices: int):
 
 def sharded_levels(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
   """The mesh levels that split dimension ``dim`` under ``spec`` (major first)."""
-  entry = spec[dim] if dim < len(spec) else None
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+  return spec_levels(spec[dim] if dim < len(spec) else None)
 
 
 def exchange(x, dim: int, levels: tuple[str, ...], plan):

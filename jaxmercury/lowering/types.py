@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from jaxmercury.ir.loops import spec_levels
+
 
 def explicit(mesh) -> bool:
   """Whether any axis of ``mesh`` is Explicit (shardings are then types)."""
@@ -27,10 +29,6 @@ def entries(spec: PartitionSpec | None, rank: int) -> list:
   """``spec``'s entries padded with None to ``rank``."""
   out = list(spec or PartitionSpec())
   return (out + [None] * rank)[:rank]
-
-
-def levels(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def spec_of(x, mesh) -> PartitionSpec:
@@ -48,7 +46,7 @@ def _only(spec: PartitionSpec, rank: int, names: set) -> PartitionSpec:
   """``spec`` with the mesh axes not in ``names`` left out."""
   out = []
   for entry in entries(spec, rank):
-    kept = tuple(lv for lv in levels(entry) if lv in names)
+    kept = tuple(lv for lv in spec_levels(entry) if lv in names)
     out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return PartitionSpec(*out)
 
@@ -94,7 +92,7 @@ def axes_to_groups(spec: PartitionSpec, groups: Sequence[int], shape: Sequence[i
     part = flat[k:k + n]
     if any(part[1:]):
       return None
-    if part[0] is not None and shape[k] % math.prod(sizes[lv] for lv in levels(part[0])):
+    if part[0] is not None and shape[k] % math.prod(sizes[lv] for lv in spec_levels(part[0])):
       return None
     out.append(part[0])
     k += n
@@ -149,7 +147,7 @@ def flatten(x, mesh, groups: Sequence[int], target: PartitionSpec | None = None)
       return y
     sizes, wanted, out, k = dict(mesh.shape), entries(target, len(groups)), [], 0
     for d, n in enumerate(groups):
-      split = math.prod(sizes[lv] for lv in levels(wanted[d]))
+      split = math.prod(sizes[lv] for lv in spec_levels(wanted[d]))
       out.append(wanted[d] if n == 1 or shape[k] % split == 0 else None)
       k += n
     return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, PartitionSpec(*out)))
@@ -178,7 +176,7 @@ def unflatten(y, mesh, shape: Sequence[int], groups: Sequence[int], known: Parti
   sizes, spec, out, k = dict(mesh.shape), entries(current, y.ndim), [], 0
   undivided = []
   for d, n in enumerate(groups):
-    split = math.prod(sizes[lv] for lv in levels(spec[d]))
+    split = math.prod(sizes[lv] for lv in spec_levels(spec[d]))
     if spec[d] is not None and shape[k] % split:
       undivided.append(d)
     out += [spec[d]] + [None] * (n - 1)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxmercury.ir.loops import spec_levels
 from jaxmercury.programs.masks import mask_of
 from jaxmercury.programs.moe import einsum_dispatch, expert_capacity
 
@@ -96,10 +97,6 @@ def _cudnn_why_not(program, platform: str) -> str | None:
   return None
 
 
-def _levels(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _entry(levels: tuple[str, ...]):
   return None if not levels else levels[0] if len(levels) == 1 else levels
 
@@ -116,9 +113,9 @@ def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
     q [b, i@x, h, d], k, v [b, j@x, hk, d]   ->   q [b, i, h@x, d], k, v [b, j, hk@x, d]
   """
   q, k, v = (tuple(spec) + (None,) * (4 - len(spec)) for spec in specs[:3])
-  batch = _levels(q[0]) if q[0] == k[0] == v[0] else ()
-  heads = _levels(q[2]) if q[2] == k[2] == v[2] else ()
-  used = [lv for spec in (q, k, v) for entry in spec for lv in _levels(entry)]
+  batch = spec_levels(q[0]) if q[0] == k[0] == v[0] else ()
+  heads = spec_levels(q[2]) if q[2] == k[2] == v[2] else ()
+  used = [lv for spec in (q, k, v) for entry in spec for lv in spec_levels(entry)]
   moved = tuple(dict.fromkeys(lv for lv in used if lv not in batch + heads))
   split = lambda levels: math.prod(sizes[lv] for lv in levels)
   b, h, hk = program.buffer("q").shape[0], program.buffer("q").shape[2], program.buffer("k").shape[2]

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmercury.analysis import placements
 from jaxmercury.errors import InputError, LayoutError, MeshError, ProgramError, UnknownLevelError
-from jaxmercury.ir.loops import PARALLEL
+from jaxmercury.ir.loops import PARALLEL, spec_levels
 from jaxmercury.ir.program import Program
 from jaxmercury.kernels import registry
 
@@ -85,7 +85,7 @@ def check_sharding(buf, levels: Mapping[str, int], spec, what: str):
     raise LayoutError(f"{what}: {spec} has more entries than {buf} has dimensions ({len(buf.dims)})")
   seen = set()
   for dim, entry in enumerate(spec):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = spec_levels(entry)
     size = 1
     for n in names:
       check_level(levels, n, f"{what} for {buf.name}")

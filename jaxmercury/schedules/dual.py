@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmercury.analysis.memory import block_sizes
 from jaxmercury.errors import PreconditionError, ScheduleError
-from jaxmercury.ir.loops import SERIAL
+from jaxmercury.ir.loops import SERIAL, spec_levels
 from jaxmercury.kernels import registry
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.schedules.schedule import Schedule
@@ -136,7 +136,7 @@ def _storage_specs(schedule):
   for b in prog.reads + (prog.writes,):
     entries = _full(plan.user_spec(b.name), len(b.dims))
     for dim, (entry, size) in enumerate(zip(entries, b.shape)):
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      names = spec_levels(entry)
       if size % math.prod(schedule.levels[n] for n in names):
         entries[dim] = None
     specs[b.name] = entries

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmercury.ir.loops import spec_levels
 from jaxmercury.tuner.plain import is_plain, platform_of
 from jaxmercury.tuner.timeout import run_limited
 
@@ -182,8 +183,7 @@ def _divisible(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
   the program, so that is where the caller's array starts."""
   entries = []
   for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    levels = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    entries.append(entry if size % math.prod(mesh.shape[n] for n in levels) == 0 else None)
+    entries.append(entry if size % math.prod(mesh.shape[n] for n in spec_levels(entry)) == 0 else None)
   return PartitionSpec(*entries)
 
 

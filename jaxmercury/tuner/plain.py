@@ -32,6 +32,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxmercury.errors import TraceError
+from jaxmercury.ir.loops import spec_levels
 from jaxmercury.ir.program import Program
 from jaxmercury.programs import plain as definitions
 from jaxmercury.schedules import trace as trace_format
@@ -135,10 +136,7 @@ class PlainProgram:
     sizes = self.levels
     total = 0
     for buf, spec in [*zip(self.program.reads, self.in_shardings), (self.program.writes, self.out_sharding)]:
-      split = 1
-      for entry in spec:
-        for level in (entry,) if isinstance(entry, str) else (entry or ()):
-          split *= sizes[level]
+      split = math.prod(sizes[level] for entry in spec for level in spec_levels(entry))
       total += math.prod(buf.shape) * buf.dtype.itemsize // split
     return int(total)
 
