@@ -460,9 +460,9 @@ def measure(schedule, inputs, reference, *, warmup: int = 2, iters: int = 10,
                        compile_s=compile_s)
   diffs, norms = np.sum(rows[:, 2:2 + len(names)], axis=0), np.sum(rows[:, 2 + len(names):], axis=0)
   errs = [float(np.sqrt(d / (n if n else 1.0))) for d, n in zip(diffs, norms)]
-  err = errs[0]
+  err, platform = errs[0], platform_of(schedule.mesh)
   for k, (name, e) in enumerate(zip(names, errs)):
-    tol = (tolerance if k == 0 else gradient_tolerance)(prog.writes.dtype, platform_of(schedule.mesh))
+    tol = (tolerance if k == 0 else gradient_tolerance)(prog.writes.dtype, platform)
     if e > tol:
       what = "wrong result" if k == 0 else f"wrong gradient {name}"
       return Measurement(FAILED, rel_err=err, reason=f"{what}: relative error {e:.2e} above {tol:.0e}",

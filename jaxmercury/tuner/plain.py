@@ -235,10 +235,10 @@ def plain_programs(program: Program, mesh, in_shardings=None, out_sharding=None)
   and the output stays in the first input's layout)."""
   defaults, default_out = default_specs(program, mesh)
   given = in_shardings if in_shardings is not None else (None,) * len(defaults)
+  callers = tuple(d if s is None else s for s, d in zip(given, defaults))
   out = []
   for plain in definitions.applicable(program, platform_of(mesh)):
-    ins = tuple(d if s is None else s for s, d in zip(given, defaults))
-    result = default_out if out_sharding is None else out_sharding
+    ins, result = callers, default_out if out_sharding is None else out_sharding
     if plain.layout is not None:
       own = plain.layout(program, ins, dict(mesh.shape))
       ins = tuple(o if s is None else s for s, o in zip(given, own))
