@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmercury.kernels.work import Block, Work, body_share
+from jaxmercury.programs.attention import empty_state  # noqa: F401  (the kernels' hidden-block state)
 
 VISIBLE, HIDDEN, PARTIAL = 0, 1, 2
 
@@ -38,12 +39,6 @@ def position_case(ctx):
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   qs, ks = ctx.start("i"), ctx.start("j")
   return jnp.where(ks + tk - 1 <= qs, VISIBLE, jnp.where(ks > qs + tq - 1, HIDDEN, PARTIAL))
-
-
-def empty_state(q, k, v):
-  """The forward state of a hidden block: a zero output and a log-sum-exp of ``-inf``."""
-  b, i, hk, g, d = q.shape
-  return jnp.zeros((b, i, hk, g, d), jnp.float32), jnp.full((b, i, hk, g), -jnp.inf, jnp.float32)
 
 
 def dispatch(ctx, operands, *, visible, hidden, partial):

@@ -35,11 +35,11 @@ def attention_block(ctx, q, k, v, *extras, causal: bool = False, mask: Attention
   mask = mask if mask is not None else AttentionMask(causal=causal)
   if mask.data:
     keep = mask.keep(ctx, extras)
-    return jax.lax.cond(~jnp.any(keep), lambda q, k, v, keep: _empty_state(q, k, v),
+    return jax.lax.cond(~jnp.any(keep), lambda q, k, v, keep: empty_state(q, k, v),
                         lambda q, k, v, keep: _attend(q, k, v, keep), q, k, v, keep)
   attend = lambda ctx, q, k, v: _attend(q, k, v, mask.keep(ctx, ()))
   if mask.positional:
-    return skip_if_hidden(ctx, attend, _empty_state, q, k, v, mask=mask)
+    return skip_if_hidden(ctx, attend, empty_state, q, k, v, mask=mask)
   return attend(ctx, q, k, v)
 
 
@@ -53,8 +53,9 @@ def skip_if_hidden(ctx, compute, empty, *blocks, mask: AttentionMask | None = No
   return jax.lax.cond(hidden(ctx, mask), lambda *x: empty(*x), lambda *x: compute(ctx, *x), *blocks)
 
 
-def _empty_state(q, k, v, *extras):
-  """A hidden block's state, laid out as ``q`` (with Explicit axes, ``cond``'s branches must agree on it)."""
+def empty_state(q, k, v, *extras):
+  """The forward state of a hidden block: a zero output and a log-sum-exp of ``-inf``, laid out as ``q`` (with
+  Explicit axes, ``cond``'s branches must agree on it)."""
   out = jnp.zeros_like(q, dtype=jnp.float32)
   return out, jnp.full_like(out[..., 0], -jnp.inf)
 
