@@ -1,7 +1,7 @@
-"""One command for every benchmark suite, and for the results README.
+"""One command for every benchmark suite, and for README.md's results table.
 
   python -m benchmarks.run --suite attention|gemm|fused|training|llama|kernels|tuner|model|moe [--smoke] [--out F] ...
-  python -m benchmarks.run readme [--check]      # benchmarks/results/README.md and README.md's results table
+  python -m benchmarks.run readme [--check]      # README.md's results table, from the results files
   python -m benchmarks.run report FILE           # the tables of one results file
 
 Suites (``--help`` lists every flag; each suite's module says what it times):

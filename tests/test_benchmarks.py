@@ -268,7 +268,7 @@ def test_llama_reprice_of_recorded_gpu_runs(tmp_path):
   """The plans two 2 x H200 runs timed (4K and 32K tokens), rebuilt from their recorded choices and calibrated
   figures and priced by the current cost model: every recorded choice is still offered, and every prediction,
   forward and training step, lies within 15% of the measured time."""
-  files = [f"benchmarks/results/2026-11-24-s11-llama_block-{seq}-2xH200.json" for seq in (4096, 32768)]
+  files = [f"tests/data/2026-11-24-s11-llama_block-{seq}-2xH200.json" for seq in (4096, 32768)]
   out = tmp_path / "predictions.json"
   proc = _run("--suite", "llama", "--reprice", *files, "--out", str(out))
   assert proc.returncode == 0, proc.stderr[-3000:]

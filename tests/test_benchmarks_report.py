@@ -1,5 +1,6 @@
-"""The benchmarks' parts that need no suite run: the harness, the runner's budget and resume, the plans, the
-generated results README and README table, and the baselines' GPU paths (lowered for CUDA without a GPU)."""
+"""The benchmarks' parts that need no suite run: the harness, the runner's budget and resume, the plans, README's
+generated results table and the results files it and the docs cite, and the baselines' GPU paths (lowered for CUDA
+without a GPU)."""
 
 import dataclasses
 import json
@@ -146,20 +147,28 @@ def test_plans_follow_the_flags_and_the_mercury_evaluation():
   assert smoke.iters == 3 and smoke.out.endswith("jaxmercury-smoke-kernels.json")
 
 
-# ------------------------------------------------------------------ the generated results README and table
+# ------------------------------------------------------------------ the results files and README's table
 
 
-def test_the_results_readme_and_the_readme_table_are_what_the_files_give():
-  """Regenerate with ``python -m benchmarks.run readme`` after adding or changing a results file."""
-  assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == readme.results_readme()
+def test_the_readme_table_is_what_the_files_give_and_shows_no_stale_file():
+  """Regenerate with ``python -m benchmarks.run readme`` after adding or changing a results file; a stale file's
+  row goes (with its file) or names a newer file of its kind."""
   text = (ROOT / "README.md").read_text()
   assert readme.BEGIN in text and readme.END in text, "README.md lost the results table's markers"
   assert text.split(readme.BEGIN)[1].split(readme.END)[0].strip() == readme.readme_table()
   assert readme.main(["readme", "--check"]) == 0
-  jsons = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.json"))
-  listed = [line.split("`")[1] for line in readme.results_readme().splitlines() if line.startswith("| `")]
-  assert sorted(listed) == jsons  # one row per results file
-  assert all(readme.summarize(str(ROOT / "benchmarks" / "results" / name)).headline for _, name in readme.HEADLINES)
+  rows = [readme.summarize(str(ROOT / "benchmarks" / "results" / name)) for _, name in readme.HEADLINES]
+  assert all(r.headline for r in rows)
+  assert not [r.file for r in rows if r.stale], "stale rows in README.md's results table"
+
+
+def test_every_results_file_is_cited_by_the_readme_or_the_docs():
+  """``benchmarks/results/`` keeps the files README.md or a page of ``docs/`` cites, and nothing else (git keeps
+  the superseded ones)."""
+  texts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in (ROOT / "docs").glob("*.md")]
+  uncited = [p.name for p in sorted((ROOT / "benchmarks" / "results").iterdir())
+             if not any(p.name in text for text in texts)]
+  assert not uncited, f"results files no page cites (delete them, or cite them): {uncited}"
 
 
 def _suite_file(path, **extra):
@@ -183,23 +192,35 @@ def test_headlines_come_from_the_records_and_stale_files_say_so(tmp_path):
   assert (row.date, row.suite, row.device, row.commit) == ("2031-01-02", "gemm", "4 x TPU v9", "abc123")
   assert row.headline == ("AG: 0.80-1.25x of the best baseline (2 cases), 25-50% of the floor; "
                           "RS: 1.00x of the best baseline (1 case)")  # the best agreeing contestant per case
+  assert readme.summarize(_suite_file(tmp_path / "s.json"), versus="").headline == (
+      "AG: 0.80-1.25x (2 cases), 25-50% of the floor; RS: 1.00x (1 case)")
   assert row.stale is None
   stale = readme.summarize(_suite_file(tmp_path / "t.json", predates={"commit": "def456", "change": "a new ring"}))
   assert stale.stale == "measured before def456: a new ring"
-  (tmp_path / "u.json").write_text(json.dumps({"date": "2031-01-01", "rates": {"k": 1.0}}))
-  bare = readme.summarize(str(tmp_path / "u.json"))
+  one = _suite_file(tmp_path / "one.json", cases=[{"name": "a", "op": "attention", "contestants": [
+      {"name": "j", "role": "jaxmercury", "ratio_to_best_baseline": 1.5}]}])
+  assert readme.summarize(one).headline == "1.50x of the best baseline (1 case)"  # one group: unnamed
+  (tmp_path / "2031-01-01-u.json").write_text(json.dumps({"rates": {"k": 1.0}}))
+  bare = readme.summarize(str(tmp_path / "2031-01-01-u.json"))
   assert bare.headline is None and bare.suite == "" and bare.commit is None  # listed without a headline
+  assert bare.date == "2031-01-01"  # the file's name gives the date its JSON lacks
+  cli = {"device_kind": "NVIDIA H100 80GB HBM3", "mesh": {"node": 2, "gpu": 4}, "objective": "training",
+         "winner": {"name": "ring", "time_ms": 1.23456}}
+  (tmp_path / "c.json").write_text(json.dumps(cli))
+  tuned = readme.summarize(str(tmp_path / "c.json"))
+  assert (tuned.suite, tuned.device, tuned.headline) == ("jaxmercury.tune", "8 x H100",
+                                                         "winner ring: 1.235 ms (training)")
 
 
 def test_report_tables_name_every_case_and_contestant():
-  with open(ROOT / "benchmarks" / "results" / "2026-11-22-suite2-gemm-2xH200.json") as f:
+  with open(ROOT / "benchmarks" / "results" / "2026-11-28-fused_attention_noncausal-05912d4-2xH200.json") as f:
     results = json.load(f)
   text = readme.report(results)
   for case in results["cases"]:
     assert f"| {case['name']} |" in text
     for r in case["contestants"]:
       assert f"| {case['name']} | {r['name']} |" in text
-  assert "not recorded" in text and readme.problems(results) == []
+  assert "commit 05912d4" in text and readme.problems(results) == []
 
 
 # ------------------------------------------------------------------ code
