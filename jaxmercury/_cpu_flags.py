@@ -3,9 +3,9 @@
 Mosaic GPU interpret mode runs each of a kernel's threads as an XLA execution of its own, started from inside a
 host callback of the program that calls the kernel. XLA's concurrency-optimized scheduler lets independent
 kernels of one program run at once on XLA's CPU thread pool, one thread per core: on a machine of two cores both
-pool threads can then wait inside kernels whose threads need a pool thread to run, and the program hangs (a
-causal training step of the fused ring attention with our backward kernel, ``benchmarks.ws_local --smoke
---training``, hung every time). With the scheduler off, such kernels run one after another.
+pool threads can then wait inside kernels whose threads need a pool thread to run, and the program hangs (as a
+causal training step of the fused ring attention with our backward kernel does). With the scheduler off, such
+kernels run one after another.
 """
 
 DEVICE_COUNT = "--xla_force_host_platform_device_count"

@@ -37,8 +37,8 @@ from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, dense_flops, masked_ax
 from jaxmercury.tuner.measure import place_inputs
 
 REPEATS = 8
-GPU_BLOCK_FLOPS = 1e13  # kernel rates level off well below this (about 15 ms at cuDNN's rate)
-FUSED_PROBE_FLOPS = 2e12  # a fused attention's probe: about 3 ms at cuDNN's rate
+GPU_BLOCK_FLOPS = 1e13  # work per timed block: enough for a kernel's rate to have levelled off
+FUSED_PROBE_FLOPS = 2e12  # a fused attention's probe: a few milliseconds on a GPU
 
 
 def _time(fn, *args, iters: int = 3) -> float:
@@ -254,7 +254,7 @@ def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
   ``FUSED_PROBE_FLOPS``); the rate is its executed flops (a causal program computes half its scores) over
   the time of one call, a few milliseconds, so a launch's fixed cost hardly counts. One length, not two:
   a persistent kernel's last wave of work items is partly idle, differently at each length, which a
-  difference of two times would amplify (measured: 739 TFLOP/s for a kernel that runs at 600). Lowerings
+  difference of two times would amplify (into a rate above the kernel's own). Lowerings
   that do not apply there (another device kind, blocks that do not fit), or fail to run (with a warning), are
   left out.
   """
@@ -303,10 +303,9 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   """Per fused GEMM lowering offered for ``program`` on ``mesh``, its rate on the whole mesh, in flops per
   second per device: the program's flops over the devices, over the time of one call of the first library
   schedule it lowers (``GEMM_STRATEGIES``), on random inputs in that schedule's layouts; calls are dispatched
-  back to back (``_pipelined``), so that dispatch does not count (timed one by one, it took 4-6 times the
-  kernel at 4096^3 on 2 x H200). The ring, its handshakes, padding and launch skew all count, which a
-  kernel's rate on one device leaves out (measured on 2 x H200 at the Llama-3 shapes: the ring costs 12-24%
-  of the local GEMM). ``program`` must be a GEMM (others have none); lowerings that fail to run are left
+  back to back (``_pipelined``), so that dispatch does not count (timed one by one, a call's dispatch can
+  outlast its kernel). The ring, its handshakes, padding and launch skew all count, which a kernel's rate on
+  one device leaves out. ``program`` must be a GEMM (others have none); lowerings that fail to run are left
   out, with a warning.
   """
   if program.pattern != "matmul":
