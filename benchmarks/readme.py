@@ -6,12 +6,12 @@
 
 Every figure comes from a results JSON: a headline is computed from the file's records, never typed. A file whose
 cases hold contestant records with a role and a ratio to the (best) baseline (``benchmarks.run`` and
-``benchmarks.ws_local`` files, and the earlier scripts' ``local_kernels`` and ``fused_gemm``) gives the range, over
-its cases, of jaxmercury's best contestant against the best baseline and of its fraction of the physical floor;
-the tuning CLI's JSON report gives its winner; the llama suite's ``--reprice`` file its predictions over the
-measured times. A file whose JSON says it was measured before a change to the code it describes (``predates``:
-``{"commit", "change"}``) is stale: its row is marked so, and it goes (with its file) or is replaced by a newer
-file of its kind. No JAX here.
+``benchmarks.ws_local`` files, and the earlier ``fused_gemm`` script's) gives the range, over its cases, of
+jaxmercury's best contestant against the best baseline and of its fraction of the physical floor; the tuning
+CLI's JSON report gives its winner; the llama suite's ``--reprice`` file its predictions over the measured times.
+A file whose JSON says it was measured before a change to the code it describes (``predates``: ``{"commit",
+"change"}``) is stale: its row is marked so, and it goes (with its file) or is replaced by a newer file of its
+kind. No JAX here.
 """
 
 from __future__ import annotations
