@@ -323,7 +323,7 @@ def evaluate(program: Plan, routing: Routing, args):
         write(site.outs, loops.rebuild(eqn, [read(r) for r in site.ins], run_body))
       elif id(site) in anchors:
         d = anchors[id(site)]
-        vals = [read(r) for r in d.match.operands]
+        vals = [types.cotangent_like(read(r), routing.mesh) for r in d.match.operands]
         aval = View.aval(site.outs[0])
         if d.match.kind == "attention":
           extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
