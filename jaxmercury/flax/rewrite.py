@@ -229,7 +229,7 @@ def _mask_arguments(m, vals) -> dict:
         ids = _canonical(x, dims, [b, seq])
         out[f"{name}_segment_ids"] = jnp.broadcast_to(ids, (shape[b], shape[seq]))
     else:
-      arrays.append(_canonical(xs[0], term.dims[0], [b, *heads, i, j]))
+      arrays.append(_canonical(xs[0] != 0 if term.nonzero else xs[0], term.dims[0], [b, *heads, i, j]))
   if arrays:
     axes = masks.mask_axes(m.mask, roles)
     full = functools.reduce(jnp.logical_and, arrays)
@@ -239,6 +239,23 @@ def _mask_arguments(m, vals) -> dict:
     out["mask"] = jnp.reshape(full, [sizes[a] for a in axes])
     out["mask_axes"] = axes
   return out
+
+
+def _fill_empty_rows(out, mask: masks.MaskInfo, vs, arguments):
+  """``out [b, s, h, dv]`` with each query that its mask array leaves no key given the mean of the values, as
+  the traced program gives it: its softmax over a row of logits all set to the one fill weighs every key alike
+  (a padded row past a sliding window's reach, say). The operators give such a row zeros."""
+  array = arguments.get("mask")
+  if array is None:
+    return out
+  axes = arguments["mask_axes"]
+  s, t = out.shape[1], vs.shape[1]
+  keep = jax.lax.expand_dims(array, [d for d, a in enumerate("bhij") if a not in axes])
+  keep = keep & jnp.asarray(masks.kept_pairs(mask, s, t))
+  empty = jnp.moveaxis(~jnp.any(keep, axis=-1), 2, 1)[..., None]  # [b or 1, s, h or 1, 1]
+  mean = jnp.mean(vs.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, kv heads, dv]
+  mean = jnp.repeat(mean, out.shape[2] // vs.shape[2], axis=2).astype(out.dtype)
+  return jnp.where(empty, mean, out)
 
 
 def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
@@ -251,8 +268,10 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   factor = m.scale * math.sqrt(qs.shape[-1])
   if abs(factor - 1.0) > 1e-9:
     qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
-  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune,
-                      **d.operator, **_mask_arguments(m, extras), **routing.options())
+  arguments = _mask_arguments(m, extras)
+  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune, **d.operator,
+                      **arguments, **routing.options())
+  out = _fill_empty_rows(out, m.mask, vs, arguments)
   q_order = lay["q"]
   head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
   shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
