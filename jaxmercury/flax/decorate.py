@@ -13,6 +13,7 @@ floating-point rounding. ``rewire`` installs the older hooks (``AttentionFn``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -21,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmercury.flax import rewrite
+from jaxmercury.flax.jaxpr_view import MODULE_SCOPE
 from jaxmercury.flax.report import Report
 from jaxmercury.flax.routes import AttentionFn, DotGeneral, MoeFn, Routing
 
@@ -141,11 +143,47 @@ def _pure(module, cls):
 
   def pure(state, *args, **kwargs):
     m = nnx.merge(graphdef, state)
-    out = cls.__call__(m, *args, **kwargs)
+    with _module_scopes(m):
+      out = cls.__call__(m, *args, **kwargs)
     return out, nnx.state(m)
 
   pure.__qualname__ = f"{cls.__qualname__}.__call__"
   return pure, state
+
+
+@contextlib.contextmanager
+def _module_scopes(module):
+  """While tracing ``module``: each submodule's ``__call__`` in a ``jax.named_scope`` naming its path in the module
+  (``jaxpr_view.MODULE_SCOPE`` + ``layers.0.attn``), which the traced equations keep and ``explain`` reports.
+  The classes' ``__call__`` are wrapped for that time only, and restored after."""
+  paths = {id(m): ".".join(map(str, path)) for path, m in nnx.iter_modules(module) if path}
+  classes = list(dict.fromkeys(type(m) for _, m in nnx.iter_modules(module)))
+  own = {cls: cls.__dict__.get("__call__") for cls in classes}
+  originals = {cls: next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+               for cls in classes}
+
+  def scoped(call):
+    @functools.wraps(call)
+    def wrapper(self, *args, **kwargs):
+      path = paths.get(id(self))
+      if path is None:
+        return call(self, *args, **kwargs)
+      with jax.named_scope(MODULE_SCOPE + path):
+        return call(self, *args, **kwargs)
+    return wrapper
+
+  try:
+    for cls, call in originals.items():
+      if call is not None:
+        cls.__call__ = scoped(call)
+    yield
+  finally:
+    for cls, call in own.items():
+      if call is None:
+        if "__call__" in cls.__dict__:
+          delattr(cls, "__call__")
+      else:
+        cls.__call__ = call
 
 
 def explain(target, *args, mesh=None, database=None, tune: bool = False, **kwargs) -> Report:

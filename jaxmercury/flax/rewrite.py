@@ -35,7 +35,7 @@ from absl import logging
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import loops, masks, patterns
-from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, raised_at
+from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, module_path, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
@@ -62,9 +62,9 @@ def _std_shape(shape, order, groups):
   return tuple(out)
 
 
-def _decide(view, match, routing) -> Decision:
+def _decide(view, match, routing, scope: str = "") -> Decision:
   m = match
-  common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
+  common = dict(kind=m.kind, where=m.where, shapes=m.shapes, module=module_path(view, m.anchor) or scope)
   if m.kind == "attention":
     mask = m.mask.name if m.mask is not None else ""
     if m.layout:
@@ -97,7 +97,8 @@ def _decide(view, match, routing) -> Decision:
     choice = ops.choose(program, routing.mesh, database=routing.database, tune=routing.tune, **routing.options())
   except ScheduleError as e:
     return Decision(m, Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask), {})
-  return Decision(m, Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask), operator)
+  entry = Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask, program=program)
+  return Decision(m, entry, operator)
 
 
 def _inside_custom(view, m) -> str:
@@ -179,17 +180,18 @@ def _known(view: View, site, invariant: dict) -> dict:
   return out
 
 
-def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
+def plan(view: View, routing: Routing, depth: int = 0, scope: str = "") -> Plan:
   """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
-  with it."""
+  with it; ``scope``: the module path of the loop whose body ``view`` is."""
   bodies = {}
   if depth < 8:
     for site in view.sites:
       subs = loops.bodies(site.eqn)
       if subs:
         views = [View(b, _known(view, site, inv)) for b, inv in zip(subs, loops.invariants(site.eqn))]
-        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in views]
-  return Plan(view, [_decide(view, m, routing) for m in patterns.find(view)], bodies)
+        inner_scope = module_path(view, site) or scope
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1, inner_scope)) for v in views]
+  return Plan(view, [_decide(view, m, routing, scope) for m in patterns.find(view)], bodies)
 
 
 # ------------------------------------------------------------------ the operators on matched operands
