@@ -230,7 +230,8 @@ def test_attention_weights_used_elsewhere_fall_back():
 
   report = _explain(weights_too, (2, 16, 4, 8), (2, 16, 4, 8), (2, 16, 4, 8))
   assert [(e.kind, e.routed, e.reason) for e in report] == [
-      ("attention", False, "its attention weights are used elsewhere")]
+      ("attention", False, "its attention weights are a result of the program (returned, or stored by a sow): no "
+                           "operator gives them")]
 
 
 def test_matmul_reasons():
