@@ -4,11 +4,13 @@ jaxmercury operators, and report what was routed.
 Applied to a function, ``distribute`` returns it routed (``rewrite.route``);
 applied to a module class, a subclass whose ``__call__`` runs the class's own
 ``__call__`` as a function of the module's state (``nnx.split``/``merge``),
-routed, and writes the state back; applied to an instance, the instance with
-its class replaced by that subclass. The parameters, their values and the
-state pytree stay what they were, and so do the results, up to
-floating-point rounding. ``rewire`` installs the older hooks (``AttentionFn``,
-``DotGeneral``) on a module's attributes instead.
+routed, and writes the state back; applied to an instance, a new instance of
+that subclass holding the same variables (``nnx.merge`` of the instance's
+``nnx.split``): training either trains both, and the instance given keeps
+running as written. The parameters, their values and the state pytree stay
+what they were, and so do the results, up to floating-point rounding.
+``rewire`` installs the older hooks (``AttentionFn``, ``DotGeneral``) on a
+module's attributes instead.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
 
   Usage::
 
-    model = jaxmercury.distribute(Llama(config, rngs=rngs), mesh=mesh)
+    model = jaxmercury.distribute(Llama(config, rngs=rngs), mesh=mesh)  # a new module, the same variables
 
     @jaxmercury.distribute(mesh=mesh, tune=True, training=True)
     class Model(nnx.Module): ...
@@ -83,8 +85,10 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
       schedules of the fastest training step rather than of the forward.
 
   Returns:
-    The instance (its calls routed; its state unchanged), a subclass whose
-    instances route their calls, the routed function, or a decorator.
+    For an instance, a new module routing its calls that shares the
+    instance's variables (the instance itself is left as it was); for a
+    class, a subclass whose instances route their calls; the routed
+    function; or a decorator.
   """
   routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear)
 
@@ -94,11 +98,11 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
         raise TypeError(f"distribute: {obj.__name__} is not a flax.nnx.Module subclass")
       return _subclass(obj, routing, moe)
     if isinstance(obj, nnx.Module):
-      base = getattr(type(obj), "jaxmercury_base", type(obj))
-      obj.__class__ = _subclass(base, routing, moe)
+      routed = nnx.merge(*nnx.split(obj))  # new modules, the same variables
+      routed.__class__ = _subclass(getattr(type(obj), "jaxmercury_base", type(obj)), routing, moe)
       if moe:
-        rewire(obj, routing, attention=False, linear=False, moe=True)
-      return obj
+        rewire(routed, routing, attention=False, linear=False, moe=True)
+      return routed
     if callable(obj):
       return rewrite.route(getattr(obj, "jaxmercury_original", obj), routing)
     raise TypeError(f"distribute: expected a flax.nnx.Module, a Module class or a function, got "
