@@ -48,11 +48,9 @@ def _gemma_attention(config):
 def test_grouped_heads():
   """Gemma 3 reshapes its logits [B, T, K, G, S] to [B, T, N, S] before the softmax and back after it
   (examples/gemma/modules.py); nnx.dot_product_attention's weights path does the same over [.., H, T, S]."""
-  layer, args = _gemma_attention(um.GemmaConfig())
-  routed = jm.distribute(layer, mesh=MESH)
-  [e] = jm.explain(routed, *args).of_kind("attention")
+  layer, args = _gemma_attention(um.GemmaConfig())  # its results and training: test_models
+  [e] = jm.explain(jm.distribute(layer, mesh=MESH), *args).of_kind("attention")
   assert (e.routed, e.mask, e.shapes) == (True, "band+array", ((2, 16, 8, 8), (2, 16, 2, 8), (2, 16, 2, 8)))
-  assert rel_err(nnx.jit(lambda m, *a: m(*a))(routed, *args), nnx.jit(lambda m, *a: m(*a))(layer, *args)) < 1e-5
   weights_path = functools.partial(nnx.dot_product_attention, dropout_rate=0.1, deterministic=True, is_causal=True)
   e = _routes_alike(weights_path, *_q_kv())
   assert e.mask == "causal"

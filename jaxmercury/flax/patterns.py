@@ -3,14 +3,19 @@
 ``find(view, devices)`` returns one ``Match`` for each attention and each
 contraction of the program:
 
-- attention: ``dot_general`` (queries . keys) -> optional scale, masks
-  (``select_n`` with a large negative fill), casts and transposes ->
-  softmax (``exp(x - max x) / sum``) -> ``dot_general`` (. values), in any
+- attention: ``dot_general`` (queries . keys) -> the code models write
+  between the scores and the softmax (``LOGITS_CASES``: casts, a scale,
+  transposes, grouped heads merged by a reshape, masks as ``select_n`` with
+  a large negative fill; a soft cap and a bias are read and reported) ->
+  softmax (``exp(x - max x) / sum``) -> the code between the softmax and
+  the values (``WEIGHTS_CASES``: casts, transposes, grouped heads split
+  again, a dropout, routed at rate 0) -> ``dot_general`` (. values), in any
   dimension order, with grouped key-value heads (a query operand with more
-  free dimensions than the sequence: ``jax.nn.dot_product_attention``'s
-  reshape of the query heads) or without. What ``jnp.einsum`` attention,
+  free dimensions than the sequence, or heads merged around the softmax)
+  or without. What ``jnp.einsum`` attention (Flax's Gemma example),
   ``flax.nnx.dot_product_attention`` and ``jax.nn.dot_product_attention``'s
-  XLA implementation trace to.
+  XLA implementation trace to. A softmax between two batched products with
+  code no case reads is reported as attention with that code as its reason.
 - attention through cuDNN: the primitive ``jax.nn.dot_product_attention(...,
   implementation="cudnn")`` traces to (``CUDNN_ATTENTION``, inside the
   ``custom_vjp_call`` of JAX's cuDNN attention), with its causal mask,
