@@ -106,9 +106,10 @@ ROUTES: dict[str, Callable[[MaskInfo], dict]] = {
 }
 
 
-def kept_pairs(info: MaskInfo, s: int, t: int) -> np.ndarray:
-  """The ``[s, t]`` (query, key) pairs ``info``'s positional part keeps (``ROUTES``' semantics)."""
-  i, j = np.arange(s)[:, None], np.arange(t)[None, :]
+def kept_pairs(info: MaskInfo, s: int, t: int, xp=np):
+  """The ``[s, t]`` (query, key) pairs ``info``'s positional part keeps (``ROUTES``' semantics), computed with
+  ``xp`` (``numpy``, or ``jax.numpy`` inside a program: from iotas, no constant of ``s * t`` elements)."""
+  i, j = xp.arange(s)[:, None], xp.arange(t)[None, :]
   p = dict(info.params)
   if info.kind == "causal":
     return j <= i
@@ -116,7 +117,7 @@ def kept_pairs(info: MaskInfo, s: int, t: int) -> np.ndarray:
     return (j <= i) & (i - j < p["window"])
   if info.kind == "band":
     return (i - j <= p["left"]) & (j - i <= p["right"])
-  return np.ones((s, t), bool)
+  return xp.ones((s, t), bool)
 
 
 def route(info: MaskInfo) -> dict | None:

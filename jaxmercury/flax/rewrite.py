@@ -253,7 +253,7 @@ def _fill_empty_rows(out, mask: masks.MaskInfo, vs, arguments):
   axes = arguments["mask_axes"]
   s, t = out.shape[1], vs.shape[1]
   keep = jax.lax.expand_dims(array, [d for d, a in enumerate("bhij") if a not in axes])
-  keep = keep & jnp.asarray(masks.kept_pairs(mask, s, t))
+  keep = keep & masks.kept_pairs(mask, s, t, xp=jnp)
   empty = jnp.moveaxis(~jnp.any(keep, axis=-1), 2, 1)[..., None]  # [b or 1, s, h or 1, 1]
   mean = jnp.mean(vs.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, kv heads, dv]
   mean = jnp.repeat(mean, out.shape[2] // vs.shape[2], axis=2).astype(out.dtype)
