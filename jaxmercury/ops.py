@@ -149,6 +149,7 @@ def run(program, mesh, inputs, *, database=None, tune: bool = False, **tune_opti
 
 
 def _run(program, mesh, inputs, database, tune, tune_options):
+  inputs = [types.cotangent_like(x, mesh) for x in inputs]  # gradients of the caller's types
   return run(program, mesh, inputs, database=database, tune=tune, **tune_options)[0]
 
 

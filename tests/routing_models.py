@@ -1,87 +1,20 @@
-"""Small models written the way published model code is, for the routing tests.
+"""Small models written the way published model code is, for the routing tests (Flax's own examples, Gemma
+among them, are in ``upstream_models``).
 
-``Gemma``: the structure of Flax's Gemma example (``nnx.Einsum`` projections
-of stacked heads, grouped key-value heads, the query scaled before an
-einsum -> mask -> softmax (float32) -> einsum attention, alternating global
-(causal) and local (sliding-window) layers, a gated MLP of ``nnx.Einsum``s,
-logits from the embedding table); with ``attn_mask`` [batch, q, kv] (causal and
-padding, computed by the caller) it masks by that array, its local layers cut to
-a two-sided window. ``Decoder``: MaxText's structure (``nnx.Einsum``
-projections, ``jax.nn.dot_product_attention(..., is_causal=True)`` with
-grouped heads, an ``nnx.Linear`` MLP); with ``segment_ids`` it attends
-within the packed sequences (a mask computed from them). ``ScannedDecoder``:
-the same layers stacked and applied by ``nnx.scan``. ``plain_attention``:
-a function of a parameter dict, no Flax.
+``Decoder``: MaxText's structure (``nnx.Einsum`` projections,
+``jax.nn.dot_product_attention(..., is_causal=True)`` with grouped heads, an
+``nnx.Linear`` MLP); with ``segment_ids`` it attends within the packed
+sequences (a mask computed from them). ``ScannedDecoder``: the same layers
+stacked and applied by ``nnx.scan``. ``plain_attention``: a function of a
+parameter dict, no Flax.
 """
-
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB, WINDOW = 32, 4, 2, 8, 64, 64, 4
-
-
-def rms_norm(x, scale):
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6) * (1 + scale)).astype(x.dtype)
-
-
-class GemmaAttention(nnx.Module):
-  def __init__(self, local: bool, rngs):
-    self.local = local
-    self.q_einsum = nnx.Einsum("BTD,DNH->BTNH", (DIM, HEADS, HEAD_DIM), rngs=rngs)
-    self.k_einsum = nnx.Einsum("BSD,DKH->BSKH", (DIM, KV_HEADS, HEAD_DIM), rngs=rngs)
-    self.v_einsum = nnx.Einsum("BSD,DKH->BSKH", (DIM, KV_HEADS, HEAD_DIM), rngs=rngs)
-    self.attn_vec_einsum = nnx.Einsum("BTNH,NHD->BTD", (HEADS, HEAD_DIM, DIM), rngs=rngs)
-
-  def __call__(self, x, attn_mask=None):
-    b, t, _ = x.shape
-    query = self.q_einsum(x) * HEAD_DIM ** -0.5  # query_pre_attn_scalar
-    key, value = self.k_einsum(x), self.v_einsum(x)
-    query = query.reshape(b, t, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-    logits = jnp.einsum("BTKGH,BSKH->BTKGS", query, key).astype(jnp.float32)
-    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    if attn_mask is None:
-      mask = j <= i
-      if self.local:
-        mask = mask & (i - j < WINDOW)
-      mask = mask[None]
-    else:  # the caller's [batch, q, kv] mask; a local layer cuts it to a two-sided window, as Gemma does
-      mask = attn_mask & ((i - j < WINDOW) & (j - i < WINDOW))[None] if self.local else attn_mask
-    logits = jnp.where(mask[:, :, None, None, :], logits, -2.3819763e38)
-    probs = jax.nn.softmax(logits, axis=-1).astype(key.dtype)
-    encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, value).reshape(b, t, HEADS, HEAD_DIM)
-    return self.attn_vec_einsum(encoded)
-
-
-class GemmaBlock(nnx.Module):
-  def __init__(self, local: bool, rngs):
-    self.pre_attention_norm = nnx.Param(jnp.zeros((DIM,)))
-    self.attn = GemmaAttention(local, rngs)
-    self.pre_ffw_norm = nnx.Param(jnp.zeros((DIM,)))
-    self.gating_einsum = nnx.Einsum("BTD,GDF->GBTF", (2, DIM, HIDDEN), rngs=rngs)
-    self.linear = nnx.Einsum("BTF,FD->BTD", (HIDDEN, DIM), rngs=rngs)
-
-  def __call__(self, x, attn_mask=None):
-    x = x + self.attn(rms_norm(x, self.pre_attention_norm[...]), attn_mask)
-    gate, up = self.gating_einsum(rms_norm(x, self.pre_ffw_norm[...]))
-    return x + self.linear(jax.nn.gelu(gate) * up)
-
-
-class Gemma(nnx.Module):
-  def __init__(self, layers: int, rngs):
-    self.embedder = nnx.Param(jax.random.normal(rngs.params(), (VOCAB, DIM)) * DIM ** -0.5)
-    self.layers = nnx.List([GemmaBlock(local=i % 2 == 0, rngs=rngs) for i in range(layers)])
-    self.final_norm = nnx.Param(jnp.zeros((DIM,)))
-
-  def __call__(self, tokens, attn_mask=None):
-    x = self.embedder[...][tokens] * DIM ** 0.5
-    for layer in self.layers:
-      x = layer(x, attn_mask)
-    return rms_norm(x, self.final_norm[...]) @ self.embedder[...].T
+DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 4, 2, 8, 64, 64
 
 
 class DecoderAttention(nnx.Module):
@@ -174,8 +107,3 @@ def plain_attention(params, x):
   s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
   o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
   return jnp.einsum("bqhd,hde->bqe", o, params["wo"])
-
-
-def loss(model, tokens, *extra):
-  logits = model(tokens[:, :-1], *extra)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()

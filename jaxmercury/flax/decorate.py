@@ -4,15 +4,18 @@ jaxmercury operators, and report what was routed.
 Applied to a function, ``distribute`` returns it routed (``rewrite.route``);
 applied to a module class, a subclass whose ``__call__`` runs the class's own
 ``__call__`` as a function of the module's state (``nnx.split``/``merge``),
-routed, and writes the state back; applied to an instance, the instance with
-its class replaced by that subclass. The parameters, their values and the
-state pytree stay what they were, and so do the results, up to
-floating-point rounding. ``rewire`` installs the older hooks (``AttentionFn``,
-``DotGeneral``) on a module's attributes instead.
+routed, and writes the state back; applied to an instance, a new instance of
+that subclass holding the same variables (``nnx.merge`` of the instance's
+``nnx.split``): training either trains both, and the instance given keeps
+running as written. The parameters, their values and the state pytree stay
+what they were, and so do the results, up to floating-point rounding.
+``rewire`` installs the older hooks (``AttentionFn``, ``DotGeneral``) on a
+module's attributes instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -21,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmercury.flax import rewrite
+from jaxmercury.flax.jaxpr_view import MODULE_SCOPE
 from jaxmercury.flax.report import Report
 from jaxmercury.flax.routes import AttentionFn, DotGeneral, MoeFn, Routing
 
@@ -60,7 +64,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
 
   Usage::
 
-    model = jaxmercury.distribute(Llama(config, rngs=rngs), mesh=mesh)
+    model = jaxmercury.distribute(Llama(config, rngs=rngs), mesh=mesh)  # a new module, the same variables
 
     @jaxmercury.distribute(mesh=mesh, tune=True, training=True)
     class Model(nnx.Module): ...
@@ -81,8 +85,10 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
       schedules of the fastest training step rather than of the forward.
 
   Returns:
-    The instance (its calls routed; its state unchanged), a subclass whose
-    instances route their calls, the routed function, or a decorator.
+    For an instance, a new module routing its calls that shares the
+    instance's variables (the instance itself is left as it was); for a
+    class, a subclass whose instances route their calls; the routed
+    function; or a decorator.
   """
   routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear)
 
@@ -92,11 +98,11 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
         raise TypeError(f"distribute: {obj.__name__} is not a flax.nnx.Module subclass")
       return _subclass(obj, routing, moe)
     if isinstance(obj, nnx.Module):
-      base = getattr(type(obj), "jaxmercury_base", type(obj))
-      obj.__class__ = _subclass(base, routing, moe)
+      routed = nnx.merge(*nnx.split(obj))  # new modules, the same variables
+      routed.__class__ = _subclass(getattr(type(obj), "jaxmercury_base", type(obj)), routing, moe)
       if moe:
-        rewire(obj, routing, attention=False, linear=False, moe=True)
-      return obj
+        rewire(routed, routing, attention=False, linear=False, moe=True)
+      return routed
     if callable(obj):
       return rewrite.route(getattr(obj, "jaxmercury_original", obj), routing)
     raise TypeError(f"distribute: expected a flax.nnx.Module, a Module class or a function, got "
@@ -141,11 +147,47 @@ def _pure(module, cls):
 
   def pure(state, *args, **kwargs):
     m = nnx.merge(graphdef, state)
-    out = cls.__call__(m, *args, **kwargs)
+    with _module_scopes(m):
+      out = cls.__call__(m, *args, **kwargs)
     return out, nnx.state(m)
 
   pure.__qualname__ = f"{cls.__qualname__}.__call__"
   return pure, state
+
+
+@contextlib.contextmanager
+def _module_scopes(module):
+  """While tracing ``module``: each submodule's ``__call__`` in a ``jax.named_scope`` naming its path in the module
+  (``jaxpr_view.MODULE_SCOPE`` + ``layers.0.attn``), which the traced equations keep and ``explain`` reports.
+  The classes' ``__call__`` are wrapped for that time only, and restored after."""
+  paths = {id(m): ".".join(map(str, path)) for path, m in nnx.iter_modules(module) if path}
+  classes = list(dict.fromkeys(type(m) for _, m in nnx.iter_modules(module)))
+  own = {cls: cls.__dict__.get("__call__") for cls in classes}
+  originals = {cls: next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+               for cls in classes}
+
+  def scoped(call):
+    @functools.wraps(call)
+    def wrapper(self, *args, **kwargs):
+      path = paths.get(id(self))
+      if path is None:
+        return call(self, *args, **kwargs)
+      with jax.named_scope(MODULE_SCOPE + path):
+        return call(self, *args, **kwargs)
+    return wrapper
+
+  try:
+    for cls, call in originals.items():
+      if call is not None:
+        cls.__call__ = scoped(call)
+    yield
+  finally:
+    for cls, call in own.items():
+      if call is None:
+        if "__call__" in cls.__dict__:
+          delattr(cls, "__call__")
+      else:
+        cls.__call__ = call
 
 
 def explain(target, *args, mesh=None, database=None, tune: bool = False, **kwargs) -> Report:

@@ -240,6 +240,22 @@ class _nothing:
 
 
 # ------------------------------------------------------------------ where an equation comes from
+MODULE_SCOPE = "jaxmercury.module:"  # the prefix of the named scopes naming a module's path (``distribute``'s)
+
+
+def module_path(view: View, site: Site) -> str:
+  """The path of the innermost module whose call made ``site`` (``layers.0.attn``), read from the named scopes
+  ``distribute`` traces a module's calls in; empty where none (a function, the root module)."""
+  eqns = [site.eqn] + [view.calls[site.path[:n]].eqn for n in range(len(site.path) - 1, 0, -1)]
+  for eqn in eqns:
+    info = getattr(eqn, "source_info", None)
+    stack = getattr(getattr(info, "name_stack", None), "stack", ())
+    names = [s.name for s in stack if isinstance(getattr(s, "name", None), str) and s.name.startswith(MODULE_SCOPE)]
+    if names:
+      return names[-1][len(MODULE_SCOPE):]
+  return ""
+
+
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np)) + (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 

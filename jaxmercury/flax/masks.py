@@ -2,8 +2,10 @@
 
 A matched attention masks its logits with ``select_n(pred, fill, logits)``
 (``jnp.where``). ``classify`` splits the predicate into the parts a logical
-``and`` joins (through the broadcasts, transposes and reshapes that only
-place a part on the logits' dims) and reads each part:
+``and`` joins, or, for a mask of numbers (``jnp.where(a * b, ...)`` tests
+``a * b != 0``), the factors a product joins (through the broadcasts,
+transposes and reshapes that only place a part on the logits' dims), and
+reads each part:
 
 - *positional*: it depends on no input of the program (built from
   ``iota``/``tril``/constants). The positional parts are evaluated together
@@ -46,12 +48,16 @@ class Term:
     refs: the program's values.
     dims: for each ref, the logits dim each of its dims lies along (None: a size-1 dim on none).
     note: more detail for the report.
+    nonzero: an array of numbers, keeping where nonzero (a mask multiplied, ``jnp.where(a * b, ...)``).
+    padding: an array varying along the keys (and the batch) alone: a padding mask (named so in reports).
   """
 
   kind: str
   refs: tuple
   dims: tuple
   note: str = ""
+  nonzero: bool = False
+  padding: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +80,15 @@ class MaskInfo:
 
   @property
   def name(self) -> str:
-    """The kinds of its parts, ``+``-joined (``causal+segment_ids``); ``none`` for no mask."""
-    parts = ([self.kind] if self.kind != "none" else []) + [t.kind for t in self.terms]
+    """The kinds of its parts, ``+``-joined (``causal+segment_ids``; an array that is a padding mask:
+    ``padding``); ``none`` for no mask."""
+    parts = ([self.kind] if self.kind != "none" else []) + ["padding" if t.padding else t.kind for t in self.terms]
     return "+".join(dict.fromkeys(parts)) or "none"
 
   def describe(self) -> str:
     words = {"none": "no mask", "causal": "causal mask", "sliding_window": "sliding-window mask",
-             "band": "two-sided window", "segment_ids": "segment-id mask", "array": "mask array", "unknown": "mask"}
+             "band": "two-sided window", "segment_ids": "segment-id mask", "array": "mask array",
+             "padding": "padding mask", "unknown": "mask"}
     extra = ", ".join(f"{k}={v}" for k, v in self.params)
     text = " and ".join(words[p] for p in self.name.split("+"))
     notes = [n for n in (self.note, *(t.note for t in self.terms)) if n]
@@ -98,6 +106,20 @@ ROUTES: dict[str, Callable[[MaskInfo], dict]] = {
 }
 
 
+def kept_pairs(info: MaskInfo, s: int, t: int, xp=np):
+  """The ``[s, t]`` (query, key) pairs ``info``'s positional part keeps (``ROUTES``' semantics), computed with
+  ``xp`` (``numpy``, or ``jax.numpy`` inside a program: from iotas, no constant of ``s * t`` elements)."""
+  i, j = xp.arange(s)[:, None], xp.arange(t)[None, :]
+  p = dict(info.params)
+  if info.kind == "causal":
+    return j <= i
+  if info.kind == "sliding_window":
+    return (j <= i) & (i - j < p["window"])
+  if info.kind == "band":
+    return (i - j <= p["left"]) & (j - i <= p["right"])
+  return xp.ones((s, t), bool)
+
+
 def route(info: MaskInfo) -> dict | None:
   """The operator arguments computing ``info``'s positional part; None where no operator computes the mask."""
   build = ROUTES.get(info.kind)
@@ -105,9 +127,10 @@ def route(info: MaskInfo) -> dict | None:
 
 
 # ------------------------------------------------------------------ following a value to where it is made
-def _back(view: View, ref, dims: tuple, *, ints: bool = False):
+def _back(view: View, ref, dims: tuple, *, ints: bool = False, numbers: bool = False):
   """``ref`` (its dims on the logits dims ``dims``) without the broadcasts, transposes, size-1 reshapes and
-  same-kind casts that only place it; ``ints``: follow integer casts (segment ids), else boolean ones."""
+  same-kind casts that only place it; ``ints``: follow integer casts (segment ids), ``numbers``: numeric ones (a
+  mask made of numbers), else boolean ones."""
   for _ in range(64):
     site = view.producer(ref)
     if site is None:
@@ -123,7 +146,8 @@ def _back(view: View, ref, dims: tuple, *, ints: bool = False):
       ref, dims = site.ins[0], tuple(inv)
     elif p in ("convert_element_type", "copy", "squeeze", "reshape", "expand_dims"):
       src = View.aval(site.ins[0])
-      kind = np.issubdtype(src.dtype, np.integer) if ints else src.dtype == np.bool_
+      kind = (np.issubdtype(src.dtype, np.integer) if ints else src.dtype != np.bool_ if numbers
+              else src.dtype == np.bool_)
       if not kind:
         return ref, dims
       if p in ("convert_element_type", "copy"):
@@ -143,19 +167,38 @@ def _back(view: View, ref, dims: tuple, *, ints: bool = False):
   return ref, dims
 
 
-def _parts(view: View, ref, dims: tuple, out: list):
-  """The parts an ``and`` of booleans joins in ``ref``, each ``(ref, dims)``."""
-  ref, dims = _back(view, ref, dims)
+def _parts(view: View, ref, dims: tuple, out: list, nonzero: bool = False):
+  """The parts an ``and`` of booleans joins in ``ref``, each ``(ref, dims, nonzero)``; masks made of numbers
+  too (``jnp.where(a * b, ...)`` tests ``a * b != 0``: the parts a product joins, each kept where it is
+  nonzero, ``nonzero`` True)."""
+  ref, dims = _back(view, ref, dims, numbers=nonzero)
   site = view.producer(ref)
-  if site is not None and site.primitive == "and" and View.aval(ref).dtype == np.bool_ and len(site.ins) == 2:
+  if site is None:
+    out.append((ref, dims, nonzero))
+  elif nonzero and site.primitive == "convert_element_type" and View.aval(site.ins[0]).dtype == np.bool_:
+    _parts(view, site.ins[0], dims, out)  # a boolean made a number
+  elif not nonzero and site.primitive == "ne" and _zero_test(view, site) is not None:
+    _parts(view, _zero_test(view, site), dims, out, nonzero=True)
+  elif site.primitive == ("mul" if nonzero else "and") and len(site.ins) == 2 and (
+      nonzero or View.aval(ref).dtype == np.bool_):
     for r in site.ins:
       if isinstance(r, Lit):
-        if not bool(np.asarray(r.value).all()):
-          out.append((r, ()))
+        value = np.asarray(r.value)
+        if not (value != 0 if nonzero else value.astype(bool)).all():
+          out.append((r, (), nonzero))
         continue
-      _parts(view, r, dims, out)
+      _parts(view, r, dims, out, nonzero)
   else:
-    out.append((ref, dims))
+    out.append((ref, dims, nonzero))
+
+
+def _zero_test(view: View, site):
+  """The number an ``ne`` compares with zero (``jnp.where``'s test of a numeric mask); None otherwise."""
+  a, b = site.ins
+  for x, zero in ((a, b), (b, a)):
+    if View.aval(x).dtype != np.bool_ and view.scalar(x) is None and view.scalar(zero) == 0:
+      return x
+  return None
 
 
 def _varies(ref, dims) -> set:
@@ -218,23 +261,26 @@ def classify(view: View, preds: list, q_dim: int | None, k_dim: int, rank: int, 
     parts = []
     _parts(view, ref, dims, parts)
     if not keep and len(parts) > 1:  # masked where an ``and`` holds: its parts do not separate
-      parts = [_back(view, ref, dims)]
-    for part, pdims in parts:
+      parts = [(*_back(view, ref, dims), False)]
+    for part, pdims, nonzero in parts:
       size = math.prod(View.aval(part).shape)
       try:
         if size > LARGEST_EVALUATED:
           raise DependsOnInputs
-        value = np.asarray(view.evaluate(part), bool)
+        value = np.asarray(view.evaluate(part))
+        value = value != 0 if nonzero else value.astype(bool)
       except DependsOnInputs:
         if scores and _uses(view, part, scores):
           return MaskInfo("unknown", note="computed from the attention's own scores")
         if not keep:
           return MaskInfo("unknown", note="a mask computed from the inputs, True where masked")
-        seg = None if q_dim is None or any(t.kind == "segment_ids" for t in terms) else \
+        seg = None if q_dim is None or nonzero or any(t.kind == "segment_ids" for t in terms) else \
             _segments(view, part, pdims, q_dim, k_dim, batch_dim)
-        terms.append(seg or Term("array", (part,), (pdims,), "computed from the inputs"))
+        spans = _varies(part, pdims)
+        padding = k_dim in spans and spans <= {k_dim, batch_dim}
+        terms.append(seg or Term("array", (part,), (pdims,), "computed from the inputs", nonzero, padding))
         continue
-      positional.append((part, pdims))
+      positional.append((part, pdims, nonzero))
       if not keep:
         value = ~value
       # onto the logits' dims, size 1 where the mask does not vary
@@ -255,7 +301,7 @@ def classify(view: View, preds: list, q_dim: int | None, k_dim: int, rank: int, 
   if full is None:
     return info
   as_array = dataclasses.replace(info, terms=tuple(terms) + tuple(
-      Term("array", (r,), (d,), "a constant mask") for r, d in positional if _varies(r, d)))
+      Term("array", (r,), (d,), "a constant mask", nz) for r, d, nz in positional if _varies(r, d)))
   for d in range(rank):
     if d not in (q_dim, k_dim) and full.shape[d] > 1:
       if not np.all(full == full.take([0], axis=d)):

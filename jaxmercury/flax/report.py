@@ -19,6 +19,10 @@ class Entry:
     reason: where the schedule comes from (``database hit``, ``tuned``, ``nearest sizes' winner``, ``default``)
       or why the call is not routed (its mask, a bias, sizes the mesh does not divide, dtypes, ...).
     mask: the attention's mask kind (``none``, ``causal``, ``sliding_window``, ...); empty for a matmul.
+    module: the path of the module whose call made it (``layers.0.attn``, for a module ``distribute`` routes);
+      empty where it is the root module's own code or a function's.
+    program: the operator's program a routed call runs (``jaxmercury.programs``: tune it with
+      ``jaxmercury.autotune(entry.program, mesh)``, or store a winner for it); None where not routed.
   """
 
   kind: str
@@ -28,6 +32,8 @@ class Entry:
   schedule: str | None
   reason: str
   mask: str = ""
+  module: str = ""
+  program: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class Report(tuple):
@@ -45,9 +51,9 @@ class Report(tuple):
     return [e for e in self if e.kind == kind]
 
   def __str__(self) -> str:
-    head = ("#", "kind", "where", "shapes", "routed", "schedule", "reason")
-    rows = [head] + [(str(i), e.kind + (f" ({e.mask})" if e.mask and e.mask != "none" else ""), e.where,
-                      " ".join("x".join(map(str, s)) for s in e.shapes), "yes" if e.routed else "no",
+    head = ("#", "kind", "module", "where", "shapes", "routed", "schedule", "reason")
+    rows = [head] + [(str(i), e.kind + (f" ({e.mask})" if e.mask and e.mask != "none" else ""), e.module or "-",
+                      e.where, " ".join("x".join(map(str, s)) for s in e.shapes), "yes" if e.routed else "no",
                       e.schedule or "-", e.reason) for i, e in enumerate(self)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

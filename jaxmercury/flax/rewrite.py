@@ -35,7 +35,7 @@ from absl import logging
 from jaxmercury import ops
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import loops, masks, patterns
-from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, raised_at
+from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, module_path, raised_at
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
@@ -62,9 +62,9 @@ def _std_shape(shape, order, groups):
   return tuple(out)
 
 
-def _decide(view, match, routing) -> Decision:
+def _decide(view, match, routing, scope: str = "") -> Decision:
   m = match
-  common = dict(kind=m.kind, where=m.where, shapes=m.shapes)
+  common = dict(kind=m.kind, where=m.where, shapes=m.shapes, module=module_path(view, m.anchor) or scope)
   if m.kind == "attention":
     mask = m.mask.name if m.mask is not None else ""
     if m.layout:
@@ -97,7 +97,8 @@ def _decide(view, match, routing) -> Decision:
     choice = ops.choose(program, routing.mesh, database=routing.database, tune=routing.tune, **routing.options())
   except ScheduleError as e:
     return Decision(m, Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask), {})
-  return Decision(m, Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask), operator)
+  entry = Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask, program=program)
+  return Decision(m, entry, operator)
 
 
 def _inside_custom(view, m) -> str:
@@ -179,17 +180,18 @@ def _known(view: View, site, invariant: dict) -> dict:
   return out
 
 
-def plan(view: View, routing: Routing, depth: int = 0) -> Plan:
+def plan(view: View, routing: Routing, depth: int = 0, scope: str = "") -> Plan:
   """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
-  with it."""
+  with it; ``scope``: the module path of the loop whose body ``view`` is."""
   bodies = {}
   if depth < 8:
     for site in view.sites:
       subs = loops.bodies(site.eqn)
       if subs:
         views = [View(b, _known(view, site, inv)) for b, inv in zip(subs, loops.invariants(site.eqn))]
-        bodies[id(site)] = [(v, plan(v, routing, depth + 1)) for v in views]
-  return Plan(view, [_decide(view, m, routing) for m in patterns.find(view)], bodies)
+        inner_scope = module_path(view, site) or scope
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1, inner_scope)) for v in views]
+  return Plan(view, [_decide(view, m, routing, scope) for m in patterns.find(view)], bodies)
 
 
 # ------------------------------------------------------------------ the operators on matched operands
@@ -229,7 +231,7 @@ def _mask_arguments(m, vals) -> dict:
         ids = _canonical(x, dims, [b, seq])
         out[f"{name}_segment_ids"] = jnp.broadcast_to(ids, (shape[b], shape[seq]))
     else:
-      arrays.append(_canonical(xs[0], term.dims[0], [b, *heads, i, j]))
+      arrays.append(_canonical(xs[0] != 0 if term.nonzero else xs[0], term.dims[0], [b, *heads, i, j]))
   if arrays:
     axes = masks.mask_axes(m.mask, roles)
     full = functools.reduce(jnp.logical_and, arrays)
@@ -239,6 +241,23 @@ def _mask_arguments(m, vals) -> dict:
     out["mask"] = jnp.reshape(full, [sizes[a] for a in axes])
     out["mask_axes"] = axes
   return out
+
+
+def _fill_empty_rows(out, mask: masks.MaskInfo, vs, arguments):
+  """``out [b, s, h, dv]`` with each query that its mask array leaves no key given the mean of the values, as
+  the traced program gives it: its softmax over a row of logits all set to the one fill weighs every key alike
+  (a padded row past a sliding window's reach, say). The operators give such a row zeros."""
+  array = arguments.get("mask")
+  if array is None:
+    return out
+  axes = arguments["mask_axes"]
+  s, t = out.shape[1], vs.shape[1]
+  keep = jax.lax.expand_dims(array, [d for d, a in enumerate("bhij") if a not in axes])
+  keep = keep & masks.kept_pairs(mask, s, t, xp=jnp)
+  empty = jnp.moveaxis(~jnp.any(keep, axis=-1), 2, 1)[..., None]  # [b or 1, s, h or 1, 1]
+  mean = jnp.mean(vs.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, kv heads, dv]
+  mean = jnp.repeat(mean, out.shape[2] // vs.shape[2], axis=2).astype(out.dtype)
+  return jnp.where(empty, mean, out)
 
 
 def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
@@ -251,8 +270,10 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   factor = m.scale * math.sqrt(qs.shape[-1])
   if abs(factor - 1.0) > 1e-9:
     qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
-  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune,
-                      **d.operator, **_mask_arguments(m, extras), **routing.options())
+  arguments = _mask_arguments(m, extras)
+  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune, **d.operator,
+                      **arguments, **routing.options())
+  out = _fill_empty_rows(out, m.mask, vs, arguments)
   q_order = lay["q"]
   head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
   shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
@@ -323,7 +344,7 @@ def evaluate(program: Plan, routing: Routing, args):
         write(site.outs, loops.rebuild(eqn, [read(r) for r in site.ins], run_body))
       elif id(site) in anchors:
         d = anchors[id(site)]
-        vals = [read(r) for r in d.match.operands]
+        vals = [types.cotangent_like(read(r), routing.mesh) for r in d.match.operands]
         aval = View.aval(site.outs[0])
         if d.match.kind == "attention":
           extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]

@@ -117,8 +117,8 @@ class AttentionFn:
       return self.fallback(query, key, value, *args, **kwargs)
     expected = jax.eval_shape(functools.partial(self.fallback, query, key, value, **kwargs))
     dtype = kwargs.get("dtype")
-    query, key, value = _promote((query, key, value), dtype)
     r = self.routing
+    query, key, value = (types.cotangent_like(x, r.mesh) for x in _promote((query, key, value), dtype))
     out = ops.attention(query, key, value, mesh=r.mesh, causal=bool(kwargs.get("is_causal", False)),
                         database=r.database, tune=r.tune, **r.options())
     return types.like(out, r.mesh, expected, free_dims=(0, 1))  # batch and sequence follow the inputs
@@ -192,6 +192,7 @@ class DotGeneral:
     batch, contracted = lhs.ndim - len(lc), len(rc)
     out_shape = lhs.shape[:batch] + rhs.shape[contracted:]
     m, k, n = shape
+    lhs, rhs = types.cotangent_like(lhs, r.mesh), types.cotangent_like(rhs, r.mesh)
     prog = ops.matmul_program((m, k), (k, n), str(lhs.dtype))
     op = ops.prepare(prog, r.mesh, database=r.database, tune=r.tune, **r.options())
     a = types.flatten(lhs, r.mesh, [batch, len(lc)], op.input_specs[0])
@@ -230,6 +231,7 @@ class MoeFn:
       return self.fallback(x, router, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor, **kwargs)
     r = self.routing
     expected = jax.eval_shape(lambda a: a, x)
+    x, router, w_gate, w_up, w_down = (types.cotangent_like(a, r.mesh) for a in (x, router, w_gate, w_up, w_down))
     flat = types.flatten(x, r.mesh, [x.ndim - 1, 1]) if x.ndim > 2 else x
     y = ops.moe(flat, router, w_gate, w_up, w_down, mesh=r.mesh, top_k=top_k, capacity_factor=capacity_factor,
                 database=r.database, tune=r.tune, **r.options())

@@ -11,6 +11,7 @@ sharding constraints, as before.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -207,6 +208,39 @@ def like(y, mesh, target, free_dims: Sequence[int] = ()):
   if sharding.mesh.empty:  # the undecorated result is on no mesh (its inputs were not): whole, as it is
     return jax.sharding.reshard(y, NamedSharding(mesh, PartitionSpec())) if _split(y) else y
   return jax.sharding.reshard(y, sharding)
+
+
+def cotangent_like(x, mesh):
+  """``x``, its cotangent given ``x``'s sharding type (on meshes of Explicit axes; Auto axes: ``x`` as it is).
+
+  A schedule's backward leaves each gradient in the layout its dual program stores it in; the derivative of the
+  undecorated operation gives it its primal's type, and so must a route: a cotangent of another type changes the
+  type of what the caller's code adds it to (an optimizer's update of a parameter, then that parameter in the
+  next step). A primal of no mesh (made outside ``jax.set_mesh``) gets its cotangent whole on ``mesh``: a type of
+  no mesh would leave the layout to XLA, which keeps the backward's split.
+  """
+  if not explicit(mesh) or not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+    return x
+  sharding = jax.typeof(x).sharding
+  if getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
+    sharding = NamedSharding(mesh, PartitionSpec())
+  return _typed_cotangent(x, sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _typed_cotangent(x, sharding):
+  return x
+
+
+def _typed_cotangent_fwd(x, sharding):
+  return x, None
+
+
+def _typed_cotangent_bwd(sharding, _, ct):
+  return (jax.sharding.reshard(ct, sharding),)
+
+
+_typed_cotangent.defvjp(_typed_cotangent_fwd, _typed_cotangent_bwd)
 
 
 def _split(y) -> bool:
