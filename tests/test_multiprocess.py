@@ -3,7 +3,9 @@
 Each process has its own database holding a different winner; process 0
 decides, the other is overruled, both use process 0's schedule and get the
 reference's result on the shards they hold. A second, real tuning run makes
-the decisions of one process: the plain program is a candidate, the
+the decisions of one process: it calibrates (process 0's figures, measured
+with the other's help where they run over the mesh, are broadcast and stored
+by both), the plain program is a candidate, the
 candidates compile at once on threads, each is timed on both processes with
 the times combined (the slowest counts), and the final round runs in
 lockstep, so that both processes see the same times and pick the same
@@ -64,8 +66,8 @@ PROCESS = textwrap.dedent("""
 
     first = jm.autotune(prog, mesh, database=db, machine=machine, log=log)
     err1, scale, shards = check(first.best.schedule)
-    second = jm.autotune(prog, mesh, space=2, top_k=3, margin=100.0, iters=4, machine=machine, database=db, retune=True,
-                         compile_threads=2, log=log)
+    second = jm.autotune(prog, mesh, space=2, top_k=3, margin=1e9, iters=4, database=db, retune=True,
+                         compile_threads=2, log=log)  # calibrated: process 0's figures, broadcast
     err2, _, _ = check(second.best.schedule)
     plain = second.baseline
     report = {
@@ -77,7 +79,8 @@ PROCESS = textwrap.dedent("""
                    "best_plain": second.best.plain, "decision": second.decision,
                    "times": {c.name: c.time_ms for c in second.candidates},
                    "final": {c.name: c.final_ms for c in second.candidates if c.final_ms is not None},
-                   "phases": second.phases},
+                   "phases": second.phases, "machine": second.machine.to_dict(),
+                   "stored_machine": jm.Database(db_path).machine(prog, mesh).to_dict()},
         "scale": scale, "shards": shards, "stored_after": jm.Database(db_path).lookup(prog, mesh).to_json(),
         "log": lines}
     print("REPORT " + json.dumps(report), flush=True)
@@ -136,6 +139,8 @@ def test_two_processes_agree_on_process_zeros_schedule(tmp_path):
   if not second["best_plain"]:
     assert second["final"][second["name"]] < second["final"][second["plain"]], second["decision"]
   assert second["phases"]["compile"] > 0 and second["phases"]["final round"] > 0
+  assert second["machine"] == other["second"]["machine"] == second["stored_machine"] == other["second"]["stored_machine"]
+  assert any("calibrating the cost model" in line for line in lead["log"])
   assert lead["stored_after"] == other["stored_after"] == second["trace"]
 
   # Each process's shards of the result equal the reference's.
