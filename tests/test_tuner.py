@@ -156,6 +156,7 @@ def test_corrections_learned_from_the_database_rank_each_kernel_by_its_measured_
 def test_rank_agreement():
   assert accuracy.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
   assert accuracy.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+  assert accuracy.spearman([1, 1, 2, 3], [3, 2, 1, 0]) == pytest.approx(-0.9486833)  # tied ranks shared
   assert accuracy.spearman([1, 2], [1, 2]) is None and accuracy.spearman([1, 1, 1], [1, 2, 3]) is None
   c = accuracy.Corrections.learned([("a", 1.0, 2.0)] * 3 + [("b", 1.0, 8.0)] * 2)
   assert c.factors == {"a": pytest.approx(2.0)} and c.default == pytest.approx(2.0) and c.seen == 5

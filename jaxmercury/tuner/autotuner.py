@@ -186,8 +186,12 @@ def tune(task: Task, config: TuneConfig, given=None, *, machine=None, database=N
       compiled += measure_stage(config, chosen, training=config.training, trial_data=trial_data, store=store,
                                 clock=clock, kept=kept, log=log)
       best, decision, tied = _decide(task, config, plan.candidates, kept, trial_data, clock, log)
-    finally:
-      trial_data.finish()
+    except KeyboardInterrupt:
+      raise  # Ctrl-C ends at once; the reference's thread, if still running, is a daemon's
+    except BaseException:
+      trial_data.finish()  # no computation of the tune's runs on once it returns
+      raise
+    trial_data.finish()
     with clock("store"):
       if best is not None:
         store.winner(best, plan.candidates)
