@@ -92,8 +92,11 @@ def _per_repeat(probes) -> float:
 
 
 def _normal(seed: int, shape, dtype) -> np.ndarray:
-  """Normal values drawn on the host (a ``jax.random`` draw compiles a program per shape)."""
-  return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(dtype)
+  """Normal values drawn on the host (a ``jax.random`` draw compiles a program per shape), at most a million of
+  them repeated over a larger block: a timing needs values, not independent ones."""
+  size = math.prod(shape)
+  drawn = np.random.default_rng(seed).standard_normal(min(size, 1 << 20), dtype=np.float32).astype(dtype)
+  return np.resize(drawn, shape)
 
 
 def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bool = True,
