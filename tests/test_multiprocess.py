@@ -79,7 +79,8 @@ PROCESS = textwrap.dedent("""
                    "best_plain": second.best.plain, "decision": second.decision,
                    "times": {c.name: c.time_ms for c in second.candidates},
                    "final": {c.name: c.final_ms for c in second.candidates if c.final_ms is not None},
-                   "phases": second.phases, "machine": second.machine.to_dict(),
+                   "phases": second.phases, "machine": second.machine.to_dict(), "table": second.table(),
+                   "not_offered": second.not_offered,
                    "stored_machine": jm.Database(db_path).machine(prog, mesh).to_dict()},
         "scale": scale, "shards": shards, "stored_after": jm.Database(db_path).lookup(prog, mesh).to_json(),
         "log": lines}
@@ -141,6 +142,9 @@ def test_two_processes_agree_on_process_zeros_schedule(tmp_path):
   assert second["phases"]["compile"] > 0 and second["phases"]["final round"] > 0
   assert second["machine"] == other["second"]["machine"] == second["stored_machine"] == other["second"]["stored_machine"]
   assert any("calibrating the cost model" in line for line in lead["log"])
+  # The fused GEMM kernels compute this operator but do not run here (float32, CPUs, two processes): the table
+  # says why.
+  assert second["not_offered"] and "not offered: " in second["table"]
   assert lead["stored_after"] == other["stored_after"] == second["trace"]
 
   # Each process's shards of the result equal the reference's.
