@@ -16,7 +16,7 @@ The figures come in two parts, stored apart (``tuner.database``): the mesh's
 (``MESH_FIELDS``: links, latency, collectives, overlap, memory bandwidth),
 measured once per machine (device kind and mesh) whatever the operator and
 dtype, and the kernels' (the rest), once per operator pattern and dtypes.
-A tune measures only the part the database lacks (``calibrate(part=...)``).
+A tune measures only the part the database lacks (``measure_parts(parts=...)``).
 Each step compiles its probe programs at once on threads (``_warm``; the
 timed calls then find them compiled), and its blocks are drawn on the host,
 so that no random draw compiles a program of its own.

@@ -440,7 +440,7 @@ class Database:
     the candidate has one, else its local kernel (``"xla"`` for none)."""
     want = {**_machine_fields(mesh), "objective": objective}
     out = []
-    for key, cands in self._read("SELECT key, candidates FROM winners", ()):
+    for key, cands in self._read("SELECT key, candidates FROM winners ORDER BY created", ()):
       try:
         have = json.loads(key)
         if {k: have.get(k, FORWARD if k == "objective" else None) for k in want} != want:
