@@ -303,7 +303,8 @@ def _decide(task, config, cands, kept: Kept, trial_data: Trial, clock, log) -> t
         ok, lambda c: kept.ready(c, trial_data.inputs(), step_key), iters=config.iters,
         budget_s=config.final_budget_s, log=log, gather=agree.gather if many else None)
   if many:  # the same times everywhere give the same decision; process 0's is the record
-    final = agree.broadcast_json({"best": cands.index(best), "decision": decision} if agree.is_leader() else None)
+    index = next(k for k, c in enumerate(cands) if c is best)
+    final = agree.broadcast_json({"best": index, "decision": decision} if agree.is_leader() else None)
     best, decision = cands[final["best"]], final["decision"]
   log(f"decision: {decision}")
   if best.final is None:  # decided without a final round: the verdict alone, for the record
