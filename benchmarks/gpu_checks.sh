@@ -38,6 +38,16 @@
 #   one-gpu-gemm     never slower, one GPU: Llama-3 8B layers at M 8K, and `python -m jaxmercury.tune` on a GEMM
 #                    8192^3 (calibrating, then again with the calibration stored)
 #   model            the models/ Llama (2 layers, 8B widths, 4K tokens) decorated against undecorated, training step
+#   tune-speed       one GPU: how fast the tuner decides and that it never loses (benchmarks.tune_speed, issue 52's
+#                    marks): calibration (<= 40 s), tune time once calibrated of attention B1 H32 KV8 D128 S32K causal
+#                    forward (<= 10 s) and training step (<= 20 s), GEMM 8192^3 (<= 5 s), the decorated models/ Llama
+#                    (2 layers, 8B widths, 4K tokens) tuned for training on a fresh database (<= 60 s in all); each
+#                    tuned program against the plain program side by side (>= 0.98x)
+#   tune-speed-4gpu  four GPUs, one process (issue 55 item 1): the same, attention at S32K sequence-split, the
+#                    Llama-3 70B all-gather and reduce-scatter GEMMs at M 16K (x[16K@, 8K] . w[8K, 28K@] and
+#                    x[16K, 28K@] . w[28K@, 8K] -> [16K@, 8K]); no model case
+#   tune-speed-4proc the same with one process per GPU under jax.distributed (CUDA_VISIBLE_DEVICES=i, process 0
+#                    writes the results; every process's log apart)
 #   moe              the MoE layer at Mixtral-8x7B sizes against the plain-JAX einsum dispatch; ragged_dot against the
 #                    Pallas Mosaic GPU grouped GEMM (and a padded einsum), forward and forward + backward
 #   moe-gemm         only the grouped GEMMs of stage moe (ragged_dot and the Mosaic grouped GEMM side by side)
@@ -153,6 +163,26 @@ for stage in "$@"; do
         echo "$stage-cli-$run rc=$?" | tee -a "$W/stages.txt"
       done ;;
     model) suite "$stage" 570 --suite model ;;
+    tune-speed)
+      timeout "${STAGE_LIMIT:-590}" python3 -m benchmarks.tune_speed --out "$W/$stage.json" \
+        --time_budget $((${STAGE_LIMIT:-590} - 60)) > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    tune-speed-4gpu)
+      timeout "${STAGE_LIMIT:-590}" python3 -m benchmarks.tune_speed --out "$W/$stage.json" \
+        --cases calibration attention attention-training gemm-ag gemm-rs --gemm 16384,8192,28672 \
+        --gemm_rs 16384,28672,8192 --time_budget $((${STAGE_LIMIT:-590} - 60)) > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    tune-speed-4proc)
+      port=$((20000 + RANDOM % 20000))
+      for i in 0 1 2 3; do
+        CUDA_VISIBLE_DEVICES=$i timeout "${STAGE_LIMIT:-590}" python3 -m benchmarks.tune_speed --out "$W/$stage.json" \
+          --processes 4 --process_id $i --coordinator "127.0.0.1:$port" \
+          --cases calibration attention attention-training gemm-ag gemm-rs --gemm 16384,8192,28672 \
+          --gemm_rs 16384,28672,8192 --time_budget $((${STAGE_LIMIT:-590} - 60)) > "$W/$stage-p$i.log" 2>&1 &
+      done
+      rc=0
+      for job in $(jobs -p); do wait "$job" || rc=$?; done
+      echo "$stage rc=$rc" | tee -a "$W/stages.txt" ;;
     moe) suite "$stage" 570 --suite moe ;;
     moe-gemm) suite "$stage" 570 --suite moe --moe_kinds grouped_gemm ;;
     tests-moe) tests "$stage" 540 tests/gpu/test_grouped_gemm.py ;;

@@ -68,7 +68,8 @@ def attend(implementation):
   return fn
 
 
-def _model(case, implementation: str):
+def build(case, implementation: str):
+  """The case's Llama in bf16, its attention through ``jax.nn.dot_product_attention`` with ``implementation``."""
   config = dataclasses.replace(CONFIGS[case.config], layers=case.layers).with_dtype(jnp.bfloat16)
   model = Llama(config, rngs=nnx.Rngs(0))
   for _, module in nnx.iter_graph(model):
@@ -77,7 +78,7 @@ def _model(case, implementation: str):
   return model
 
 
-def _step(model, tokens):
+def step_of(model, tokens):
   """``(step, (state, tokens))``: the jitted step takes the parameters as an argument, not as constants."""
   graph, state = nnx.split(model)
 
@@ -101,16 +102,16 @@ def run_case(env, case) -> dict:
     t0 = time.perf_counter()
     # jm.distribute recognizes attention in the traced program: jax.nn's XLA computation, not cuDNN's custom
     # call; the routed schedules run cuDNN's blocks on GPUs themselves
-    model = jm.distribute(_model(case, "xla"), mesh=mesh, database=env.database, tune=True,
+    model = jm.distribute(build(case, "xla"), mesh=mesh, database=env.database, tune=True,
                           training=True, top_k=args.top_k, space=args.space, iters=args.tune_iters,
                           log=lambda s: (lines.append(s), harness.log("    " + s)))
-    step, step_args = _step(model, tokens)
+    step, step_args = step_of(model, tokens)
     step.lower(*step_args)  # tunes every operator while tracing
     tuning.update(wall_s=round(time.perf_counter() - t0, 2),
                   operators=[line for line in lines if line.startswith("== ")])
     return step, step_args
 
-  contestants = [harness.Contestant("plain", "baseline", lambda: _step(_model(case, implementation), tokens),
+  contestants = [harness.Contestant("plain", "baseline", lambda: step_of(build(case, implementation), tokens),
                                     f"the model as written, attention {implementation}"),
                  harness.Contestant("jaxmercury", "jaxmercury", decorated,
                                     "jm.distribute(tune=True, training=True)")]

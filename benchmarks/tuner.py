@@ -16,13 +16,13 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 import jaxmercury as jm
 from benchmarks import harness, operators
 from jaxmercury.errors import ScheduleError
 from jaxmercury.tuner import cost
+from jaxmercury.tuner.accuracy import spearman
 from jaxmercury.tuner.autotuner import default_candidates
 
 
@@ -37,21 +37,6 @@ class Env:
 
   def mesh(self, spec: str):
     return self.meshes.setdefault(spec, harness.make_mesh(spec))
-
-
-def ranks(x) -> np.ndarray:
-  """Ranks from 0, ties sharing their mean rank."""
-  x = np.asarray(x, float)
-  out = np.empty(len(x))
-  out[np.argsort(x, kind="stable")] = np.arange(len(x))
-  for value in np.unique(x):
-    out[x == value] = out[x == value].mean()
-  return out
-
-
-def spearman(a, b) -> float | None:
-  """Spearman's rank correlation (None for fewer than 3 points)."""
-  return float(np.corrcoef(ranks(a), ranks(b))[0, 1]) if len(a) >= 3 else None
 
 
 def run_case(env, case) -> dict:

@@ -17,11 +17,11 @@ from jaxmercury.errors import (
 from jaxmercury.flax import distribute, explain
 from jaxmercury.ir import Axis, BlockContext, Buffer, LogSumExp, Program, Reduction, Sum, grid, match_buffer
 from jaxmercury.schedules import Schedule, library, validate
-from jaxmercury.tuner import Database, TuneInterrupted, autotune
+from jaxmercury.tuner import Database, TuneConfig, TuneInterrupted, autotune
 
 __all__ = [
-    "Axis", "Buffer", "BlockContext", "Database", "TuneInterrupted", "autotune", "InputError", "LayoutError",
-    "LogSumExp", "MeshError",
+    "Axis", "Buffer", "BlockContext", "Database", "TuneConfig", "TuneInterrupted", "autotune", "InputError",
+    "LayoutError", "LogSumExp", "MeshError",
     "PreconditionError", "Program", "ProgramError", "Reduction", "Schedule", "ScheduleError", "Sum", "TraceError",
     "UnknownLevelError", "UnknownNameError", "grid", "library", "match_buffer", "ops", "programs", "schedules",
     "tuner", "validate", "distribute", "explain", "graph", "kernels", "__version__", "MaskError",

@@ -157,7 +157,9 @@ def result_json(result, mesh) -> dict:
   """The ``--json`` report: every candidate in its structured form (``Candidate.to_dict``; a plain program, what a
   user would run without jaxmercury, carries ``"plain": true``), the winner's too, the best plain program
   (``"baseline"``: its name and time) and the winner's speedup over it, on the times of the round they were
-  compared in (the final round's where both ran in it), and how the winner was chosen (``"decision"``)."""
+  compared in (the final round's where both ran in it), how the winner was chosen (``"decision"``), and where the
+  tune's time went (``"phases"``: seconds per stage), the cost model's rank agreement (``"spearman"``) and how many
+  programs it compiled (``"compiled"``)."""
   def structured(c):
     d = c.to_dict()
     d["schedule"] = json.loads(d["schedule"])
@@ -170,7 +172,8 @@ def result_json(result, mesh) -> dict:
       and result.best.final_ms is not None else base.time_ms, "own_time_ms": base.time_ms, "final_ms": base.final_ms}
   return {"objective": result.objective, "winner": winner, "baseline": baseline,
           "speedup_vs_baseline": result.speedup_vs_baseline, "decision": result.decision,
-          "tied": [c.name for c in result.tied], "candidates": cands,
+          "tied": [c.name for c in result.tied], "phases": result.phases, "spearman": result.spearman,
+          "compiled": result.compiled, "candidates": cands,
           "from_database": result.from_database, "device_kind": mesh.devices.flat[0].device_kind,
           "platform": mesh.devices.flat[0].platform, "mesh": dict(mesh.shape)}
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from test_code_rules import _function_imports
 
-from benchmarks import cases, harness, readme, run, tuner
+from benchmarks import cases, harness, readme, run
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -116,13 +116,6 @@ def test_the_budget_leaves_cases_for_resume_which_keeps_the_finished(tmp_path):
   calls.clear()
   code, third = _runs(out, 600, calls, {}, "--resume")
   assert calls == ["large"] and "unfinished" not in third and third["cases"][0]["name"] == "foreign"
-
-
-def test_the_tuner_suites_rank_correlation_shares_tied_ranks():
-  assert list(tuner.ranks([3.0, 1.0, 3.0, 2.0])) == [2.5, 0.0, 2.5, 1.0]
-  assert tuner.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-  assert tuner.spearman([1, 1, 2, 3], [3, 2, 1, 0]) == pytest.approx(-0.9486833)
-  assert tuner.spearman([1, 2], [2, 1]) is None
 
 
 def test_plans_follow_the_flags_and_the_mercury_evaluation():

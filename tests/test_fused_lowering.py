@@ -26,7 +26,6 @@ from jaxmercury.lowering import lower
 from jaxmercury.schedules import dual
 from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import cost
-from jaxmercury.tuner.candidates import Candidate
 
 OURS, JAXS = "fused_allgather_matmul", "jax_allgather_lhs_matmul"
 OURS_RS, WS_RS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"
@@ -161,19 +160,6 @@ def test_the_tuner_offers_no_fused_candidates_on_the_cpu_mesh():
     names = [c.name for c in tune_module.default_candidates(_bf16(128, 128, 64), _one_device_mesh(), space=4)]
   assert {f"async_tp {{{OURS}}}", f"allgather_matmul {{{OURS}}}"} <= set(names)
   assert not any(JAXS in n for n in names)
-
-
-def test_fused_variants_of_library_strategies_are_anchors():
-  mesh = _one_device_mesh()
-  lib = jm.library(_bf16(128, 128, 64), mesh)
-  c = lambda strategy, s, origin="library": Candidate(strategy, s, 1.0, 1, origin=origin)
-  fused = c("async_tp", lib["async_tp"].copy().lower_with(OURS))
-  plain = c("async_tp", lib["async_tp"])
-  space = c("par(n)", lib["async_tp"].copy().lower_with(OURS), origin="space")
-  fits = [fused, plain, c("async_tp", lib["async_tp"]), space]
-  anchors = tune_module._anchors(fits, {"async_tp"})
-  assert anchors == {("async_tp", OURS): fused, ("async_tp", None): plain}
-  assert fused.name == "async_tp {fused_allgather_matmul}"
 
 
 def test_cost_model_overlaps_the_ring_with_the_gemm():

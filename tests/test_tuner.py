@@ -4,6 +4,7 @@ Programs are small and every tuning run times a few candidates with two
 iterations, so the whole file runs in about a minute on two cores.
 """
 
+import dataclasses
 import math
 import sys
 
@@ -16,8 +17,8 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 import jaxmercury as jm
 from jaxmercury.analysis import memory
 from jaxmercury.kernels import registry
+from jaxmercury.tuner import accuracy, calibrate, cost, decide, measure, plot
 from jaxmercury.tuner import autotuner as tune_module
-from jaxmercury.tuner import calibrate, cost, decide, measure, plot
 from jaxmercury.tuner.autotuner import TuneResult
 from jaxmercury.tuner.candidates import Candidate
 from jaxmercury.tuner.plain import plain_programs
@@ -57,13 +58,10 @@ def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
   ok, failed, pruned = (_by_status(result, s) for s in (measure.OK, measure.FAILED, measure.PRUNED))
   assert len(ok) + len(failed) + len(pruned) == len(result.candidates)
   assert not failed, "\n".join(f"{c.name}: {c.result.reason}" for c in failed)
-  # Every library strategy is timed (with its one kernel on CPU: xla), the plain program, and the cost model's
-  # top_k of the others.
-  library_names = set(jm.library(prog, mesh))
-  assert {c.name for c in ok} >= library_names
+  # The plain program is timed, and the cost model's top_k best predicted within the margin of the best.
   (plain,) = [c for c in ok if c.plain]
   assert plain.origin == "plain" and plain.name.startswith("plain ") and math.isnan(plain.predicted_ms)
-  others = [c for c in ok if c.name not in library_names and not c.plain]
+  others = [c for c in ok if not c.plain]
   _assert_top_k_timed(result, others, top_k)
   tol = measure.tolerance(prog.writes.dtype)
   for c in ok:
@@ -81,12 +79,11 @@ def test_autotune_picks_the_fastest_correct_candidate(prog_name, mesh_name):
   else:
     assert result.best is plain is min(ok, key=lambda c: c.time_ms), result.decision
 
-  # Every pruned candidate has a reason: the same program as a timed one, the cost model ranks it below every
-  # timed non-library one, or predicts it several times slower than the best.
+  # Every pruned candidate has a reason: the same program as a timed one, the cost model ranks it below the top_k
+  # timed, or predicts it over the margin of the best.
   assert pruned
   ranked_out = [c for c in pruned if f"top {top_k}" in c.result.reason or "the best prediction" in c.result.reason]
   for c in pruned:
-    assert c.name not in library_names, c.name
     assert c in ranked_out or c.result.reason.startswith("same program as "), c.result.reason
   assert max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in ranked_out)
 
@@ -102,80 +99,86 @@ def _dot_block(ctx, a, b):
 
 
 def _assert_top_k_timed(result, others, top_k):
-  """``top_k`` candidates besides the anchors are timed, fewer only where the rest are predicted over
-  ``PREDICTED_SLOWER`` times the best prediction (and pruned so, with the ratio)."""
+  """``top_k`` candidates besides the plain programs are timed, fewer only where the rest are predicted over
+  ``TuneConfig.margin`` times the best prediction (and pruned so, with the ratio)."""
+  margin = jm.TuneConfig().margin
   slow = [c for c in _by_status(result, measure.PRUNED) if "the best prediction" in c.result.reason]
   for c in slow:
     best = min((b for b in result.candidates if c.result.reason.endswith(f"({b.name})")), key=lambda b: b.predicted_ms)
-    assert c.predicted_ms > tune_module.PREDICTED_SLOWER * best.predicted_ms, (c.name, c.predicted_ms, best.name)
+    assert c.predicted_ms > margin * best.predicted_ms, (c.name, c.predicted_ms, best.name)
     assert f"{c.predicted_ms / best.predicted_ms:.1f}x the best prediction" in c.result.reason
   assert len(others) == top_k or (len(others) < top_k and slow)
 
 
-def test_each_library_strategy_is_timed_once_with_its_best_predicted_kernel(monkeypatch):
-  """With two kernels, a strategy's other kernel competes with the design space for the top_k places."""
+def _two_kernels(monkeypatch):
+  """``test_dot`` registered beside ``xla`` for this test only, and a machine that gives it 4x xla's rate."""
   monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
-  monkeypatch.setattr(tune_module, "PREDICTED_SLOWER", math.inf)  # the top_k rule alone
   registry.register(registry.Kernel(name="test_dot", patterns=frozenset({"matmul"}),
                                     make=lambda program, config, interpret: _dot_block))
+  return cost.Machine("test CPU, two kernels", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6,
+                      kernel_flops_per_s={"xla": 10e9, "test_dot": 40e9})
+
+
+def _observed(db, mesh, kernels: dict):
+  """A winner's record of another program on ``mesh`` whose candidates ran ``kernels[name]`` times as long as
+  predicted, three of each."""
+  prog = jm.programs.matmul(32, 32, 32)
+  s = jm.library(prog, mesh)["allgather_matmul"]
+  cands = []
+  for kernel, ratio in kernels.items():
+    patched = s if kernel == "xla" else s.copy().patch(kernel)
+    cands += [Candidate("allgather_matmul", patched, 1.0, 1, measure.Measurement(measure.OK, ratio, [ratio]))] * 3
+  db.store(prog, mesh, cands[0], cands)
+
+
+def test_corrections_learned_from_the_database_rank_each_kernel_by_its_measured_times(tmp_path, monkeypatch):
+  """test_dot is predicted 4x faster than xla; the database saw it run 20x its predictions and xla 2x: corrected,
+  it is predicted 2.5x slower, over the margin: pruned, never compiled. Without the database it is timed."""
+  machine = _two_kernels(monkeypatch)
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
-  machine = cost.Machine("test CPU, two kernels", flops_per_s=10e9, link_bytes_per_s={"*": 1e9},
-                         latency_s=50e-6, kernel_flops_per_s={"xla": 10e9, "test_dot": 40e9})
-  top_k = 2
-  result = _tune(prog, mesh, machine=machine, top_k=top_k)
-  lib = set(jm.library(prog, mesh))
-  assert not _by_status(result, measure.FAILED)
-
-  anchors = set()
-  for name in lib:  # each strategy's best-predicted kernel is timed
-    variants = {c.name: c for c in result.candidates if c.strategy == name}
-    assert set(variants) == {name, f"{name} [test_dot]"}
-    best = min(variants.values(), key=lambda c: c.predicted_ms)
-    assert best.status == measure.OK, best.result.reason
-    anchors.add(best.name)
-  assert any("[test_dot]" in a for a in anchors)  # test_dot has 4x the rate
+  db = jm.Database(tmp_path / "t.db")
+  _observed(db, mesh, {"xla": 2.0, "test_dot": 20.0})
+  assert accuracy.Corrections.learned(db.observations(mesh)).factors == pytest.approx({"xla": 2.0, "test_dot": 20.0})
+  lines = []
+  result = _tune(prog, mesh, machine=machine, top_k=3, database=db, log=lines.append)
+  assert result.corrections.factors == pytest.approx({"xla": 2.0, "test_dot": 20.0})
+  assert any(line.startswith("cost model corrections: test_dot x20.00, xla x2.00") for line in lines), lines
   timed = [c for c in result.candidates if c.status == measure.OK and not c.plain]
-  others = [c for c in timed if c.name not in anchors]
-  assert len(timed) == len(lib) + top_k and len(others) == top_k
+  assert timed and all(c.kernel in (None, "xla") for c in timed)
+  fast = [c for c in result.candidates if c.kernel == "test_dot"]
+  assert fast and all(c.status == measure.PRUNED for c in fast)
+  assert any("the best prediction" in c.result.reason for c in fast)
+  alone = _tune(prog, mesh, machine=machine, top_k=3)
+  assert all(c.kernel == "test_dot" for c in alone.candidates if c.status == measure.OK and not c.plain)
+  assert alone.corrections.seen == 0
 
-  # The rest, a strategy's other kernel too, are pruned by the cost model, with the reason.
-  pruned = [c for c in _by_status(result, measure.PRUNED) if not c.result.reason.startswith("same program as ")]
-  assert pruned and max(c.predicted_ms for c in others) <= min(c.predicted_ms for c in pruned)
-  for c in pruned:
-    assert f"below the top {top_k}" in c.result.reason, (c.name, c.result.reason)
-    base = c.strategy
-    if c.origin == "library":  # another kernel of a library strategy says which variant stands for it
-      anchor = next(a for a in anchors if a.split(" [")[0] == base)
-      assert c.result.reason.endswith(f"; {base} is timed as {anchor}"), c.result.reason
-  assert any(c.origin == "library" for c in pruned)
-  table = result.table()
-  assert all(f"| {c.name} |" in table for c in result.candidates) and "below the top 2" in table
+
+def test_rank_agreement():
+  assert accuracy.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert accuracy.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+  assert accuracy.spearman([1, 1, 2, 3], [3, 2, 1, 0]) == pytest.approx(-0.9486833)  # tied ranks shared
+  assert accuracy.spearman([1, 2], [1, 2]) is None and accuracy.spearman([1, 1, 1], [1, 2, 3]) is None
+  c = accuracy.Corrections.learned([("a", 1.0, 2.0)] * 3 + [("b", 1.0, 8.0)] * 2)
+  assert c.factors == {"a": pytest.approx(2.0)} and c.default == pytest.approx(2.0) and c.seen == 5
 
 
 @pytest.mark.parametrize("mesh_name", ["1", "8"])
 def test_candidates_predicted_several_times_slower_are_not_compiled(mesh_name, monkeypatch):
-  """A kernel with a quarter of the rate is predicted 4x slower: pruned with the ratio, not compiled. On one
-  device the library strategies' anchors too; on several the anchors are timed whatever the prediction."""
-  monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
-  registry.register(registry.Kernel(name="test_dot", patterns=frozenset({"matmul"}),
-                                    make=lambda program, config, interpret: _dot_block))
+  """A kernel with a quarter of the rate is predicted 4x slower: pruned with the ratio, not compiled, library
+  strategy or not."""
+  machine = _two_kernels(monkeypatch)
+  machine = dataclasses.replace(machine, kernel_flops_per_s={"xla": 40e9, "test_dot": 10e9})
   mesh = make_mesh(mesh_name) if mesh_name != "1" else jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
   prog = PROGRAMS["matmul"]()
-  machine = cost.Machine("test CPU, a slow kernel", flops_per_s=10e9, link_bytes_per_s={"*": 1e9},
-                         latency_s=50e-6, kernel_flops_per_s={"xla": 40e9, "test_dot": 10e9})
   compiled = []
   original = measure.compile_ahead
   monkeypatch.setattr(measure, "compile_ahead", lambda s, **kw: compiled.append(s) or original(s, **kw))
   result = _tune(prog, mesh, machine=machine, top_k=8)
   slow = [c for c in result.candidates if c.result and "the best prediction" in c.result.reason]
   assert any("[test_dot]" in c.name for c in slow)
-  anchors = {c.strategy for c in result.candidates if c.origin == "library" and c.status == measure.OK}
-  if mesh.size == 1:
-    assert all(c.status == measure.PRUNED for c in result.candidates if "[test_dot]" in c.name)
-  else:
-    assert anchors == set(jm.library(prog, mesh))
+  assert all(c.status == measure.PRUNED for c in result.candidates if "[test_dot]" in c.name)
   assert not {id(c.schedule) for c in slow} & {id(s) for s in compiled}
-  _assert_top_k_timed(result, [c for c in result.candidates if c.status == measure.OK and c.origin == "space"], 8)
+  _assert_top_k_timed(result, [c for c in result.candidates if c.status == measure.OK and not c.plain], 8)
 
 
 # ------------------------------------------------------------------ the database
@@ -465,7 +468,7 @@ def test_close_candidates_are_ranked_by_a_side_by_side_final_round(monkeypatch):
   from those times: no finalist is faster there beyond the noise."""
   monkeypatch.setattr(decide, "FINAL_MARGIN", 1e9)  # every timed candidate is a finalist
   lines = []
-  result = jm.autotune(jm.programs.matmul(64, 64, 64), make_mesh("8"), space=0, top_k=0, iters=3, log=lines.append)
+  result = jm.autotune(jm.programs.matmul(64, 64, 64), make_mesh("8"), space=0, top_k=2, iters=3, log=lines.append)
   finalists = [c for c in result.candidates if c.final_ms is not None]
   assert 2 <= len(finalists) <= decide.FINAL_SIZE + 1 and any(c.plain for c in finalists)
   assert all(len(c.result.times_ms) == 3 and len(c.final.times_ms) >= 4 and c.final.note for c in finalists)
@@ -504,6 +507,28 @@ def test_training_tune_checks_gradients_times_steps_and_keeps_its_own_record(pro
   assert not forward.from_database and db.lookup(prog, mesh) is not None
 
 
+def test_a_training_tune_ranks_on_forwards_and_compiles_the_steps_of_its_finalists_only(tmp_path, monkeypatch):
+  """More candidates than ``training_finalists``: their forwards are measured (and stored under the forward
+  objective), then only the best of them and the plain program have their training steps compiled and timed."""
+  from jaxmercury.tuner.database import TRAINING
+  prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
+  db = jm.Database(tmp_path / "t.db")
+  steps, lines = [], []
+  real = measure.training_step
+  monkeypatch.setattr(measure, "training_step", lambda fn: steps.append(fn) or real(fn))
+  result = _tune(prog, mesh, database=db, training=True, space=4, top_k=3, margin=100.0, training_finalists=1,
+                 log=lines.append)
+  assert any("ranking 3 candidates on their forwards first" in line for line in lines), lines
+  forwards = db.measurements(prog, mesh)  # the forward objective's: each of the three, none of the plain program
+  assert len(forwards) == 3 and all(m.result.status == measure.OK for m in forwards.values())
+  stepped = [c for c in result.candidates if c.status == measure.OK]
+  assert len(stepped) == 2 and any(c.plain for c in stepped) and len(steps) == 2
+  out = [c for c in result.candidates if c.result and "training finalists" in c.result.reason]
+  assert len(out) == 2 and all(c.status == measure.PRUNED for c in out)
+  assert all(r.result is not None for r in db.measurements(prog, mesh, objective=TRAINING).values())
+  assert db.lookup(prog, mesh, objective=TRAINING) is not None
+
+
 def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
   """The training check can fail: a reference whose dk is off by half fails the candidate, naming dk."""
   from jaxmercury.tuner.reference import trial
@@ -519,7 +544,7 @@ def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
 def test_a_training_tune_in_worker_processes():
   """``isolation="process"`` measures training steps in the worker too."""
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
-  result = _tune(prog, mesh, training=True, isolation="process", space=0, top_k=0,
+  result = _tune(prog, mesh, training=True, isolation="process", space=0, top_k=1,
                  candidates=[("allgather_matmul", jm.library(prog, mesh)["allgather_matmul"])])
   assert [c.origin for c in result.candidates] == ["plain", "given"]
   for c in result.candidates:  # the plain program rebuilt in the worker from its description

@@ -16,7 +16,7 @@ import threading
 
 from jaxmercury.tuner import measure
 
-MAX_THREADS = 8
+MAX_THREADS = 16
 
 
 def default_threads() -> int:

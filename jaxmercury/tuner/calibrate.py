@@ -11,10 +11,21 @@ and key blocks of one size, which the kernels take on their own path. A ring
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an
 elementwise pass gives the memory bandwidth.
+
+The figures come in two parts, stored apart (``tuner.database``): the mesh's
+(``MESH_FIELDS``: links, latency, collectives, overlap, memory bandwidth),
+measured once per machine (device kind and mesh) whatever the operator and
+dtype, and the kernels' (the rest), once per operator pattern and dtypes.
+A tune measures only the part the database lacks (``measure_parts(parts=...)``).
+Each step compiles its probe programs at once on threads (``_warm``; the
+timed calls then find them compiled), and its blocks are drawn on the host,
+so that no random draw compiles a program of its own.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 import statistics
 import time
@@ -33,7 +44,8 @@ from jaxmercury.kernels.work import Block
 from jaxmercury.programs import attention
 from jaxmercury.programs.attention_backward import attention_dq
 from jaxmercury.schedules.library import library
-from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, dense_flops, masked_axes
+from jaxmercury.tuner.ahead import default_threads
+from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, calibrated_name, dense_flops, masked_axes
 from jaxmercury.tuner.measure import place_inputs
 
 REPEATS = 8
@@ -51,9 +63,40 @@ def _time(fn, *args, iters: int = 3) -> float:
   return statistics.median(times)
 
 
-def _per_repeat(make, *args) -> float:
-  """Seconds of one repeat of ``make(repeats)``'s loop body, without dispatch."""
-  return max((_time(make(REPEATS), *args) - _time(make(1), *args)) / (REPEATS - 1), 1e-9)
+def _warm(probes):
+  """Compiles each ``(jitted function, args)`` of ``probes`` on threads, all at once: the calls that time them then
+  find them compiled (JAX keeps what ``lower(...).compile()`` compiled for the function's own calls). A compile
+  that fails is left for its call to raise."""
+  def compile_one(probe):
+    fn, args = probe
+    try:
+      fn.lower(*args).compile()
+    except Exception:
+      pass
+  probes = list({id(fn): (fn, args) for fn, args in probes}.values())  # a function of its repeats: once
+  if len(probes) < 2:
+    return
+  with concurrent.futures.ThreadPoolExecutor(min(len(probes), default_threads())) as pool:
+    list(pool.map(compile_one, probes))
+
+
+def _repeats(make, *args) -> list:
+  """The two probes of ``_per_repeat``: ``make(REPEATS)`` and ``make(1)`` on ``args``."""
+  return [(make(REPEATS), args), (make(1), args)]
+
+
+def _per_repeat(probes) -> float:
+  """Seconds of one repeat of a loop body, without dispatch, from its ``_repeats`` probes."""
+  (many, many_args), (one, one_args) = probes
+  return max((_time(many, *many_args) - _time(one, *one_args)) / (REPEATS - 1), 1e-9)
+
+
+def _normal(seed: int, shape, dtype) -> np.ndarray:
+  """Normal values drawn on the host (a ``jax.random`` draw compiles a program per shape), at most a million of
+  them repeated over a larger block: a timing needs values, not independent ones."""
+  size = math.prod(shape)
+  drawn = np.random.default_rng(seed).standard_normal(min(size, 1 << 20), dtype=np.float32).astype(dtype)
+  return np.resize(drawn, shape)
 
 
 def _block_sizes(program, kernel, budget_bytes: int, shrink: int = 1, square: bool = True,
@@ -98,25 +141,26 @@ def executed_flops(program, kernel_name: str, sizes) -> float:
   return dense_flops(program) * math.prod(sizes[a] / extents[a] for a in program.kinds) * (work.fast + work.fallback)
 
 
-def _kernel_call_seconds(program, fn, sizes, device) -> float:
-  """Seconds of one call on blocks at the origin, given as traced offsets (as the nest gives them)."""
+def _kernel_probes(program, fn, sizes, device) -> list:
+  """The ``_repeats`` probes of one call on blocks at the origin, given as traced offsets (as the nest gives them)."""
   extents = {a: ax.extent for a, ax in program.axes.items()}
-  keys = jax.random.split(jax.random.key(0), len(program.reads))
-  blocks = tuple(jax.device_put(jax.random.normal(k, [sizes[a] for a in b.axes], jnp.float32).astype(b.dtype),
-                                device) for k, b in zip(keys, program.reads))
+  blocks = tuple(jax.device_put(_normal(k, [sizes[a] for a in b.axes], b.dtype), device)
+                 for k, b in enumerate(program.reads))
 
-  def make(repeats):
-    def run(origin, *xs):
-      ctx = BlockContext(starts={a: origin for a in program.kinds}, sizes=sizes, extents=extents)
+  def loop(repeats, origin, *xs):
+    ctx = BlockContext(starts={a: origin for a in program.kinds}, sizes=sizes, extents=extents)
 
-      def step(_, xs):
-        outs = jax.tree.leaves(fn(ctx, *xs))  # every output feeds the next repeat: none is dead code
-        nudge = (sum(out.reshape(-1)[0] for out in outs) * 0).astype(xs[0].dtype)
-        return (xs[0] + nudge,) + xs[1:]
-      return jax.lax.fori_loop(0, repeats, step, xs)
-    return jax.jit(run)
+    def step(_, xs):
+      outs = jax.tree.leaves(fn(ctx, *xs))  # every output feeds the next repeat: none is dead code
+      nudge = (sum(out.reshape(-1)[0] for out in outs) * 0).astype(xs[0].dtype)
+      return (xs[0] + nudge,) + xs[1:]
+    return jax.lax.fori_loop(0, repeats, step, xs)
 
-  return _per_repeat(make, jax.device_put(jnp.int32(0), device), *blocks)
+  origin = jax.device_put(np.int32(0), device)
+  if device.platform == "cpu":  # one program, the repeats its argument: half the compiles (the loop costs nothing)
+    run = jax.jit(loop)
+    return [(run, (jax.device_put(np.int32(n), device), origin, *blocks)) for n in (REPEATS, 1)]
+  return _repeats(lambda repeats: jax.jit(functools.partial(loop, repeats)), origin, *blocks)
 
 
 def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
@@ -130,11 +174,12 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
   device = mesh.devices.flat[0]
-  points = {}
+  probes = {}
   for shrink in (1, 8):
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
-    flops = scale * executed_flops(program, kernel_name, sizes)
-    points[flops] = _kernel_call_seconds(run_program, fn, sizes, device)
+    probes[scale * executed_flops(program, kernel_name, sizes)] = _kernel_probes(run_program, fn, sizes, device)
+  _warm([p for pair in probes.values() for p in pair])
+  points = {flops: _per_repeat(pair) for flops, pair in probes.items()}
   ordered = sorted(points.items())  # one point when both sizes do the same work
   (f_small, t_small), (f_big, t_big) = ordered[0], ordered[-1]
   if f_big <= f_small or t_big <= t_small:
@@ -156,16 +201,18 @@ def link_figures(mesh, level: str, nbytes: int) -> tuple[float, float, float]:
     full = jax.lax.all_gather(x, level, axis=0, tiled=True)
     return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(level) * x.shape[0], x.shape[0], 0) + 1
 
-  def per_step(op, per_device):
+  def probes(op, per_device):
     def make(repeats):
       body = lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: op(y), x)
       return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-    x = jax.device_put(jnp.ones((n * max(per_device // 4, 1),), jnp.float32), NamedSharding(mesh, spec))
-    return _per_repeat(make, x)
+    x = jax.device_put(np.ones((n * max(per_device // 4, 1),), np.float32), NamedSharding(mesh, spec))
+    return _repeats(make, x)
 
-  big, small = per_step(ring, nbytes), per_step(ring, 4096)
+  steps = {"big": probes(ring, nbytes), "small": probes(ring, 4096), "gather": probes(gather, nbytes)}
+  _warm([p for pair in steps.values() for p in pair])
+  big, small, gathered = (_per_repeat(pair) for pair in steps.values())
   bandwidth = nbytes / max(big - small, 1e-12)
-  factor = (per_step(gather, nbytes) - small) / max((n - 1) * (big - small), 1e-12)
+  factor = (gathered - small) / max((n - 1) * (big - small), 1e-12)
   return bandwidth, small, float(np.clip(factor, 0.25, 4.0))
 
 
@@ -174,7 +221,7 @@ def overlap_figure(mesh, level: str, nbytes: int, gpu: bool) -> float:
   n = mesh.shape[level]
   perm = [(j, (j - 1) % n) for j in range(n)]
   spec = PartitionSpec(level)
-  size = 4096 if gpu else 512
+  size = 4096 if gpu else 256
   dtype = jnp.bfloat16 if gpu else jnp.float32
 
   def make(compute, transfer):
@@ -189,21 +236,24 @@ def overlap_figure(mesh, level: str, nbytes: int, gpu: bool) -> float:
       return jax.lax.fori_loop(0, REPEATS, step, (a, x))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
 
-  a = jax.device_put(jax.random.normal(jax.random.key(1), (n * size, size), jnp.float32).astype(dtype) / 64,
-                     NamedSharding(mesh, spec))
-  x = jax.device_put(jnp.ones((n * max(nbytes // 4, 1),), jnp.float32), NamedSharding(mesh, spec))
-  t_c, t_t, t_both = (_time(make(c, t), a, x) for c, t in ((True, False), (False, True), (True, True)))
+  a = jax.device_put((_normal(1, (n * size, size), np.float32) / 64).astype(dtype), NamedSharding(mesh, spec))
+  x = jax.device_put(np.ones((n * max(nbytes // 4, 1),), np.float32), NamedSharding(mesh, spec))
+  probes = [(make(c, t), (a, x)) for c, t in ((True, False), (False, True), (True, True))]
+  _warm(probes)
+  t_c, t_t, t_both = (_time(fn, *args) for fn, args in probes)
   return float(np.clip((t_c + t_t - t_both) / max(min(t_c, t_t), 1e-12), 0.0, 1.0))
 
 
 def memory_figure(device, nbytes: int) -> float:
   """Device memory bandwidth in bytes/s (one read and one write per element)."""
-  x = jax.device_put(jnp.ones((max(nbytes // 4, 1),), jnp.float32), device)
+  x = jax.device_put(np.ones((max(nbytes // 4, 1),), np.float32), device)
 
   def make(repeats):
     return jax.jit(lambda y: jax.lax.fori_loop(0, repeats, lambda _, z: z * 1.0001 + 1.0, y))
 
-  return 2 * x.size * 4 / _per_repeat(make, x)
+  probes = _repeats(make, x)
+  _warm(probes)
+  return 2 * x.size * 4 / _per_repeat(probes)
 
 
 def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, float]:
@@ -330,23 +380,43 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   return rates
 
 
+MESH, KERNELS = "mesh", "kernels"  # the parts of a machine's figures (``Machine.parts``), measured apart
+
+
 def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
-  """Measures this machine's figures for ``program`` on ``mesh``: the local kernels' rates (all that apply,
-  or ``kernels``), on GPUs their backward blocks' (``backward_rates``) and, where ``kernels`` is not given,
-  the fused ring attentions' (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``).
+  """Measures this machine's figures for ``program`` on ``mesh``: both parts of ``measure_parts``."""
+  parts = measure_parts(program, mesh, kernels=kernels, progress=progress)
+  return Machine.from_parts(calibrated_name(mesh), parts[MESH], parts[KERNELS])
+
+
+def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progress=None, local: bool = True) -> dict:
+  """Measures the parts of this machine's figures named in ``parts``.
+
+  ``MESH``: per mesh level of more than one device its ring bandwidth and latency, the collectives' factor and
+  how much of a transfer hides under compute; one device's memory bandwidth. ``KERNELS``: the local kernels'
+  rates on ``program``'s blocks (all that apply, or ``kernels``) and their fixed cost per call, on GPUs their
+  backward blocks' (``backward_rates``) and, where ``kernels`` is not given, the fused ring attentions'
+  (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``).
 
   Args:
     program: the program whose kernels are measured.
     mesh: the device mesh whose links are measured.
+    parts: which parts to measure.
     kernels: the local kernels to measure; default those that apply.
     progress: ``progress(step, done, total)``, called before each measurement (``step`` names it).
+    local: measure what runs on one device (kernels, memory). Under ``jax.distributed`` the processes other than
+      process 0, which measures and broadcasts, pass False: they join only what runs over the mesh (links,
+      overlap, fused GEMMs), whose collectives need every process; their local figures are placeholders.
+
+  Returns:
+    ``{part: {Machine field: value}}`` for each part measured.
   """
   gpu = mesh.devices.flat[0].platform != "cpu"
-  link_bytes = (64 << 20) if gpu else (4 << 20)
-  names = list(kernels or registry.candidates(program, mesh))
-  levels = [level for level in mesh.axis_names if mesh.shape[level] > 1]
-  fused = gpu and kernels is None
-  total = len(names) + 2 * len(levels) + 1 + (2 if fused else 0) + (1 if gpu else 0)
+  link_bytes = (64 << 20) if gpu else (1 << 20)  # CPU devices share the host's memory: a ring there is a copy
+  names = list(kernels or registry.candidates(program, mesh)) if KERNELS in parts and local else []
+  levels = [level for level in mesh.axis_names if mesh.shape[level] > 1] if MESH in parts else []
+  fused = gpu and kernels is None and KERNELS in parts
+  total = len(names) + 2 * len(levels) + (MESH in parts) + (2 if fused else 0) + (gpu and KERNELS in parts)
   done = [0]
 
   def step(what):
@@ -354,36 +424,37 @@ def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
       progress(what, done[0], total)
     done[0] += 1
 
-  rates, overhead = kernel_rates(program, mesh, names, progress=step)
-  links, latencies, factors, overlaps = {}, [], [], []
-  for level in levels:
-    step(f"link {level}")
-    bw, lat, factor = link_figures(mesh, level, link_bytes)
-    links[level] = bw
-    latencies.append(lat)
-    factors.append(factor)
-    step(f"overlap {level}")
-    overlaps.append(overlap_figure(mesh, level, link_bytes, gpu))
-  links["*"] = min(links.values()) if links else 1e12
-  step("memory bandwidth")
-  memory = memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20))
-  fused_figures = {}
-  if fused:
-    step("fused ring attentions")
-    fused_figures = fused_rates(program, mesh)
-    step("fused GEMMs")
-    fused_figures |= fused_gemm_rates(program, mesh)
-  backward = {}
-  if gpu:
-    step("backward blocks")
-    backward = backward_rates(program, mesh, rates)
+  out = {}
+  if MESH in parts:
+    links, latencies, factors, overlaps = {}, [], [], []
+    for level in levels:
+      step(f"link {level}")
+      bw, lat, factor = link_figures(mesh, level, link_bytes)
+      links[level] = bw
+      latencies.append(lat)
+      factors.append(factor)
+      step(f"overlap {level}")
+      overlaps.append(overlap_figure(mesh, level, link_bytes, gpu))
+    links["*"] = min(links.values()) if links else 1e12
+    step("memory bandwidth")
+    memory = memory_figure(mesh.devices.flat[0], (512 << 20) if gpu else (32 << 20)) if local else 0.0
+    out[MESH] = {"link_bytes_per_s": links, "latency_s": statistics.median(latencies) if latencies else 0.0,
+                 "gather_factor": statistics.median(factors) if factors else 1.0,
+                 "overlap": statistics.median(overlaps) if overlaps else 1.0, "memory_bytes_per_s": memory}
+  if KERNELS in parts:
+    rates, overhead = kernel_rates(program, mesh, names, progress=step) if local else ({}, 0.0)
+    fused_figures, backward = {}, {}
+    if fused:
+      step("fused ring attentions")
+      fused_figures = fused_rates(program, mesh) if local else {}
+      step("fused GEMMs")
+      fused_figures |= fused_gemm_rates(program, mesh)
+    if gpu:
+      step("backward blocks")
+      backward = backward_rates(program, mesh, rates) if local else {}
+    out[KERNELS] = {"flops_per_s": max(rates.values()) if rates else 1e12, "kernel_flops_per_s": rates,
+                    "call_overhead_s": overhead, "fused_flops_per_s": fused_figures,
+                    "backward_flops_per_s": backward}
   if progress is not None:
     progress("done", total, total)
-  return Machine(
-      name=f"{mesh.devices.flat[0].device_kind} x{mesh.devices.size} (calibrated)",
-      flops_per_s=max(rates.values()) if rates else 1e12, link_bytes_per_s=links,
-      latency_s=statistics.median(latencies) if latencies else 0.0,
-      kernel_flops_per_s=rates, gather_factor=statistics.median(factors) if factors else 1.0,
-      call_overhead_s=overhead,
-      overlap=statistics.median(overlaps) if overlaps else 1.0,
-      memory_bytes_per_s=memory, fused_flops_per_s=fused_figures, backward_flops_per_s=backward)
+  return out

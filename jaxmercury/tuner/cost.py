@@ -121,6 +121,28 @@ class Machine:
   def from_dict(cls, data: dict) -> "Machine":
     return cls(**data)
 
+  def parts(self) -> tuple[dict, dict]:
+    """``(mesh figures, kernel figures)``: the fields of ``MESH_FIELDS``, measured once per machine whatever the
+    operator, and the others but the name, measured per operator pattern and dtypes."""
+    data = self.to_dict()
+    return ({k: data[k] for k in MESH_FIELDS},
+            {k: v for k, v in data.items() if k not in MESH_FIELDS and k != "name"})
+
+  @classmethod
+  def from_parts(cls, name: str, mesh_part: dict, kernel_part: dict) -> "Machine":
+    """The machine of a mesh's figures and an operator's kernel figures (``parts``)."""
+    return cls(name=name, **mesh_part, **kernel_part)
+
+
+def calibrated_name(mesh) -> str:
+  """A calibrated machine's name: its device kind and count."""
+  kind = mesh.devices.flat[0].device_kind if isinstance(mesh, jax.sharding.Mesh) else "abstract"
+  return f"{kind} x{math.prod(mesh.shape.values())} (calibrated)"
+
+
+# The figures of the mesh and its devices, whatever runs on them (``Machine.parts``).
+MESH_FIELDS = ("link_bytes_per_s", "latency_s", "gather_factor", "overlap", "memory_bytes_per_s")
+
 
 # A block's backward work over its forward's: a GEMM's two products of its size; an attention recomputes its
 # scores and forms dV, dP, dQ and dK, five products against the forward's two.

@@ -17,7 +17,12 @@ and read back as a ``PlainProgram``. Three tables:
 - ``measurements``: per key and candidate trace, its measurement, written as
   soon as it is taken (an interrupted tune resumes from them), or a marker
   that it is being measured (a tune that dies in it counts an attempt);
-- ``machines``: calibrated cost-model figures.
+- ``machines``: calibrated cost-model figures, in two parts (``calibrate.MESH`` and ``calibrate.KERNELS``): a
+  mesh's figures once per device kind and mesh, whatever the operator and dtype; the kernels' per operator
+  pattern and dtypes (``machine_part_key``). Rows of older versions (one row per operator) are not read.
+
+The cost model's accuracy is learned from the winners' records themselves: every timed candidate's prediction
+and measured time, per kernel on each machine (``observations``, read by ``tuner.accuracy``).
 
 Durability: WAL journal, one ``BEGIN IMMEDIATE`` transaction per record, a
 60 s busy timeout, so concurrent tuners on one machine wait for each other
@@ -48,7 +53,7 @@ from jaxmercury.errors import ScheduleError, TraceError
 from jaxmercury.schedules.trace import is_size, same_but_sizes
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.candidates import Candidate
-from jaxmercury.tuner.cost import Machine
+from jaxmercury.tuner.cost import Machine, calibrated_name
 from jaxmercury.tuner.plain import runnable_from_json
 
 SCHEMA = (
@@ -102,14 +107,26 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
       "layouts": None if layouts is None else str(layouts), **extra, **_versions()}, sort_keys=True)
 
 
-def machine_key(program, mesh) -> str:
-  """The key of cost-model figures: once per machine (device kind and mesh), operator pattern and element types,
-  whatever the sizes: figures measured at one size rank the candidates of the others."""
+MESH_PART, KERNELS_PART = "mesh", "kernels"  # calibrate.MESH and calibrate.KERNELS
+
+
+def _machine_fields(mesh) -> dict:
+  """What identifies a machine: its device kind and mesh, and the versions that measured it."""
+  return {"mesh": [[n, s] for n, s in mesh.shape.items()], "device": _device_kind(mesh), **_versions()}
+
+
+def machine_part_key(part: str, program, mesh) -> str:
+  """The key of one part of the cost-model figures: the mesh's (``MESH_PART``) once per machine (device kind and
+  mesh); the kernels' (``KERNELS_PART``) once per machine, operator pattern and element types, whatever the sizes:
+  figures measured at one size rank the candidates of the others."""
+  if part == MESH_PART:
+    return json.dumps({"part": part, **_machine_fields(mesh)}, sort_keys=True)
+  if part != KERNELS_PART:
+    raise ValueError(f"part must be {MESH_PART!r} or {KERNELS_PART!r}, got {part!r}")
   return json.dumps({
-      "machine": program.pattern or program.fingerprint(),
+      "part": part, "pattern": program.pattern or program.fingerprint(),
       "dtypes": [str(b.dtype) for b in (*program.reads, program.writes)],
-      "causal": str(program.params.get("causal")), "mesh": [[n, s] for n, s in mesh.shape.items()],
-      "device": _device_kind(mesh), **_versions()}, sort_keys=True)
+      "causal": str(program.params.get("causal")), **_machine_fields(mesh)}, sort_keys=True)
 
 
 class Near(NamedTuple):
@@ -381,20 +398,61 @@ class Database:
 
   # ------------------------------------------------------------ machines
   def machine(self, program, mesh):
-    """Stored cost-model figures for this machine and program's pattern and types (``machine_key``), or None."""
-    rows = self._read("SELECT figures FROM machines WHERE key = ?", (machine_key(program, mesh),))
-    if not rows:
+    """Stored cost-model figures for this machine and program's pattern and types, both parts, or None."""
+    parts = self.machine_parts(program, mesh)
+    if len(parts) < 2:
       return None
-    try:
-      return Machine.from_dict(json.loads(rows[0][0]))
-    except (TypeError, ValueError, KeyError) as e:
-      warnings.warn(f"tuning database {os.fspath(self.path)}: malformed machine figures ({e}); ignored",
-                    RuntimeWarning, stacklevel=2)
-      return None
+    return Machine.from_parts(calibrated_name(mesh), parts[MESH_PART], parts[KERNELS_PART])
+
+  def machine_parts(self, program, mesh) -> dict:
+    """The stored parts of this machine's figures (``{MESH_PART: fields, KERNELS_PART: fields}``, those stored); a
+    malformed part is left out with a warning."""
+    out = {}
+    fields = {f.name for f in dataclasses.fields(Machine)} - {"name"}
+    for part in (MESH_PART, KERNELS_PART):
+      rows = self._read("SELECT figures FROM machines WHERE key = ?", (machine_part_key(part, program, mesh),))
+      if not rows:
+        continue
+      try:
+        figures = json.loads(rows[0][0])
+        if not isinstance(figures, dict) or not set(figures) <= fields:
+          raise ValueError(f"unknown fields {sorted(set(figures) - fields) if isinstance(figures, dict) else figures}")
+        out[part] = figures
+      except (TypeError, ValueError) as e:
+        warnings.warn(f"tuning database {os.fspath(self.path)}: malformed machine figures ({e}); ignored",
+                      RuntimeWarning, stacklevel=2)
+    return out
+
+  def store_machine_part(self, part: str, program, mesh, figures: dict):
+    """Stores one part of the figures (``machine_parts``)."""
+    self._write("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
+                (machine_part_key(part, program, mesh), json.dumps(figures), _now()))
 
   def store_machine(self, program, mesh, machine):
-    self._write("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
-                (machine_key(program, mesh), json.dumps(machine.to_dict()), _now()))
+    """Stores a machine's figures, both parts."""
+    mesh_part, kernel_part = machine.parts()
+    self.store_machine_part(MESH_PART, program, mesh, mesh_part)
+    self.store_machine_part(KERNELS_PART, program, mesh, kernel_part)
+
+  def observations(self, mesh, objective: str = FORWARD) -> list[tuple[str, float, float]]:
+    """``(kernel, predicted ms, measured ms)`` of every timed candidate of the winners' records of this machine
+    (device kind, mesh, versions) and objective, plain programs left out. ``kernel`` is the fused kernel where
+    the candidate has one, else its local kernel (``"xla"`` for none)."""
+    want = {**_machine_fields(mesh), "objective": objective}
+    out = []
+    for key, cands in self._read("SELECT key, candidates FROM winners ORDER BY created", ()):
+      try:
+        have = json.loads(key)
+        if {k: have.get(k, FORWARD if k == "objective" else None) for k in want} != want:
+          continue
+        for c in json.loads(cands):
+          if c.get("plain") or c.get("status") != measure.OK or not c.get("predicted_ms") or not c.get("time_ms"):
+            continue
+          out.append((str(c.get("lowering") or c.get("kernel") or "xla"), float(c["predicted_ms"]),
+                      float(c["time_ms"])))
+      except (TypeError, ValueError, AttributeError):
+        continue
+    return out
 
   def __len__(self):
     rows = self._read("SELECT COUNT(*) FROM winners", ())

@@ -36,7 +36,10 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jaxmercury.tuner import measure
+from jaxmercury.tuner.candidates import Final
 
 FINAL_MARGIN = 0.05  # candidates this close to the best time of their own are finalists
 FINAL_SIZE = 4  # at most this many, the best plain program besides
@@ -131,8 +134,13 @@ class Decision:
 
 def final_round(calls: dict[str, Callable], *, plain: Sequence[str] = (), order: Sequence[str] = (),
                 batch: int = 10, max_rounds: int = 50, budget_s: float = 3.0,
-                clock: Callable[[], float] = time.perf_counter) -> Decision | None:
+                clock: Callable[[], float] = time.perf_counter, gather: Callable | None = None) -> Decision | None:
   """Times ``calls`` side by side until the winner is resolved (module docstring).
+
+  Under several processes (``gather``) the processes run the rounds in lockstep, each the same calls in the same
+  order; after each batch every run's time is combined (the slowest process's counts, a run that failed on any
+  process fails the finalist) and so is the elapsed time, so that every process takes the same decisions from the
+  same times.
 
   Args:
     calls: finalist name -> a call of no arguments (compiled, inputs placed, run once).
@@ -142,6 +150,7 @@ def final_round(calls: dict[str, Callable], *, plain: Sequence[str] = (), order:
     max_rounds: rounds at most.
     budget_s: seconds after which no new batch starts (the first ``FIRST_LOOK`` batches run whatever it is).
     clock: the clock the budget is read from.
+    gather: ``agree.gather`` under several processes (stacks each process's array); None: this process alone.
 
   Returns:
     The ``Decision``, or None when every finalist failed.
@@ -159,6 +168,9 @@ def final_round(calls: dict[str, Callable], *, plain: Sequence[str] = (), order:
 
   while True:
     got = measure.rounds(live, batch, on_error=on_error)
+    elapsed = clock() - start
+    if gather is not None:
+      got, elapsed = _slowest(got, list(live), batch, elapsed, gather, failed)
     for name in list(live):
       if name in got:
         times[name].extend(got[name])
@@ -174,7 +186,7 @@ def final_round(calls: dict[str, Callable], *, plain: Sequence[str] = (), order:
         resolved.add(name)
         del live[name]
     looked = rounds >= FIRST_LOOK * batch
-    if len(live) == 1 or rounds >= max_rounds or (looked and clock() - start >= budget_s):
+    if len(live) == 1 or rounds >= max_rounds or (looked and elapsed >= budget_s):
       break
   ran = {n: t for n, t in times.items() if n not in failed}
   leader = _leader(ran, times)
@@ -189,7 +201,27 @@ def final_round(calls: dict[str, Callable], *, plain: Sequence[str] = (), order:
     winner = min(beats or [leader], key=lambda n: (rank.get(n, len(rank)), n))
   return Decision(winner, leader, ran, versus, tuple(n for n in within if n != winner), baseline,
                   None if baseline in (None, winner) else compare(times[baseline], times[winner]), rounds,
-                  clock() - start, len(within) == 1, failed)
+                  elapsed, len(within) == 1, failed)
+
+
+def _slowest(got: dict, names: list, batch: int, elapsed: float, gather: Callable, failed: dict):
+  """``(times, elapsed)`` of one batch combined across processes: per name its runs, each as long as its slowest
+  process took (a name that failed on any process is left out, and named in ``failed``), and the longest
+  elapsed time."""
+  rows = np.full((len(names) + 1, batch), np.nan)
+  for k, name in enumerate(names):
+    if name in got:
+      rows[k, :len(got[name])] = got[name]
+  rows[-1, 0] = elapsed
+  every = gather(rows)
+  out = {}
+  for k, name in enumerate(names):
+    runs = every[:, k, :]
+    if np.isnan(runs).any():
+      failed.setdefault(name, f"failed on process {int(np.isnan(runs).any(axis=1).argmax())}")
+    else:
+      out[name] = [float(t) for t in runs.max(axis=0)]
+  return out, float(np.max(every[:, -1, 0]))
 
 
 def _leader(names, times) -> str:
@@ -224,3 +256,83 @@ def _spread(candidate) -> float:
     return 0.0
   q1, _, q3 = statistics.quantiles(times, n=4)
   return WIDTH * (q3 - q1) / math.sqrt(len(times)) / candidate.time_ms
+
+
+def decide_stage(ok: list, ready, *, iters: int, budget_s: float, log, gather=None):
+  """The winner among the timed candidates ``ok``: the final round of ``finalists(ok)``.
+
+  Each finalist's round goes to its ``final`` (its own measurement, as stored, is left as it was). Under several
+  processes (``gather``) every process runs the round in lockstep and reaches the same decision
+  (``final_round``).
+
+  Args:
+    ok: the candidates that passed and were timed (their ``result`` the same on every process).
+    ready: ``ready(candidate) -> call`` of no arguments running it (compiled, inputs placed); raises where it
+      does not run again.
+    iters: rounds per batch at most.
+    budget_s: the round's time budget.
+    log: progress printer.
+    gather: ``agree.gather`` under several processes.
+
+  Returns:
+    ``(winner, decision text, candidates tied with it)``. With one finalist, or when no finalist runs in the
+    round, the winner is chosen on the candidates' own times (``own_times_winner``).
+  """
+  chosen = finalists(ok)
+  if len(chosen) < 2:
+    return (*own_times_winner(ok), [])
+  names = _distinct_names(chosen)
+  calls = {}
+  for name, c in zip(names, chosen):
+    try:
+      calls[name] = ready(c)
+    except Exception as e:
+      log(f"  final round: {c.name} does not run again ({type(e).__name__}: {str(e)[:200]}); left out")
+  by_name = dict(zip(names, chosen))
+  order = sorted(calls, key=lambda n: (by_name[n].predicted_ms if not math.isnan(by_name[n].predicted_ms)
+                                       else math.inf, n))
+  # rounds per batch: ``iters``, fewer (4 at least) where two batches of the finalists' own times exceed the budget
+  round_s = sum(by_name[n].time_ms for n in calls) * 1e-3
+  batch = max(4, min(iters, int(budget_s / (FIRST_LOOK * round_s)) if round_s > 0 else iters))
+  verdict = final_round(calls, plain=[n for n in calls if by_name[n].plain], order=order, batch=batch,
+                        max_rounds=3 * batch, budget_s=budget_s, gather=gather) if len(calls) > 1 else None
+  if verdict is None:
+    return (*own_times_winner(ok), [])
+  for name in calls:
+    c = by_name[name]
+    if name in verdict.failed:
+      note = f"failed in the final round ({verdict.failed[name]})"
+    elif name == verdict.winner:
+      note = verdict.summary()
+    else:
+      note = f"{verdict.versus_leader[name]} the leader's time in the final round"
+      note += "; tied within noise with the winner" if name in verdict.tied else ""
+    c.final = Final(verdict.median_ms(name), tuple(verdict.times_ms.get(name, [])), note)
+  log("  final round (interleaved): " + ", ".join(
+      f"{n} {verdict.median_ms(n):.3f} ms" for n in calls if n not in verdict.failed))
+  return by_name[verdict.winner], verdict.summary(), [by_name[n] for n in verdict.tied]
+
+
+def own_times_winner(ok) -> tuple:
+  """``(winner, decision text)`` on the candidates' own times, where no final round ran (one finalist, or none
+  ran again): the fastest, unless it is a schedule less than ``PLAIN_MARGIN`` faster than the best plain
+  program, which then wins."""
+  best = min(ok, key=lambda c: c.time_ms)
+  plain = min((c for c in ok if c.plain), key=lambda c: c.time_ms, default=None)
+  if plain is not None and best is not plain and best.time_ms * (1 + PLAIN_MARGIN) > plain.time_ms:
+    return plain, (f"{plain.name} wins on the candidates' own times: {best.name} is not "
+                   f"{PLAIN_MARGIN:.0%} faster")
+  alone = len(finalists(ok)) < 2
+  why = "no other came close enough for a final round" if alone else "no finalist ran again in the final round"
+  if best.plain and alone:
+    why = "no schedule came close enough to it for a final round"
+  return best, f"{best.name} wins on the candidates' own times: {why}"
+
+
+def _distinct_names(cands) -> list[str]:
+  """The candidates' names, a number added where two share one."""
+  out, seen = [], {}
+  for c in cands:
+    seen[c.name] = seen.get(c.name, 0) + 1
+    out.append(c.name if seen[c.name] == 1 else f"{c.name} #{seen[c.name]}")
+  return out

@@ -112,16 +112,24 @@ def local_error(y, ref) -> tuple[bool, float, float]:
 
   Each element counts once (replica 0 of every shard), so the sums of all
   processes give the error of the whole output; one process needs only the
-  shards it can address. The sums are taken on each shard's device, in float32 (copying a large output to the
+  shards it can address. ``ref`` is best a host (numpy) array: each shard's
+  part of it is then a host slice, where slicing a device array would compile
+  a program per shard. On CPU devices the sums are taken on the host; on
+  others on each shard's device, in float32 (copying a large output to the
   host and summing it there took seconds per candidate).
   """
-  ref = ref if isinstance(ref, jax.Array) else jnp.asarray(ref)
+  ref = ref if isinstance(ref, np.ndarray) else np.asarray(jax.device_get(ref))
   finite, diff, norm = True, 0.0, 0.0
   for shard in y.addressable_shards:
     if shard.replica_id != 0:
       continue
-    sums = _error_sums(shard.data, jax.device_put(ref[shard.index], shard.device))
-    ok, d, n = (float(v) for v in jax.device_get(sums))
+    want = ref[shard.index]
+    if shard.device.platform == "cpu":
+      part, want = np.asarray(shard.data, np.float64), np.asarray(want, np.float64)
+      ok, d, n = bool(np.all(np.isfinite(part))), float(np.sum((part - want) ** 2)), float(np.sum(want ** 2))
+    else:
+      sums = _error_sums(shard.data, jax.device_put(want, shard.device))
+      ok, d, n = (float(v) for v in jax.device_get(sums))
     finite = finite and bool(ok)
     diff += d if finite else 0.0
     norm += n
@@ -253,7 +261,7 @@ def _runnable(schedule, training: bool):
 def compile_ahead(schedule, *, training: bool = False):
   """The compiled program ``measure`` would compile for ``schedule`` (``training``: its training step), from the
   buffers' shapes alone, so that several candidates can compile at once before any is run (``measure``'s
-  ``compiled``). Single-process meshes only."""
+  ``compiled``). Under several processes each compiles its own (a compile runs no collective)."""
   prog = schedule.program
   buffers = prog.reads + ((prog.writes,) if training else ())  # a training step takes the output's cotangent
   args = [jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=_sharding(schedule, b.name, b.shape)) for b in buffers]
@@ -355,7 +363,7 @@ def rounds(calls: dict, counts, on_error=None, block_s: float = 0.0) -> dict[str
   return {name: t for name, t in times.items() if name in live}
 
 
-def ready_call(schedule, inputs, *, cotangent_key=None) -> Callable:
+def ready_call(schedule, inputs, *, cotangent_key=None, compiled=None) -> Callable:
   """A call of no arguments running the compiled ``schedule`` (or plain program) on ``inputs`` in its layouts,
   after one untimed run.
 
@@ -364,13 +372,15 @@ def ready_call(schedule, inputs, *, cotangent_key=None) -> Callable:
     inputs: the program's inputs.
     cotangent_key: call a training step instead: the forward and backward (``training_step``) on a random output
       cotangent drawn from this key, laid out as the output.
+    compiled: its compiled program (or training step), kept from its measurement; None: compiled here.
   """
   xs = place_inputs(schedule, inputs)
   if cotangent_key is not None:
     out = schedule.program.writes
     cot = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
     xs = [*xs, place_output(schedule, cot)]
-  compiled = _runnable(schedule, cotangent_key is not None).lower(*xs).compile()
+  if compiled is None:
+    compiled = _runnable(schedule, cotangent_key is not None).lower(*xs).compile()
   jax.block_until_ready(compiled(*xs))
   return functools.partial(compiled, *xs)
 

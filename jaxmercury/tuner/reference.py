@@ -69,12 +69,19 @@ def trial(program, seed: int, device, *, training: bool = False):
   The inputs are fresh normal values drawn from ``seed``. For the forward,
   ``cotangent`` is None and ``reference`` the trusted output; for a training
   step, ``cotangent`` is a normal output cotangent from the same seed and
-  ``reference`` the trusted ``(output, gradients)``.
+  ``reference`` the trusted ``(output, gradients)``. The reference is on the
+  host (numpy arrays): each candidate's shards are checked against slices of
+  it (``measure.local_error``), which on a device array would compile a slice
+  per shard.
   """
   key = jax.random.key(seed)
   inputs = program.random_inputs(key)
   if not training:
-    return inputs, None, reference_output(program, inputs, device)
+    return inputs, None, _on_host(reference_output(program, inputs, device))
   out = program.writes
   cotangent = jax.random.normal(jax.random.fold_in(key, 1), out.shape, jnp.float32).astype(out.dtype)
-  return inputs, cotangent, reference_step(program, inputs, cotangent, device)
+  return inputs, cotangent, _on_host(reference_step(program, inputs, cotangent, device))
+
+
+def _on_host(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
