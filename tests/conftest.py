@@ -155,7 +155,9 @@ def _cudnn_kind(causal, window, keep) -> str:
 
 @pytest.fixture
 def cpu_cudnn(monkeypatch):
-  """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA.
+  """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA; and the plain cuDNN
+attention (``jax.nn.dot_product_attention(implementation="cudnn")``, bf16 and f16 as on GPUs) stood in by JAX's XLA
+one, called in cuDNN's layouts (``Plain.layout``).
 
   Returns the list of the cuDNN calls that ran, recorded while running (branches traced but not taken do not
   count): ``"forward KIND"`` for each forward call, ``"backward"`` and ``"backward KIND"`` for each backward one,
@@ -164,6 +166,7 @@ def cpu_cudnn(monkeypatch):
   import dataclasses
 
   from jaxmercury.kernels import cudnn_attention, registry
+  from jaxmercury.programs import plain
   ran = []
 
   def forward(q, k, v, causal=False, window=None, keep=None):
@@ -180,4 +183,8 @@ def cpu_cudnn(monkeypatch):
   for name in ("cudnn_attention", "cudnn_attention_dq", "cudnn_attention_dkv"):
     kernel = registry._KERNELS[name]
     monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(kernel, platforms=frozenset({"cpu"}), dtypes=None))
+  cudnn, *others = plain.PLAIN["attention"]
+  standin = dataclasses.replace(cudnn, make=plain._attention(plain.XLA),
+                                why_not=lambda program, platform: plain._cudnn_why_not(program, "gpu"))
+  monkeypatch.setitem(plain.PLAIN, "attention", (standin, *others))
   return ran

@@ -51,6 +51,11 @@ def _only(spec: PartitionSpec, rank: int, names: set) -> PartitionSpec:
   return PartitionSpec(*out)
 
 
+def typed_part(spec: PartitionSpec, rank: int, mesh) -> PartitionSpec:
+  """``spec`` over ``mesh``'s Explicit axes alone (what an array's type can say on a mesh mixing both)."""
+  return _only(spec, rank, {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit})
+
+
 def constrain(x, mesh, spec: PartitionSpec):
   """``x`` laid out as ``spec``: a reshard over Explicit axes (skipped where its type already says so), a
   sharding constraint over Auto ones; a mesh mixing both gets each part by its own means."""
