@@ -32,11 +32,11 @@ def entries(spec: PartitionSpec | None, rank: int) -> list:
 
 
 def spec_of(x, mesh) -> PartitionSpec:
-  """The spec ``x``'s type carries on ``mesh`` (all None where its type has no mesh, or with Auto axes; over the
-  Explicit axes alone on a mesh mixing both)."""
+  """The spec ``x``'s type (an array's, or a ``ShapeDtypeStruct``'s sharding) carries on ``mesh`` (all None where
+  its type has no mesh; empty with Auto axes; over the Explicit axes alone on a mesh mixing both)."""
   if not explicit(mesh):
     return PartitionSpec()
-  sharding = jax.typeof(x).sharding
+  sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
   if getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
     return PartitionSpec(*([None] * x.ndim))
   return PartitionSpec(*entries(sharding.spec, x.ndim))
