@@ -91,27 +91,18 @@ def choose(program, mesh, *, layouts=None, database=None, tune: bool = False, **
   if found is None and layouts is not None:
     found = db.lookup_record(program, mesh, objective=objective)
   if found is not None:
-    return _chosen(found.winner.schedule, found.winner.name, DATABASE, ins, out)
+    return Choice(found.winner.schedule, found.winner.name, DATABASE)
   if tune:
     result = _outside_traces(lambda: autotune(program, mesh, database=db, in_shardings=ins, out_sharding=out,
                                               **tune_options))
     if result.best is not None:
-      return _chosen(result.best.schedule, result.best.name, TUNED, ins, out)
+      return Choice(result.best.schedule, result.best.name, TUNED)
   near = db.nearest(program, mesh, layouts, objective=objective)
   if near is not None:
     tuned_at = ", ".join(f"{k}={v}" for k, v in near.params.items() if v != program.params.get(k))
-    return _chosen(near.schedule, f"{near.name} (tuned at {tuned_at})", NEAREST, ins, out)
+    return Choice(near.schedule, f"{near.name} (tuned at {tuned_at})", NEAREST)
   plain = as_written(program, mesh, ins, out)
   return Choice(plain, plain.name, PLAIN)
-
-
-def _chosen(schedule, name: str, origin: str, ins, out) -> Choice:
-  """A winner; a plain one XLA partitions as written runs in the caller's layouts (``ins``, ``out``; None:
-  left as the caller's arrays are), as the caller's own call would, not in the layouts it was tuned in."""
-  if is_plain(schedule) and schedule.plain.layout is None:
-    given = tuple(ins) if ins is not None else (None,) * len(schedule.program.reads)
-    schedule = dataclasses.replace(schedule, in_shardings=given, out_sharding=out)
-  return Choice(schedule, name, origin)
 
 
 def caller_layouts(mesh, inputs, output) -> tuple | None:
@@ -207,10 +198,16 @@ def choose_for(operands: Operands, mesh, *, database=None, tune: bool = False, *
 
 
 def _run(operands: Operands, mesh, free_dims, schedule, database, tune, tune_options):
-  """The operator on its inputs: ``schedule`` (None: ``choose_for``'s), its result laid out as the undecorated
+  """The operator on its inputs: ``schedule`` (None: ``choose_for``'s; a plain one as written in the caller's
+  layouts, as the caller's own call runs, not in those it was tuned in), its result laid out as the undecorated
   call's (``types.like``); the plain program as written leaves it where XLA puts it, as the caller's call would."""
   if schedule is None:
-    schedule = choose_for(operands, mesh, database=database, tune=tune, **tune_options).schedule
+    choice = choose_for(operands, mesh, database=database, tune=tune, **tune_options)
+    schedule = choice.schedule
+    if choice.as_written and not choice.plain:
+      layouts = caller_layouts(mesh, operands.inputs, operands.expected) or (None, None)
+      given = layouts[0] if layouts[0] is not None else (None,) * len(operands.inputs)
+      schedule = dataclasses.replace(schedule, in_shardings=tuple(given), out_sharding=layouts[1])
   out = _prepared(schedule.to_json(), operands.program, mesh).fn(*operands.inputs)
   if is_plain(schedule) and schedule.out_sharding is None:
     return out

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, h100_mesh, make_mesh, rel_err
+from conftest import fresh_key, h100_mesh, make_mesh, rel_err, store_library_winners
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -205,9 +205,11 @@ def test_flax_moe_layer_routed_by_distribute(kind, tmp_path):
     return jnp.mean(m(x) ** 2)
 
   want, want_grads = nnx.value_and_grad(loss)(block, x)
-  jm.distribute(block, mesh=mesh, database=jm.Database(str(tmp_path / "moe.db")), attention=False, linear=False)
+  db = jm.Database(str(tmp_path / "moe.db"))
+  jm.distribute(block, mesh=mesh, database=db, attention=False, linear=False)
   assert isinstance(block.moe.moe_fn, jm.flax.MoeFn)
   with jax.set_mesh(mesh):
+    assert store_library_winners(db, lambda: nnx.eval_shape(lambda m, x: m(x), block, x)) == 1  # untuned: plain
     got, grads = nnx.value_and_grad(loss)(block, x)
   assert rel_err(got, want) < 2e-5
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

@@ -143,8 +143,7 @@ def _operator(view, m, operator, routing) -> tuple:
     params = m.anchor.eqn.params
     lhs, rhs = _abstract_eval(lambda a, b: _gemm_args(m, params, a, b)[:2], [abstract(r) for r in m.operands])
     dn, kwargs = _gemm_dims(m, params)
-    call = functools.partial(DotGeneral(routing)._call, dimension_numbers=dn, **kwargs)
-    return program, DotGeneral(routing).layouts(lhs, rhs, dn, call)
+    return program, DotGeneral(routing).layouts(lhs, rhs, dn, **kwargs)
   found = {}
 
   def inputs(q, k, v, extras):

@@ -3,9 +3,10 @@
 ``AttentionFn`` has the signature of ``flax.nnx.dot_product_attention`` (what
 ``nnx.MultiHeadAttention(attention_fn=...)`` calls) and ``DotGeneral`` that of
 ``jax.lax.dot_general`` (what ``nnx.Linear(dot_general=...)`` calls). Each
-runs ``jaxmercury.ops`` on its mesh when the call is one it covers, and the
-function it replaced otherwise, so results never change, only where and how
-they are computed. Both are hashable values: Flax keeps them as static
+runs ``jaxmercury.ops`` on its mesh when the call is one it covers and a
+schedule was measured faster for it (``ops.choose``), and the function it
+replaced otherwise, so results never change, only where and how they are
+computed. Both are hashable values: Flax keeps them as static
 attributes of the module.
 """
 
@@ -191,20 +192,19 @@ class DotGeneral:
   def route(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, schedule=None,
             **kwargs):
     """The call, through ``ops`` where covered: by ``schedule`` (None: the one ``ops.choose`` picks for the
-    caller's layouts, ``layouts``; the call itself where nothing was measured)."""
+    caller's layouts, ``layouts``; the call itself where nothing measured beat it)."""
     plain = (not set(kwargs) - {"out_sharding"} and _default_precision(precision)
              and (preferred_element_type is None or np.dtype(preferred_element_type) == lhs.dtype))
     shape = self.gemm_shape(lhs, rhs, dimension_numbers) if plain else None
-    call = functools.partial(self._call, dimension_numbers=dimension_numbers, precision=precision,
-                             preferred_element_type=preferred_element_type, **kwargs)
-    original = functools.partial(call, lhs, rhs)
+    options = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+    original = functools.partial(self.fallback, lhs, rhs, dimension_numbers, **options)
     if shape is None:
       return original()
     r = self.routing
     m, k, n = shape
     prog = ops.matmul_program((m, k), (k, n), str(lhs.dtype))
     if schedule is None:
-      choice = ops.choose(prog, r.mesh, layouts=self.layouts(lhs, rhs, dimension_numbers, call),
+      choice = ops.choose(prog, r.mesh, layouts=self.layouts(lhs, rhs, dimension_numbers, **options),
                           database=r.database, tune=r.tune, **r.options())
       if choice.as_written:  # nothing measured, or nothing beat it: the call as written
         return original()
@@ -218,13 +218,10 @@ class DotGeneral:
     y = types.unflatten(op.fn(a, b), r.mesh, out_shape, [batch, rhs.ndim - contracted], op.output_spec)
     return types.like(y, r.mesh, jax.eval_shape(original), free_dims=range(batch))
 
-  def _call(self, lhs, rhs, *, dimension_numbers, **kwargs):
-    return self.fallback(lhs, rhs, dimension_numbers, **kwargs)
-
-  def layouts(self, lhs, rhs, dimension_numbers, call) -> tuple | None:
-    """The caller's layouts of the GEMM a covered call ``call(lhs, rhs)`` is (``ops.caller_layouts``: the
-    operands and the result flattened to ``[m, k] . [k, n] -> [m, n]``, as ``route`` flattens them), from arrays
-    or ``ShapeDtypeStruct``s; None on Auto mesh axes."""
+  def layouts(self, lhs, rhs, dimension_numbers, **kwargs) -> tuple | None:
+    """The caller's layouts of the GEMM a covered call is (``ops.caller_layouts``: the operands and the result
+    flattened to ``[m, k] . [k, n] -> [m, n]``, as ``route`` flattens them), from arrays or
+    ``ShapeDtypeStruct``s; ``kwargs`` are the call's other arguments. None on Auto mesh axes."""
     mesh = self.routing.mesh
     if not types.explicit(mesh):
       return None
@@ -234,7 +231,8 @@ class DotGeneral:
     def flat(lhs, rhs):
       a = types.flatten(lhs, mesh, [batch, len(lc)])
       b = types.flatten(rhs, mesh, [contracted, rhs.ndim - contracted])
-      return a, b, types.flatten(call(lhs, rhs), mesh, [batch, rhs.ndim - contracted])
+      y = self.fallback(lhs, rhs, dimension_numbers, **kwargs)
+      return a, b, types.flatten(y, mesh, [batch, rhs.ndim - contracted])
 
     a, b, y = jax.eval_shape(flat, lhs, rhs)
     return ops.caller_layouts(mesh, (a, b), y)
