@@ -205,9 +205,7 @@ def _run(operands: Operands, mesh, free_dims, schedule, database, tune, tune_opt
     choice = choose_for(operands, mesh, database=database, tune=tune, **tune_options)
     schedule = choice.schedule
     if choice.as_written and not choice.plain:
-      layouts = caller_layouts(mesh, operands.inputs, operands.expected) or (None, None)
-      given = layouts[0] if layouts[0] is not None else (None,) * len(operands.inputs)
-      schedule = dataclasses.replace(schedule, in_shardings=tuple(given), out_sharding=layouts[1])
+      schedule = schedule.in_layouts(*(caller_layouts(mesh, operands.inputs, operands.expected) or (None, None)))
   out = _prepared(schedule.to_json(), operands.program, mesh).fn(*operands.inputs)
   if is_plain(schedule) and schedule.out_sharding is None:
     return out

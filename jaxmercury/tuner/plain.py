@@ -146,6 +146,11 @@ class PlainProgram:
       return fn(*xs, out_sharding=out)
     return jax.sharding.auto_axes(fn, out_sharding=out)(*xs)
 
+  def in_layouts(self, in_shardings=None, out_sharding=None) -> "PlainProgram":
+    """The same definition in other layouts (a None entry, or none given: the caller's array's, unconstrained)."""
+    given = tuple(in_shardings) if in_shardings is not None else (None,) * len(self.program.reads)
+    return dataclasses.replace(self, in_shardings=given, out_sharding=out_sharding)
+
   def inner_shardings(self) -> tuple:
     """The input layouts the definition is called in: its own (``Plain.layout``: cuDNN's attention splits batch
     and heads only) where it has one, else the inputs'."""
@@ -285,10 +290,7 @@ def as_written(program: Program, mesh, in_shardings=None, out_sharding=None) -> 
   from the layouts the caller's arrays are in. A definition with its own layouts (``Plain.layout``: cuDNN's
   attention) is called in those (``plain_programs``)."""
   first = plain_programs(program, mesh, in_shardings, out_sharding)[0]
-  if first.plain.layout is not None:
-    return first
-  given = tuple(in_shardings) if in_shardings is not None else (None,) * len(program.reads)
-  return dataclasses.replace(first, in_shardings=given, out_sharding=out_sharding)
+  return first if first.plain.layout is not None else first.in_layouts(in_shardings, out_sharding)
 
 
 def _same_dims(a, b) -> bool:
