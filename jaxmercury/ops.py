@@ -93,7 +93,7 @@ def choose(program, mesh, *, layouts=None, database=None, tune: bool = False, **
   if found is not None:
     return Choice(found.winner.schedule, found.winner.name, DATABASE)
   if tune:
-    result = _outside_traces(lambda: autotune(program, mesh, database=db, in_shardings=ins, out_sharding=out,
+    result = outside_traces(lambda: autotune(program, mesh, database=db, in_shardings=ins, out_sharding=out,
                                               **tune_options))
     if result.best is not None:
       return Choice(result.best.schedule, result.best.name, TUNED)
@@ -121,7 +121,7 @@ def schedule_for(program, mesh, *, layouts=None, database=None, tune: bool = Fal
   return choose(program, mesh, layouts=layouts, database=database, tune=tune, **tune_options).schedule
 
 
-def _outside_traces(fn):
+def outside_traces(fn):
   """``fn()``; while a model is being traced (under ``jax.jit``), in a thread of its own: JAX's trace state is per
   thread, so that the tuner's arrays are real arrays there, not the trace's."""
   if not isinstance(jnp.zeros(()), jax.core.Tracer):

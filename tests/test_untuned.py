@@ -1,7 +1,13 @@
 """Untuned is plain: a route nothing was measured for runs the user's own call; ``tune=True`` tunes each distinct
 operator of a model once, within a time budget."""
 
+import json
 import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.analysis.hlo import compiled_collectives
 from jaxmercury.tuner import cost
 
@@ -109,3 +116,49 @@ def test_a_model_is_tuned_once_per_distinct_operator_within_its_budget(tmp_path,
   assert [line.split(":")[0] for line in lines if line.startswith("== operator")] == ["== operator 1 of 1"] * 2
   assert sum(line.startswith("== done in") for line in lines) == 1
   assert all(e.reason in TUNED for e in jm.explain(_layers, x, w1, w2, w3, mesh=mesh, database=db))
+
+
+PROCESS = textwrap.dedent("""
+    import json, os, sys
+    pid, port, db_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    import jaxmercury as jm
+
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    lines = []
+    fn = jm.distribute(lambda x, w: jnp.tanh(x @ w), mesh=mesh, database=jm.Database(db_path), tune=True,
+                       time_budget_s=0 if pid == 0 else 1e9, log=lines.append)
+    shape = jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    jax.jit(fn).lower(*shape)  # traced: its operators planned (and tuned, were the budget not spent)
+    print("REPORT " + json.dumps(lines), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def test_processes_agree_on_a_spent_budget(tmp_path):
+  """Under ``jax.distributed`` process 0's clock decides whether a tune starts: here its budget is spent, the other
+  process's is not, and neither tunes (a process tuning alone would wait for the other forever)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+         "XLA_FLAGS": cpu_flags("", 4), "JAX_PLATFORMS": "cpu"}
+  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(tmp_path / f"p{i}.db")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert all(p.returncode == 0 for p in procs), [out[-3000:] for out in outs]
+  logs = [json.loads(next(line[7:] for line in out.splitlines() if line.startswith("REPORT "))) for out in outs]
+  for log, budget in zip(logs, ("0", "1e+09")):
+    assert log[0].startswith("== operator 1 of 1: matmul 16x32 32x32") and log[0].endswith(
+        f"not tuned, the time budget of {budget} s was spent; runs plain jnp.dot (XLA)"), log
+    assert not any(line.startswith("== done") for line in log), log

@@ -46,6 +46,7 @@ from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, 
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
+from jaxmercury.tuner import agree
 
 _ROUTING = contextvars.ContextVar("jaxmercury_routing", default=False)
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
@@ -288,6 +289,12 @@ class Tuning:
     return f"{choice.reason} (not tuned: {why})"
 
 
+def _spent(started: float, budget: float) -> bool:
+  """Whether ``budget`` seconds have passed since ``started``: process 0's answer under several processes, which
+  tune in lockstep (one starting a tune the others skip would wait for them forever)."""
+  return ops.outside_traces(lambda: agree.broadcast_json(time.perf_counter() - started >= budget))
+
+
 def tuned_plan(view: View, routing: Routing) -> Plan:
   """``plan``, each distinct operator tuned first where ``routing.tune`` asks (``tune_operators``)."""
   first = plan(view, routing)
@@ -300,7 +307,8 @@ def tune_operators(program: Plan, routing: Routing) -> Tuning:
   """Tunes each distinct operator of ``program`` (same program, sizes and layouts: ``Decision.key``) that has no
   stored winner, once, in program order, logging ``operator i of n`` and its time; once
   ``routing.time_budget_s`` is spent no further tune starts (a tune under way finishes), and the operators left
-  keep what ``ops.choose`` gives untuned (the plain program, or the nearest sizes' winner)."""
+  keep what ``ops.choose`` gives untuned (the plain program, or the nearest sizes' winner). Under several
+  processes process 0's clock decides (``_spent``)."""
   options = routing.options()
   log = options.get("log", print)
   todo = {}
@@ -311,7 +319,7 @@ def tune_operators(program: Plan, routing: Routing) -> Tuning:
   for i, (key, d) in enumerate(todo.items(), 1):
     shapes = " ".join("x".join(map(str, shape)) for shape in d.entry.shapes)
     what = f"operator {i} of {len(todo)}: {d.entry.kind} {shapes} at {d.entry.where}"
-    if budget is not None and time.perf_counter() - started >= budget:
+    if budget is not None and _spent(started, budget):
       out.skipped[key] = f"the time budget of {budget:g} s was spent"
       log(f"== {what}: not tuned, the time budget of {budget:g} s was spent; runs {d.choice.name}")
       continue
