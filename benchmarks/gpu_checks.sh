@@ -14,7 +14,8 @@
 #   tests-ws-backward  our one-pass attention backward kernel (every BackwardBlocks variant), ws_attention, and the
 #                    fused ring attention with our backward on every GPU
 #   tests-lowering   every fused lowering under its schedules (outputs, gradients, tuner)
-#   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients
+#   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients; the plain programs
+#                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
 #   gemm             the GEMM suite: Llama-3 8B and 70B layers at M 8K and 32K (XLA's windowed einsum in a child)
 #   fused-gemm       the fused GEMM kernels against the unfused programs and JAX's kernel
@@ -125,7 +126,7 @@ for stage in "$@"; do
     tests-attention-ws) tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
     tests-ws-backward) tests "$stage" 480 tests/gpu/test_ws_attention.py ;;
     tests-lowering) tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
-    tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_mosaic_kernels.py \
+    tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;

@@ -4,10 +4,12 @@
 log-sum-exp to the output dtype (bf16), too coarse to merge partial
 attention results; the raw cuDNN call keeps it in float32. Its backward can
 only reuse its own forward's residuals; ring attention's backward needs it
-with the merged output and log-sum-exp.
+with the merged output and log-sum-exp. ``ShardingTypeError`` (a call JAX's
+sharding types refuse on Explicit mesh axes) is not exported by JAX.
 """
 
 import jax
+from jax._src.core import ShardingTypeError  # noqa: F401
 from jax._src.cudnn.fused_attention_stablehlo import (
   MaskType,
   _dot_product_attention_bwd_p_wrapper,

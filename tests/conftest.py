@@ -155,7 +155,9 @@ def _cudnn_kind(causal, window, keep) -> str:
 
 @pytest.fixture
 def cpu_cudnn(monkeypatch):
-  """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA.
+  """The cuDNN attention kernels offered on CPU (any dtype), cuDNN's calls stood in by XLA; and the plain cuDNN
+attention (``jax.nn.dot_product_attention(implementation="cudnn")``, bf16 and f16 as on GPUs) stood in by JAX's XLA
+one, called in cuDNN's layouts (``Plain.layout``).
 
   Returns the list of the cuDNN calls that ran, recorded while running (branches traced but not taken do not
   count): ``"forward KIND"`` for each forward call, ``"backward"`` and ``"backward KIND"`` for each backward one,
@@ -164,6 +166,7 @@ def cpu_cudnn(monkeypatch):
   import dataclasses
 
   from jaxmercury.kernels import cudnn_attention, registry
+  from jaxmercury.programs import plain
   ran = []
 
   def forward(q, k, v, causal=False, window=None, keep=None):
@@ -180,4 +183,55 @@ def cpu_cudnn(monkeypatch):
   for name in ("cudnn_attention", "cudnn_attention_dq", "cudnn_attention_dkv"):
     kernel = registry._KERNELS[name]
     monkeypatch.setitem(registry._KERNELS, name, dataclasses.replace(kernel, platforms=frozenset({"cpu"}), dtypes=None))
+  cudnn, *others = plain.PLAIN["attention"]
+  standin = dataclasses.replace(cudnn, make=plain._attention(plain.XLA),
+                                why_not=lambda program, platform: plain._cudnn_why_not(program, "gpu"))
+  monkeypatch.setitem(plain.PLAIN, "attention", (standin, *others))
   return ran
+
+
+# ------------------------------------------------------------------ routes that run library schedules, untuned
+LIBRARY_WINNERS = {"attention": ("ring", "context_parallel", "tree"), "matmul": ("allgather_matmul",),
+                   "moe": ("expert_parallel",)}
+
+
+def store_winner(db, program, mesh, schedule=None, layouts=None, training=False):
+  """Stores ``schedule`` (default: the first of ``LIBRARY_WINNERS`` that applies, else the local loop nest) as the
+  tuned winner of ``program`` on ``mesh`` for the caller's ``layouts``, as a tune stores one (with a made-up
+  time): routes then run it without tuning. Returns the schedule."""
+  import jaxmercury as jm
+  from jaxmercury.tuner import measure
+  from jaxmercury.tuner.database import FORWARD, TRAINING
+  name = "given"
+  if schedule is None:
+    lib = jm.library(program, mesh)
+    name = next((n for n in LIBRARY_WINNERS.get(program.pattern, ()) if n in lib), "local")
+    schedule = lib.get(name) or jm.Schedule(program, mesh)
+  winner = jm.tuner.Candidate(name, schedule, 1.0, 0, measure.Measurement(measure.OK, 1.0))
+  db.store(program, mesh, winner, [winner], layouts, objective=TRAINING if training else FORWARD)
+  return schedule
+
+
+def store_library_winners(db, run) -> int:
+  """Runs ``run()`` (a trace is enough: ``jm.explain``, ``jax.eval_shape``) and stores a library winner
+  (``store_winner``) in ``db`` for every operator it asked ``jm.ops.choose`` about: what a test of routing needs
+  for its routes to run real distributed schedules, where untuned they run the plain program. Returns how many
+  operators it stored."""
+  from jaxmercury import ops
+  asked, real = {}, ops.choose
+
+  def spy(program, mesh, *, layouts=None, **kwargs):
+    asked[program, mesh, str(layouts), bool(kwargs.get("training"))] = layouts
+    return real(program, mesh, layouts=layouts, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ops, "choose", spy)
+    run()
+  for (program, mesh, _, training), layouts in asked.items():
+    store_winner(db, program, mesh, layouts=layouts, training=training)
+  return len(asked)
+
+
+def routable(entry) -> bool:
+  """Whether ``jm.explain``'s entry is routed, or would be once tuned (it runs plain, not tuned)."""
+  return entry.routed or entry.reason.startswith("plain (not tuned")

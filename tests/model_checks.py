@@ -155,7 +155,7 @@ def store_winners(db, mesh, report, strategy: str = "ring", kind: str = "attenti
   routes then run it, really distributed (untuned, a route may run the plain program)."""
   ok = jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0)
   for e in report.of_kind(kind):
-    if e.routed:
+    if e.program is not None:  # routed, or plain until tuned
       winner = jm.tuner.Candidate(strategy, jm.library(e.program, mesh)[strategy], 0.5, 1024, ok)
       db.store(e.program, mesh, winner, [winner])
 

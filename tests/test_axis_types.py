@@ -19,7 +19,12 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import MESH_SHAPES, fresh_key, rel_err
+from conftest import (
+  MESH_SHAPES,
+  fresh_key,
+  rel_err,
+  store_library_winners,
+)
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,13 +145,17 @@ def test_ops_results_have_the_undecorated_type(kind, tmp_path):
     q = jax.device_put(jax.random.normal(fresh_key(), (1, 64, 8, 16)), NamedSharding(mesh, P(None, "x")))
     k, v = (jax.random.normal(fresh_key(), (1, 64, 2, 16)) for _ in range(2))
     a, b = jax.random.normal(fresh_key(), (64, 48)), jax.random.normal(fresh_key(), (48, 32))
-    o = jm.ops.attention(q, k, v, mesh=mesh, database=db)
-    c = jm.ops.matmul(a, b, mesh=mesh, database=db)
+    run = lambda q, k, v, a, b: (jm.ops.attention(q, k, v, mesh=mesh, database=db),
+                                 jm.ops.matmul(a, b, mesh=mesh, database=db))
     want_o = jax.nn.dot_product_attention(q, k, v)
     want_c = a @ b
-  assert rel_err(o, want_o) < 2e-5 and rel_err(c, want_c) < 2e-5
-  if kind == "explicit":
-    assert _spec(o) == _spec(want_o) and _spec(c) == _spec(want_c)
+    untuned = run(q, k, v, a, b)  # the plain programs
+    assert store_library_winners(db, lambda: jax.eval_shape(run, q, k, v, a, b)) == 2
+    tuned = run(q, k, v, a, b)  # ring attention, all-gather GEMM
+  for o, c in (untuned, tuned):
+    assert rel_err(o, want_o) < 2e-5 and rel_err(c, want_c) < 2e-5
+    if kind == "explicit":
+      assert _spec(o) == _spec(want_o) and _spec(c) == _spec(want_c)
 
 
 class _Block(nnx.Module):
@@ -214,6 +223,7 @@ REMAT_CHECK = textwrap.dedent("""
     import jaxmercury as jm, models
     from jaxmercury.flax import replicate_state
     sys.path.insert(0, "tests")
+    from conftest import store_library_winners
     from test_axis_types import _Block
 
     kind = AxisType.Explicit if sys.argv[1] == "explicit" else AxisType.Auto
@@ -224,9 +234,11 @@ REMAT_CHECK = textwrap.dedent("""
       llama = replicate_state(jm.distribute(models.Llama(config, rngs=nnx.Rngs(0)), mesh=mesh, database=db), mesh)
       opt = replicate_state(models.make_optimizer(llama), mesh)
       tokens = models.random_tokens(jax.random.key(1), 2, 32, config.vocab)
+      assert store_library_winners(db, lambda: jm.explain(llama, tokens[:, :-1]))  # routed: library schedules
       models.train_step(llama, opt, tokens, mesh=mesh)
       block = jm.distribute(_Block(64, 4, nnx.Rngs(0)), mesh=mesh, database=db)
       x = jax.device_put(jax.random.normal(jax.random.key(2), (2, 32, 64)), NamedSharding(mesh, P()))
+      assert store_library_winners(db, lambda: jm.explain(block, x))
       nnx.jit(lambda m, x: m(x))(block, x)
       optimizer = nnx.Optimizer(block, optax.adamw(1e-3), wrt=nnx.Param)
 

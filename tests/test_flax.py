@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import (
+  fresh_key,
+  make_mesh,
+  rel_err,
+  store_library_winners,
+  store_winner,
+)
 from flax import nnx
 from model_checks import store_winners, train_alike
 
@@ -47,7 +53,7 @@ def test_distribute_keeps_parameters_for_instances_and_classes(tmp_path):
   again = jm.distribute(routed, mesh=mesh)
   assert type(again).jaxmercury_base is models.Llama and type(again).__mro__[1] is models.Llama
   report = jm.explain(routed, models.random_tokens(fresh_key(), 2, 16, config.vocab)[:, :-1])
-  assert len(report.of_kind("attention")) == config.layers and all(e.routed for e in report)
+  assert len(report.of_kind("attention")) == config.layers and report.plain == list(report)  # nothing tuned
   with pytest.raises(TypeError, match="nnx.Module"):
     jm.distribute(object(), mesh=mesh)
 
@@ -81,6 +87,7 @@ def test_multihead_attention_and_linear_general_are_routed(tmp_path):
 
   plain, routed = build(), jm.distribute(build(), mesh=mesh, database=db)
   x = jax.random.normal(fresh_key(), (2, 16, 32))
+  store_library_winners(db, lambda: jm.explain(routed, x, is_causal=True))
   report = jm.explain(routed, x, is_causal=True)
   assert [(e.kind, e.routed, e.mask) for e in report] == [("matmul", True, "")] * 3 + [
       ("attention", True, "causal"), ("matmul", True, "")]
@@ -119,12 +126,14 @@ def test_routes_fall_back_where_they_do_not_apply(monkeypatch):
     np.testing.assert_allclose(attn(q, q, q, precision=precision), nnx.dot_product_attention(q, q, q), rtol=1e-5)
 
 
-def test_routes_take_the_default_precision_and_result_type(monkeypatch):
+def test_routes_take_the_default_precision_and_result_type(monkeypatch, tmp_path):
   mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "flax.db"))
+  store_winner(db, ops.matmul_program((8, 16), (16, 8), "bfloat16"), mesh)
   calls = []
   prepare = ops.prepare
   monkeypatch.setattr(ops, "prepare", lambda prog, *a, **kw: calls.append(prog.name) or prepare(prog, *a, **kw))
-  dot = DotGeneral(Routing(mesh))
+  dot = DotGeneral(Routing(mesh, db))
   a, b = jax.random.normal(fresh_key(), (8, 16), jnp.bfloat16), jax.random.normal(fresh_key(), (16, 8), jnp.bfloat16)
   want = (a.astype(jnp.float32) @ b.astype(jnp.float32))
   for kwargs in ({}, {"precision": "default"}, {"precision": ("fastest", "default")},
@@ -146,13 +155,21 @@ def test_routes_pass_database_and_tuning_options(monkeypatch, tmp_path):
     return nnx.dot_product_attention(q, k, v, is_causal=kwargs["causal"])
 
   monkeypatch.setattr(ops, "attention", spy)
-  monkeypatch.setattr(ops, "choose", lambda prog, mesh, **kw: seen.update(chosen=kw) or ops.Choice(
-      jm.library(prog, mesh)["ring"], "ring", "default"))
+  chosen = []
+
+  def choose(prog, mesh, **kw):  # untuned: plain; asked to tune: the ring, as if it had won
+    chosen.append(kw)
+    return ops.Choice(ring, "ring", "tuned") if kw.get("tune") else ops.Choice(ring, "plain", "plain")
+
+  prog = ops.attention_program((1, 16, 8, 4), (1, 16, 8, 4), "float32", True)
+  ring = jm.library(prog, mesh)["ring"]
+  monkeypatch.setattr(ops, "choose", choose)
   layer = jm.distribute(nnx.MultiHeadAttention(num_heads=8, in_features=32, decode=False, rngs=nnx.Rngs(0)),
                         mesh=mesh, database=db, tune=True, top_k=2, iters=3, linear=False)
   layer(jnp.ones((1, 16, 32)), is_causal=True)
-  assert seen.pop("chosen") == {"database": db, "tune": True, "top_k": 2, "iters": 3}
-  assert seen == {"mesh": mesh, "causal": True, "database": db, "tune": True, "top_k": 2, "iters": 3}
+  untuned = {"layouts": None, "database": db, "top_k": 2, "iters": 3}
+  assert chosen == [untuned, dict(untuned, tune=True)]  # planned, then tuned (then planned with its winner)
+  assert seen == {"mesh": mesh, "causal": True, "schedule": ring}
   report = jm.explain(layer, jnp.ones((1, 16, 32)), is_causal=True)
   assert [e.routed for e in report.of_kind("matmul")] == [False] * 4
   assert report.of_kind("matmul")[0].reason == "matmuls not routed (asked)"
@@ -178,6 +195,7 @@ def test_linen_layers_take_the_routes(tmp_path):
 
   x = jax.random.normal(fresh_key(), (2, 64, 32), jnp.float32)
   params = Block(routed=False).init(fresh_key(), x)
+  store_library_winners(routing.database, lambda: jax.eval_shape(lambda: Block(routed=True).apply(params, x)))
   mask = nn.make_causal_mask(jnp.ones((2, 64)))
   for m in (None, mask):
     want = Block(routed=False).apply(params, x, m)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, h100_mesh, make_mesh, rel_err
+from conftest import fresh_key, h100_mesh, make_mesh, rel_err, store_library_winners
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -208,9 +208,10 @@ def test_flax_moe_layer_routed_by_distribute(kind, tmp_path):
   with jax.set_mesh(mesh):
     plain = MixtralBlock(config, rngs=nnx.Rngs(0))
     x = jax.random.normal(fresh_key(), (2, 32, config.dim))
-    routed = jm.distribute(nnx.clone(plain), mesh=mesh, database=jm.Database(str(tmp_path / "moe.db")),
-                           attention=False, linear=False)
+    db = jm.Database(str(tmp_path / "moe.db"))
+    routed = jm.distribute(nnx.clone(plain), mesh=mesh, database=db, attention=False, linear=False)
     assert isinstance(routed.moe.moe_fn, jm.flax.MoeFn) and plain.moe.moe_fn is einsum_moe
+    assert store_library_winners(db, lambda: nnx.eval_shape(lambda m, x: m(x), routed, x)) == 1  # untuned: plain
     train_alike(plain, routed, loss, (x,), mesh=mesh, out_tol=2e-5, grad_tol=2e-4)
 
 

@@ -1,14 +1,21 @@
 """jaxmercury.ops: operators that use the tuned schedule for their shapes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import fresh_key, make_mesh, rel_err
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
+from jaxmercury.analysis.hlo import compiled_collectives
 
 
-def test_ops_use_default_then_stored_winner(tmp_path):
+def test_untuned_ops_run_the_plain_program_then_the_stored_winner(tmp_path):
+  """Nothing measured: the plain program as written (JAX's attention, nothing constrained); a stored winner: it."""
   mesh = make_mesh("8")
   db = jm.Database(str(tmp_path / "ops.db"))
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
@@ -17,12 +24,15 @@ def test_ops_use_default_then_stored_winner(tmp_path):
   assert db.lookup(prog, mesh) is None
   out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db)
   assert rel_err(out, want) < 1e-5
-  assert jm.ops.schedule_for(prog, mesh, database=db).to_json() == jm.library(prog, mesh)["ring"].to_json()
-  out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db, tune=True, top_k=2, space=2, iters=2)
-  assert rel_err(out, want) < 1e-5
-  stored = db.lookup(prog, mesh)
-  assert stored is not None
-  assert jm.ops.schedule_for(prog, mesh, database=db).to_json() == stored.to_json()
+  choice = jm.ops.choose(prog, mesh, database=db)
+  assert choice.origin == "plain" and choice.reason == "plain (not tuned)"
+  assert choice.schedule.name == "plain dot_product_attention (XLA)" and choice.schedule.in_shardings == (None,) * 3
+  ring = jm.tuner.Candidate("ring", jm.library(prog, mesh)["ring"], 0.5, 1024,
+                            jm.tuner.measure.Measurement(jm.tuner.measure.OK, 1.0))
+  db.store(prog, mesh, ring, [ring])  # as a tune stores its winner (test_tuning_while_a_jitted_function_is_traced)
+  choice = jm.ops.choose(prog, mesh, database=db)
+  assert choice.origin == "database" and choice.schedule.to_json() == ring.schedule.to_json()
+  assert rel_err(jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db), want) < 1e-5
 
 
 def test_a_miss_takes_the_winner_of_the_nearest_sizes(tmp_path):
@@ -38,8 +48,8 @@ def test_a_miss_takes_the_winner_of_the_nearest_sizes(tmp_path):
   assert jm.ops.schedule_for(prog, mesh, database=db).trace == jm.library(prog, mesh)["tree"].trace
   q, k, v = prog.random_inputs(fresh_key())
   assert rel_err(jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db), prog.reference(q, k, v)) < 1e-5
-  other = jm.programs.attention(1, 4, 2, 16, 16, 16, causal=True)  # 8x away: the library default
-  assert jm.ops.schedule_for(other, mesh, database=db).trace == jm.library(other, mesh)["ring"].trace
+  other = jm.programs.attention(1, 4, 2, 16, 16, 16, causal=True)  # 8x away: the plain program
+  assert jm.ops.choose(other, mesh, database=db).plain
 
 
 def test_training_objective_has_its_own_winners(tmp_path):
@@ -54,8 +64,7 @@ def test_training_objective_has_its_own_winners(tmp_path):
   tree = jm.tuner.Candidate("tree", lib["tree"], 0.5, 1024, ok)
   db.store(prog, mesh, tree, [tree])  # the forward's winner
   assert jm.ops.schedule_for(prog, mesh, database=db).trace == lib["tree"].trace
-  default = jm.ops.schedule_for(prog, mesh, database=db, training=True)
-  assert default.trace == lib["ring"].trace  # no training record, none near: the library default
+  assert jm.ops.choose(prog, mesh, database=db, training=True).plain  # no training record, none near
   cp = jm.tuner.Candidate("context_parallel", lib["context_parallel"], 0.5, 1024, ok)
   db.store(prog, mesh, cp, [cp], objective=TRAINING)
   assert jm.ops.schedule_for(prog, mesh, database=db, training=True).trace == lib["context_parallel"].trace
@@ -69,32 +78,38 @@ def test_training_objective_has_its_own_winners(tmp_path):
 
 
 def test_ops_matmul_is_differentiable(tmp_path):
+  """A schedule passed to the operator (a library strategy), forward and backward."""
   mesh = make_mesh("2x4")
   db = jm.Database(str(tmp_path / "ops.db"))
   a = jax.random.normal(fresh_key(), (64, 48))
   b = jax.random.normal(fresh_key(), (48, 32))
-  np.testing.assert_allclose(jm.ops.matmul(a, b, mesh=mesh, database=db), a @ b, rtol=2e-5, atol=2e-5)
-  ga, gb = jax.grad(lambda x, y: jnp.sum(jm.ops.matmul(x, y, mesh=mesh, database=db) ** 2), argnums=(0, 1))(a, b)
+  schedule = jm.library(jm.programs.matmul(64, 32, 48), mesh)["allgather_matmul"]
+  op = functools.partial(jm.ops.matmul, mesh=mesh, database=db, schedule=schedule)
+  np.testing.assert_allclose(op(a, b), a @ b, rtol=2e-5, atol=2e-5)
+  ga, gb = jax.grad(lambda x, y: jnp.sum(op(x, y) ** 2), argnums=(0, 1))(a, b)
   wa, wb = jax.grad(lambda x, y: jnp.sum((x @ y) ** 2), argnums=(0, 1))(a, b)
   assert rel_err(ga, wa) < 1e-5 and rel_err(gb, wb) < 1e-5
 
 
-def test_default_schedule_patches_the_preferred_kernel_that_applies(tmp_path, monkeypatch):
-  """On CPUs no preferred kernel applies (XLA's body); in interpret mode a Pallas one does, once preferred."""
-  import dataclasses
-
-  from jaxmercury.kernels import registry
-  pallas = registry._KERNELS["pallas_attention"]
-  monkeypatch.setitem(registry._KERNELS, "pallas_attention", dataclasses.replace(pallas, preference=1))
-  mesh = make_mesh("8")
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_untuned_gemm_is_the_users_own_in_their_layouts(kind, tmp_path):
+  """The plain ``jnp.dot`` in the caller's layouts: the tensor-parallel GEMMs on Explicit axes with the
+  ``out_sharding`` a user must pass (ShardingTypeError before), and no collective beyond ``jnp.dot``'s own."""
+  mesh = make_mesh("8", kind)
   db = jm.Database(str(tmp_path / "ops.db"))
-  prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
-  assert jm.ops.schedule_for(prog, mesh, database=db).kernel is None
-  with registry.interpret_mode():
-    s = jm.ops.schedule_for(prog, mesh, database=db)
-    assert s.kernel == "pallas_attention"
-    xs = prog.random_inputs(fresh_key())
-    assert rel_err(s.compile()(*xs), prog.reference(*xs)) < 1e-4
+  host = [jax.random.normal(fresh_key(), shape) for shape in ((64, 48), (48, 32))]
+  out = NamedSharding(mesh, P("x", None))
+  for layouts in ((P("x", None), P(None, "x")), (P(None, "x"), P("x", None))):
+    with jax.set_mesh(mesh):
+      a, b = (jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(host, layouts))
+      routed = jax.jit(lambda a, b: jm.ops.matmul(a, b, mesh=mesh, database=db, out_sharding=out))
+      plain = jax.jit(lambda a, b: jnp.dot(a, b, out_sharding=out if kind == AxisType.Explicit else None))
+      y = routed(a, b)
+      texts = [f.lower(a, b).compile().as_text() for f in (routed, plain)]
+    assert rel_err(y, host[0] @ host[1]) < 1e-5
+    assert y.sharding.spec == P("x", None) or kind == AxisType.Auto
+    counts = [compiled_collectives(t) for t in texts]
+    assert all(counts[0].get(c, 0) <= n for c, n in counts[1].items()) and set(counts[0]) <= set(counts[1]), counts
 
 
 def test_tuning_while_a_jitted_function_is_traced(tmp_path):

@@ -11,7 +11,16 @@ import numpy as np
 import optax
 import pytest
 import routing_models as rm
-from conftest import assert_grads_match, assert_trains_alike, fresh_key, make_mesh, rel_err
+from conftest import (
+  assert_grads_match,
+  assert_trains_alike,
+  fresh_key,
+  routable,
+  make_mesh,
+  rel_err,
+  routable,
+  store_library_winners,
+)
 from flax import nnx
 from jax.sharding import AxisType
 from model_checks import store_winners, train_alike
@@ -64,8 +73,8 @@ def test_models_route_as_undecorated(model, place, tmp_path):
   with where:
     plain = build()
     report = jm.explain(jm.distribute(plain, mesh=mesh, database=db), tokens[:, :-1], *extra)
-    assert [(e.routed, e.mask) for e in report.of_kind("attention")] == attention
-    assert len(report.of_kind("matmul")) == matmuls and all(e.routed for e in report.of_kind("matmul"))
+    assert [(routable(e), e.mask) for e in report.of_kind("attention")] == attention  # untuned: plain
+    assert len(report.of_kind("matmul")) == matmuls and all(routable(e) for e in report.of_kind("matmul"))
     for e in report:
       assert e.where.startswith("tests/routing_models.py:") and e.reason
       assert (e.schedule is not None) == e.routed
@@ -86,6 +95,7 @@ def test_plain_function(place, tmp_path):
   with where:
     routed = jm.distribute(rm.plain_attention, mesh=mesh, database=db)
     assert jm.distribute(mesh=mesh, database=db)(rm.plain_attention).__name__ == "plain_attention"
+    store_library_winners(db, lambda: jm.explain(routed, params, x))
     report = jm.explain(routed, params, x)
     assert [(e.kind, e.routed) for e in report] == [("matmul", True)] * 3 + [("attention", True), ("matmul", True)]
     assert report.of_kind("attention")[0].mask == "causal"
@@ -127,14 +137,14 @@ def _explain(fn, *shapes, mesh=None):
 def test_attention_forms_are_found():
   q, kv, one = (2, 16, 4, 8), (2, 16, 4, 8), (2, 16, 1, 8)
   report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), q, kv, kv)
-  assert [(e.kind, e.routed, e.mask) for e in report] == [("attention", True, "none")]
+  assert [(e.kind, routable(e), e.mask) for e in report] == [("attention", True, "none")]
   report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, one, one)  # MQA
-  assert [(e.routed, e.mask, e.shapes) for e in report] == [(True, "causal", (q, one, one))]
+  assert [(routable(e), e.mask, e.shapes) for e in report] == [(True, "causal", (q, one, one))]
   report = _explain(lambda q, k, v: nnx.dot_product_attention(q, k, v), q, kv, kv)
-  assert [(e.kind, e.routed) for e in report] == [("attention", True)]
+  assert [(e.kind, routable(e)) for e in report] == [("attention", True)]
   report = _explain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0)),
                     q, kv, kv)
-  assert [(e.routed, e.mask) for e in report] == [(True, "sliding_window")]
+  assert [(routable(e), e.mask) for e in report] == [(True, "sliding_window")]
   bias = (1, 4, 16, 16)
   report = _explain(lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b), q, kv, kv, bias)
   assert [(e.routed, e.reason) for e in report] == [(False, "adds a bias to the logits")]
@@ -165,7 +175,7 @@ def cudnn_traces(monkeypatch):
 
 
 @pytest.mark.parametrize("place", ["auto", "explicit-set_mesh"])
-def test_cudnn_attention_calls_are_routed(cudnn_traces, place):
+def test_cudnn_attention_calls_are_routed(cudnn_traces, place, tmp_path):
   """``implementation="cudnn"`` calls (grouped heads; causal, a sliding window, a boolean mask with the causal
   one) are routed as the XLA ones are, forward and gradients equal to JAX's XLA attention; a bias and sequence
   lengths are reported with their reasons."""
@@ -177,12 +187,14 @@ def test_cudnn_attention_calls_are_routed(cudnn_traces, place):
   calls = {"causal": dict(is_causal=True), "sliding_window": dict(is_causal=True, local_window_size=(5, 0)),
            "causal+array": dict(is_causal=True, mask=m)}
   cot = jax.random.normal(next(keys), q.shape, jnp.float32)
+  db = jm.Database(str(tmp_path / "routing.db"))
   with where:
     for mask, kwargs in calls.items():
       f = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", **kwargs)
-      [e] = jm.explain(f, q, k, v, mesh=mesh)
+      store_library_winners(db, lambda f=f: jm.explain(f, q, k, v, mesh=mesh, database=db))  # the primitive: no CPU
+      [e] = jm.explain(f, q, k, v, mesh=mesh, database=db)
       assert (e.kind, e.routed, e.mask, e.shapes) == ("attention", True, mask, (q.shape, k.shape, v.shape)), e
-      routed = jax.jit(jm.distribute(f, mesh=mesh))
+      routed = jax.jit(jm.distribute(f, mesh=mesh, database=db))
       xla = functools.partial(jax.nn.dot_product_attention, implementation="xla", **kwargs)
       assert rel_err(routed(q, k, v).astype(jnp.float32), xla(q, k, v).astype(jnp.float32)) < 2e-2, mask
       loss = lambda fn: (lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot))
@@ -209,7 +221,7 @@ def test_attention_weights_used_elsewhere_fall_back():
                            "operator gives them")]
 
 
-def test_matmul_reasons():
+def test_matmul_reasons(tmp_path):
   a, w = (12, 16), (16, 8)
   report = _explain(lambda a, w: a @ w, a, w)
   assert report[0].reason == "sizes m=12 k=16 n=8 that the mesh's 8 devices do not divide"
@@ -221,10 +233,14 @@ def test_matmul_reasons():
   assert _explain(lambda a, b: a @ b, *ints)[0].reason.startswith("dtypes int32")
   # contracted dims anywhere: the operands are moved to one GEMM
   report = _explain(lambda a, b: jnp.einsum("kbm,nk->bmn", a, b), (16, 2, 8), (8, 16))
-  assert report[0].routed and report[0].schedule
+  assert report[0].reason == "plain (not tuned)" and report[0].schedule is None and routable(report[0])
   a, b = jax.random.normal(fresh_key(), (16, 2, 8)), jax.random.normal(fresh_key(), (8, 16))
   fn = lambda a, b: jnp.einsum("kbm,nk->bmn", a, b)
-  assert rel_err(jax.jit(jm.distribute(fn, mesh=make_mesh("8")))(a, b), fn(a, b)) < 1e-5
+  db = jm.Database(str(tmp_path / "routing.db"))
+  routed = jm.distribute(fn, mesh=make_mesh("8"), database=db)
+  store_library_winners(db, lambda: jm.explain(routed, a, b))
+  assert jm.explain(routed, a, b)[0].schedule == "allgather_matmul"
+  assert rel_err(jax.jit(routed)(a, b), fn(a, b)) < 1e-5
 
 
 def test_masks_classified_and_hooked():
@@ -261,7 +277,7 @@ def _top_k(q, k, v, m):  # each query keeps its 4 largest scores: a mask compute
 
 
 @pytest.mark.parametrize("place", ["explicit-set_mesh"])
-def test_data_masks_are_routed(place):
+def test_data_masks_are_routed(place, tmp_path):
   """Segment ids and mask arrays computed from the inputs reach the operator as its arrays; a mask computed
   from the scores falls back, saying so."""
   mesh, where = _place(place)
@@ -270,27 +286,31 @@ def test_data_masks_are_routed(place):
   per_head = jax.random.bernoulli(fresh_key(), 0.6, (2, 4, 16, 16)) | jnp.eye(16, dtype=bool)
   pad = rm.causal_padding_mask((16, 12), 16)
   [e] = jm.explain(_segment_mask, q, k, v, _packed(2, 16), mesh=mesh)  # run by the packed models' tests
-  assert (e.routed, e.mask) == (True, "causal+segment_ids") and e.schedule
+  assert (routable(e), e.mask) == (True, "causal+segment_ids")
+  db = jm.Database(str(tmp_path / "routing.db"))
   with where:
     for fn, extra, kind in [(_per_head_mask, per_head, "array"), (_negated_mask, pad, "array")]:
-      routed = jm.distribute(fn, mesh=mesh)
+      routed = jm.distribute(fn, mesh=mesh, database=db)
+      store_library_winners(db, lambda: jm.explain(routed, q, k, v, extra))
       [e] = jm.explain(routed, q, k, v, extra)
       assert (e.routed, e.mask) == (True, kind) and e.schedule
       assert rel_err(jax.jit(routed)(q, k, v, extra), fn(q, k, v, extra)) < 1e-5
     grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, per_head))), argnums=(0, 1, 2))
-    routed = jm.distribute(_per_head_mask, mesh=mesh)
+    routed = jm.distribute(_per_head_mask, mesh=mesh, database=db)
     for got, want in zip(jax.jit(grad(routed))(q, k, v), grad(_per_head_mask)(q, k, v)):
       assert rel_err(got, want) < 1e-4
     [e] = jm.explain(_top_k, q, k, v, pad, mesh=mesh)
   assert (e.routed, e.mask, e.reason) == (False, "unknown", "mask: computed from the attention's own scores")
 
 
-def test_distribute_logs_its_report(caplog):
-  fn = jm.distribute(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), mesh=make_mesh("8"))
+def test_distribute_logs_its_report(caplog, tmp_path):
+  fn = jm.distribute(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), mesh=make_mesh("8"),
+                     database=jm.Database(str(tmp_path / "routing.db")))
   q = jax.random.normal(fresh_key(), (2, 16, 4, 8))
   with caplog.at_level(logging.INFO):
     jax.jit(fn).lower(q, q, q)
-  assert "attention (causal)" in caplog.text and "1 of 1 routed" in caplog.text
+  assert "attention (causal)" in caplog.text and "plain (not tuned)" in caplog.text
+  assert "0 of 1 routed (0 attention, 0 matmul), 1 plain until tuned" in caplog.text
 
 
 def test_explain_needs_a_mesh_or_a_routed_target():
@@ -300,7 +320,7 @@ def test_explain_needs_a_mesh_or_a_routed_target():
     jm.explain(rm.Decoder, jnp.ones((2, 8), jnp.int32), mesh=make_mesh("8"))
 
 
-def test_loop_and_branch_bodies_are_rewritten():
+def test_loop_and_branch_bodies_are_rewritten(tmp_path):
   """GEMMs in the bodies of a scan, a while loop and a cond are routed: the loop is rebuilt around its rewritten
   body (gradients through the scan and the cond)."""
   def scanned(x, ws):
@@ -313,11 +333,13 @@ def test_loop_and_branch_bodies_are_rewritten():
     return jax.lax.cond(jnp.sum(x) > 0, lambda: x @ ws[0], lambda: jnp.tanh(x @ ws[1]))
 
   mesh = make_mesh("8")
+  db = jm.Database(str(tmp_path / "routing.db"))
   x, ws = jax.random.normal(fresh_key(), (16, 16)), jax.random.normal(fresh_key(), (3, 16, 16)) * 0.3
   for fn, count in ((scanned, 1), (looped, 1), (branched, 2)):
-    report = _explain(fn, (16, 16), (3, 16, 16), mesh=mesh)
+    routed = jm.distribute(fn, mesh=mesh, database=db)
+    store_library_winners(db, lambda: jm.explain(routed, x, ws))
+    report = jm.explain(routed, x, ws)
     assert [(e.kind, e.routed, e.shapes) for e in report] == [("matmul", True, ((16, 16), (16, 16)))] * count
-    routed = jm.distribute(fn, mesh=mesh)
     assert "all_gather" in jax.jit(routed).lower(x, ws).as_text()
     assert rel_err(jax.jit(routed)(x, ws), fn(x, ws)) < 1e-5
     if fn is not looped:
@@ -326,7 +348,7 @@ def test_loop_and_branch_bodies_are_rewritten():
         assert rel_err(got, want) < 1e-4
 
 
-def test_checkpointed_scan_layers_with_a_mask_built_outside():
+def test_checkpointed_scan_layers_with_a_mask_built_outside(tmp_path):
   """Layers under jax.checkpoint and lax.scan (MaxText's remat-ed scanned layers) whose causal mask is built
   outside the scan and their segment ids closed over: the mask still reads as causal plus segment ids; inputs
   on no mesh under an Explicit jax.set_mesh keep their types."""
@@ -347,7 +369,9 @@ def test_checkpointed_scan_layers_with_a_mask_built_outside():
     return jax.lax.scan(layer, x, ws)[0]
 
   with where:
-    routed = jm.distribute(layers, mesh=mesh)
+    db = jm.Database(str(tmp_path / "routing.db"))
+    routed = jm.distribute(layers, mesh=mesh, database=db)
+    store_library_winners(db, lambda: jm.explain(routed, x, ws, seg))
     report = jm.explain(routed, x, ws, seg)
     assert [(e.kind, e.routed, e.mask) for e in report] == [("matmul", True, ""),
                                                             ("attention", True, "causal+segment_ids")]
@@ -357,11 +381,13 @@ def test_checkpointed_scan_layers_with_a_mask_built_outside():
       assert rel_err(got, want) < 1e-4
 
 
-def test_bfloat16_attention_is_routed():
+def test_bfloat16_attention_is_routed(tmp_path):
   f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # logits cast to float32 inside
   q = jax.random.normal(fresh_key(), (2, 16, 4, 8), jnp.bfloat16)
   k, v = (jax.random.normal(fresh_key(), (2, 16, 2, 8), jnp.bfloat16) for _ in range(2))
-  routed = jm.distribute(f, mesh=make_mesh("8"))
+  db = jm.Database(str(tmp_path / "routing.db"))
+  routed = jm.distribute(f, mesh=make_mesh("8"), database=db)
+  store_library_winners(db, lambda: jm.explain(routed, q, k, v))
   assert [(e.kind, e.routed) for e in jm.explain(routed, q, k, v)] == [("attention", True)]
   got = jax.jit(routed)(q, k, v)
   assert got.dtype == jnp.bfloat16 and rel_err(got, f(q, k, v)) < 2e-2

@@ -1,10 +1,16 @@
-"""Bytes moved by the collectives of a lowered program, read from its StableHLO text.
+"""Bytes moved by the collectives of a lowered program, read from its StableHLO text; collectives counted in a
+compiled one.
 
 ``collective_bytes(jax.jit(f).lower(*args).as_text())`` finds every
 ``all_gather``, ``reduce_scatter``, ``all_reduce`` and ``all_to_all``, reads
 its operand type (one device's block inside ``shard_map``) and its group size
 (from the replica groups or the mesh axes they name), and applies the ring
 volumes of ``jaxmercury.analysis.collectives``.
+
+``compiled_collectives(jax.jit(f).lower(*args).compile().as_text())`` counts
+the collectives XLA's partitioner left in the compiled HLO, by kind: what a
+program sends after XLA partitioned it, which the lowered text does not show
+for arrays XLA partitions itself.
 """
 
 from __future__ import annotations
@@ -78,3 +84,17 @@ def collectives(text: str) -> list[HloCollective]:
 def collective_bytes(text: str) -> float:
   """Total bytes one device sends over all collectives of the program."""
   return float(np.sum([c.bytes_moved for c in collectives(text)]))
+
+
+_KINDS = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+_COMPILED = re.compile(rf"^\s*(?:ROOT\s+)?%\S+ = .*? ({_KINDS})(?:-start)?\(", re.MULTILINE)
+
+
+def compiled_collectives(text: str) -> dict[str, int]:
+  """The collective instructions of a compiled program's HLO text, counted by kind (``all-gather``,
+  ``all-reduce``, ``reduce-scatter``, ``all-to-all``, ``collective-permute``; an asynchronous one once, at its
+  start); kinds it has none of are left out."""
+  out = {}
+  for m in _COMPILED.finditer(text):
+    out[m.group(1)] = out.get(m.group(1), 0) + 1
+  return out

@@ -32,7 +32,7 @@ LINEAR_TYPES = (nnx.Linear, nnx.LinearGeneral)
 
 
 def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False, attention: bool = True,
-               linear: bool = True, moe: bool = True, **tune_options):
+               linear: bool = True, moe: bool = True, time_budget_s: float | None = None, **tune_options):
   """Runs the attention and GEMMs of a Flax NNX module or a JAX function as jaxmercury operators on ``mesh``.
 
   The target's program is traced (``jax.make_jaxpr``) at each call's shapes;
@@ -43,10 +43,13 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
   ``jnp.einsum``, ``@``, ``lax.dot_general`` without batch dims) are
   replaced by ``jaxmercury.ops`` operators, and the rest of the program runs
   as traced (``jaxmercury.flax.rewrite``). Each operator uses the schedule
-  stored in the tuning database for its shapes and mesh; on a miss it is
-  tuned when ``tune`` is set (and the winner stored), else the winner tuned
-  for the nearest other sizes runs (``Database.nearest``), else a library
-  default. Masks reach the operator as its arguments: causal, sliding
+  stored in the tuning database for its shapes, mesh and the caller's
+  layouts; on a miss it is tuned when ``tune`` is set (and the winner
+  stored: each distinct operator once, ``operator i of n`` logged with its
+  time, all of them within ``time_budget_s``), else the winner tuned for the
+  nearest other sizes in the same layouts runs (``Database.nearest``), else
+  the call runs as written ("plain (not tuned)": the user's own program,
+  partitioned by XLA). Masks reach the operator as its arguments: causal, sliding
   windows and bands; segment ids (an ``eq`` of integer arrays) as
   ``q_segment_ids``/``kv_segment_ids``; any other boolean computed from the
   inputs as ``mask`` (that array itself). Attention and GEMMs in the bodies
@@ -77,6 +80,9 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     mesh: the device mesh.
     database: a ``jaxmercury.Database``; None for the default file.
     tune: tune operators missing from the database.
+    time_budget_s: with ``tune``, seconds for all of a traced program's tunes: no operator's tune starts once
+      they are spent (one under way finishes); the operators left run plain (or the nearest sizes' winner), and
+      the log and ``jaxmercury.explain`` say so. None: no limit.
     attention: route attention.
     linear: route GEMMs (linear layers, einsum projections).
     moe: route mixture-of-experts layers (``moe_fn``).
@@ -90,7 +96,7 @@ def distribute(target: Any = None, /, *, mesh, database=None, tune: bool = False
     class, a subclass whose instances route their calls; the routed
     function; or a decorator.
   """
-  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear)
+  routing = Routing(mesh, database, tune, tuple(sorted(tune_options.items())), attention, linear, time_budget_s)
 
   def apply(obj):
     if isinstance(obj, type):

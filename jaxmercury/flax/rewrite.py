@@ -16,8 +16,14 @@ values and passed to the operator. The operators are differentiable, so
 gradients flow through the rewritten program as through the original.
 
 ``plan(view, routing)`` decides for each match, in the program and in its
-loops' bodies: routed with the schedule ``ops.choose`` picks, or not, with
-the reason. ``explain`` reports it.
+loops' bodies: routed with the schedule ``ops.choose`` picks for the
+caller's layouts, or not, with the reason. A match nothing was measured for
+(no stored winner for its sizes, none for the nearest sizes in its layouts)
+is not routed: its equations run as traced, the call the user wrote,
+reported "plain (not tuned)". With ``routing.tune``, ``tuned_plan`` first
+tunes each distinct operator of the program once (same program, sizes and
+layouts), in program order, within ``routing.time_budget_s``; one the
+budget leaves out runs plain, and says so. ``explain`` reports it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextvars
 import dataclasses
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +46,7 @@ from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, 
 from jaxmercury.flax.report import Entry, Report
 from jaxmercury.flax.routes import DotGeneral, Routing
 from jaxmercury.lowering import types
+from jaxmercury.tuner import agree
 
 _ROUTING = contextvars.ContextVar("jaxmercury_routing", default=False)
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
@@ -51,6 +59,14 @@ class Decision:
   match: patterns.Match
   entry: Entry
   operator: dict  # routed: the operator's keyword arguments (attention: the mask's)
+  choice: ops.Choice | None = None  # what ops.choose picked (None: the match is not routable)
+  program: object = None  # the operator's program
+  layouts: tuple | None = None  # the caller's layouts of it (ops.caller_layouts)
+
+  @property
+  def key(self) -> tuple:
+    """The operator it runs: one tune serves every match of the same key."""
+    return self.program, str(self.layouts)
 
 
 def _std_shape(shape, order, groups):
@@ -62,7 +78,7 @@ def _std_shape(shape, order, groups):
   return tuple(out)
 
 
-def _decide(view, match, routing, scope: str = "") -> Decision:
+def _decide(view, match, routing, scope: str = "", tuning=None) -> Decision:
   m = match
   common = dict(kind=m.kind, where=m.where, shapes=m.shapes, module=module_path(view, m.anchor) or scope)
   if m.kind == "attention":
@@ -78,9 +94,6 @@ def _decide(view, match, routing, scope: str = "") -> Decision:
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason, mask=mask), {})
     operator = masks.route(m.mask)
-    program = ops.attention_program(q_std, k_std, str(np.dtype(m.dtype)), **operator,
-                                    segment_ids=masks.has_segments(m.mask),
-                                    mask_axes=masks.mask_axes(m.mask, m.layout["roles"]))
   else:
     reason = m.reason or _inside_custom(view, m) or ("" if routing.matmul else "matmuls not routed (asked)")
     if not reason:
@@ -91,14 +104,72 @@ def _decide(view, match, routing, scope: str = "") -> Decision:
     if reason:
       return Decision(m, Entry(**common, routed=False, schedule=None, reason=reason), {})
     operator = {}
-    program = ops.matmul_program((mm, kk), (kk, nn), str(np.dtype(m.dtype)))
     mask = ""
+  program, layouts = _operator(view, m, operator, routing)
+  decision = Decision(m, None, operator, program=program, layouts=layouts)
+  tuning = tuning or Tuning()
   try:
-    choice = ops.choose(program, routing.mesh, database=routing.database, tune=routing.tune, **routing.options())
+    choice = tuning.choices.get(decision.key) or ops.choose(program, routing.mesh, layouts=layouts,
+                                                            database=routing.database, **routing.options())
   except ScheduleError as e:
-    return Decision(m, Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask), {})
-  entry = Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask, program=program)
-  return Decision(m, entry, operator)
+    decision.entry = Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask)
+    return decision
+  decision.choice = choice
+  reason = tuning.reason(decision.key, choice)
+  if choice.as_written:  # nothing measured, or nothing beat the call as written: its equations run as traced
+    decision.entry = Entry(**common, routed=False, schedule=None, reason=reason, mask=mask, program=program)
+  else:
+    decision.entry = Entry(**common, routed=True, schedule=choice.name, reason=reason, mask=mask,
+                           program=program)
+  return decision
+
+
+def _operator(view, m, operator, routing) -> tuple:
+  """``(program, layouts)``: the operator a routable match runs and the caller's layouts of it
+  (``ops.caller_layouts``; None on Auto mesh axes), found by tracing the rewrite's own steps (``_attention_args``,
+  ``_gemm_args``) on the operands' types."""
+  mesh = routing.mesh
+  explicit = types.explicit(mesh)
+
+  def abstract(ref):
+    if isinstance(ref, Lit):
+      return ref.value
+    aval = View.aval(ref)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=getattr(aval, "sharding", None) if explicit else None)
+
+  if m.kind == "matmul":
+    mm, kk, nn = patterns.gemm_sizes(m)
+    program = ops.matmul_program((mm, kk), (kk, nn), str(np.dtype(m.dtype)))
+    if not explicit:
+      return program, None
+    params = m.anchor.eqn.params
+    lhs, rhs = _abstract_eval(lambda a, b: _gemm_args(m, params, a, b)[:2], [abstract(r) for r in m.operands])
+    dn, kwargs = _gemm_dims(m, params)
+    return program, DotGeneral(routing).layouts(lhs, rhs, dn, **kwargs)
+  found = {}
+
+  def inputs(q, k, v, extras):
+    args, kwargs = _attention_args(m, operator, mesh, q, k, v, extras)
+    op = ops.attention_operands(*args, **kwargs)
+    found["program"], found["expected"] = op.program, op.expected
+    return op.inputs
+
+  extras = [[abstract(r) for r in t.refs] for t in (m.mask.terms if m.mask else ())]
+  traced = _abstract_eval(inputs, [*(abstract(r) for r in m.operands), extras])
+  return found["program"], ops.caller_layouts(mesh, traced, found["expected"])
+
+
+def _abstract_eval(fn, args):
+  """``jax.eval_shape`` of ``fn(*args)``, ``args`` nesting ``ShapeDtypeStruct``s and constants (a mask's
+  literal parts)."""
+  leaves, tree = jax.tree.flatten(args)
+  dynamic = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+
+  def run(*xs):
+    it = iter(xs)
+    return fn(*jax.tree.unflatten(tree, [next(it) if d else x for x, d in zip(leaves, dynamic)]))
+
+  return jax.eval_shape(run, *[x for x, d in zip(leaves, dynamic) if d])
 
 
 def _inside_custom(view, m) -> str:
@@ -149,6 +220,13 @@ class Plan:
     return any(d.entry.routed for d in self.decisions) or any(
         p.rewrites for subs in self.bodies.values() for _, p in subs)
 
+  def decisions_everywhere(self):
+    """Its decisions and its loops' bodies', in program order."""
+    for site in self.view.sites:
+      yield from (d for d in self.decisions if d.match.anchor is site)
+      for _, sub in self.bodies.get(id(site), ()):
+        yield from sub.decisions_everywhere()
+
   def entries(self) -> list[Entry]:
     """The report's entries in program order, a loop's bodies' where the loop is."""
     at = {}
@@ -180,9 +258,10 @@ def _known(view: View, site, invariant: dict) -> dict:
   return out
 
 
-def plan(view: View, routing: Routing, depth: int = 0, scope: str = "") -> Plan:
+def plan(view: View, routing: Routing, depth: int = 0, tuning: Tuning | None = None, scope: str = "") -> Plan:
   """Each attention and contraction of ``view``'s program and of its loops' bodies, with what routing does
-  with it; ``scope``: the module path of the loop whose body ``view`` is."""
+  with it (nothing is tuned here: ``tuning`` holds what ``tuned_plan`` tuned); ``scope``: the module path of the
+  loop whose body ``view`` is."""
   bodies = {}
   if depth < 8:
     for site in view.sites:
@@ -190,8 +269,78 @@ def plan(view: View, routing: Routing, depth: int = 0, scope: str = "") -> Plan:
       if subs:
         views = [View(b, _known(view, site, inv)) for b, inv in zip(subs, loops.invariants(site.eqn))]
         inner_scope = module_path(view, site) or scope
-        bodies[id(site)] = [(v, plan(v, routing, depth + 1, inner_scope)) for v in views]
-  return Plan(view, [_decide(view, m, routing, scope) for m in patterns.find(view)], bodies)
+        bodies[id(site)] = [(v, plan(v, routing, depth + 1, tuning, inner_scope)) for v in views]
+  return Plan(view, [_decide(view, m, routing, scope, tuning) for m in patterns.find(view)], bodies)
+
+
+@dataclasses.dataclass
+class Tuning:
+  """What ``tuned_plan`` tuned: the choice per operator (``Decision.key``), and why the others were not tuned."""
+
+  choices: dict = dataclasses.field(default_factory=dict)
+  skipped: dict = dataclasses.field(default_factory=dict)
+
+  def reason(self, key, choice: ops.Choice) -> str:
+    """The report's reason for an operator's choice (``ops.Choice.reason``), with why it was not tuned."""
+    why = self.skipped.get(key)
+    if why is None:
+      return choice.reason
+    if choice.plain:
+      return f"plain (not tuned: {why})"
+    if choice.reason.endswith(")"):  # a plain winner's: "plain (...)"
+      return f"{choice.reason[:-1]}; not tuned: {why})"
+    return f"{choice.reason} (not tuned: {why})"
+
+
+def _spent(started: float, budget: float) -> bool:
+  """Whether ``budget`` seconds have passed since ``started``: process 0's answer under several processes, which
+  tune in lockstep (one starting a tune the others skip would wait for them forever)."""
+  return ops.outside_traces(lambda: agree.broadcast_json(time.perf_counter() - started >= budget))
+
+
+def tuned_plan(view: View, routing: Routing) -> Plan:
+  """``plan``, each distinct operator tuned first where ``routing.tune`` asks (``tune_operators``)."""
+  first = plan(view, routing)
+  if not routing.tune:
+    return first
+  return plan(view, routing, tuning=tune_operators(first, routing))
+
+
+def tune_operators(program: Plan, routing: Routing) -> Tuning:
+  """Tunes each distinct operator of ``program`` (same program, sizes and layouts: ``Decision.key``) that has no
+  stored winner, once, in program order, logging ``operator i of n`` and its time; once
+  ``routing.time_budget_s`` is spent no further tune starts (a tune under way finishes), and the operators left
+  keep what ``ops.choose`` gives untuned (the plain program, or the nearest sizes' winner). Under several
+  processes process 0's clock decides (``_spent``)."""
+  options = routing.options()
+  log = options.get("log", print)
+  todo = {}
+  for d in program.decisions_everywhere():
+    if d.choice is not None and d.choice.origin in (ops.NEAREST, ops.PLAIN):
+      todo.setdefault(d.key, d)
+  out, budget, started = Tuning(), routing.time_budget_s, time.perf_counter()
+  for i, (key, d) in enumerate(todo.items(), 1):
+    shapes = " ".join("x".join(map(str, shape)) for shape in d.entry.shapes)
+    what = f"operator {i} of {len(todo)}: {d.entry.kind} {shapes} at {d.entry.where}"
+    if budget is not None and _spent(started, budget):
+      out.skipped[key] = f"the time budget of {budget:g} s was spent"
+      log(f"== {what}: not tuned, the time budget of {budget:g} s was spent; runs {d.choice.name}")
+      continue
+    log(f"== {what}")
+    t0 = time.perf_counter()
+    try:
+      choice = ops.choose(d.program, routing.mesh, layouts=d.layouts, database=routing.database, tune=True,
+                          **options)
+    except ScheduleError as e:
+      out.skipped[key] = f"its tune failed: {e}"
+      log(f"== {what}: its tune failed ({e}); runs {d.choice.name}")
+      continue
+    out.choices[key] = choice
+    log(f"== {what}: {choice.name}, {choice.reason}, in {time.perf_counter() - t0:.1f} s")
+  if todo:
+    log(f"== {len(out.choices)} of {len(todo)} operators tuned in {time.perf_counter() - started:.1f} s"
+        + (f"; {len(out.skipped)} not tuned" if out.skipped else ""))
+  return out
 
 
 # ------------------------------------------------------------------ the operators on matched operands
@@ -260,20 +409,26 @@ def _fill_empty_rows(out, mask: masks.MaskInfo, vs, arguments):
   return jnp.where(empty, mean, out)
 
 
-def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
-  m, lay, mesh = d.match, d.match.layout, routing.mesh
+def _attention_args(m, operator, mesh, q, k, v, extras) -> tuple:
+  """``(args, kwargs)`` of ``ops.attention`` for a match's operands: q, k and v in the operator's layout (q scaled
+  to the operator's scale), and the mask's keywords."""
+  lay = m.layout
   nb1, ng, nd = lay["groups"]
-  heads = nb1 + ng
-  qs = _to_std(q, lay["q"], (1, 1, heads, nd), mesh)
+  qs = _to_std(q, lay["q"], (1, 1, nb1 + ng, nd), mesh)
   ks = _to_std(k, lay["k"], (1, 1, nb1, nd), mesh)
   vs = _to_std(v, lay["v"], (1, 1, nb1, 1), mesh)
   factor = m.scale * math.sqrt(qs.shape[-1])
   if abs(factor - 1.0) > 1e-9:
     qs = (qs * jnp.asarray(factor, jnp.float32)).astype(qs.dtype)
-  arguments = _mask_arguments(m, extras)
-  out = ops.attention(qs, ks, vs, mesh=mesh, database=routing.database, tune=routing.tune, **d.operator,
-                      **arguments, **routing.options())
-  out = _fill_empty_rows(out, m.mask, vs, arguments)
+  return (qs, ks, vs), {**operator, **_mask_arguments(m, extras)}
+
+
+def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
+  m, lay, mesh = d.match, d.match.layout, routing.mesh
+  args, kwargs = _attention_args(m, d.operator, mesh, q, k, v, extras)
+  out = ops.attention(*args, mesh=mesh, schedule=d.choice.schedule, **kwargs)
+  out = _fill_empty_rows(out, m.mask, args[2], kwargs)
+  heads = sum(lay["groups"][:2])
   q_order = lay["q"]
   head_sizes = [q.shape[a] for a in q_order[2:2 + heads]] or [1]
   shape = [q.shape[q_order[0]], q.shape[q_order[1]], *head_sizes, v.shape[lay["v"][-1]]]
@@ -287,19 +442,32 @@ def _attention(d: Decision, routing: Routing, q, k, v, anchor_aval, extras=()):
   return types.like(y, mesh, anchor_aval, free_dims=free)
 
 
-def _matmul(d: Decision, routing: Routing, lhs, rhs, params, anchor_aval):
-  lay = d.match.layout
+def _gemm_args(m, params, lhs, rhs) -> tuple:
+  """``(lhs, rhs, dimension_numbers, kwargs)``: a matched contraction as one ``[free, k] . [k, free]``
+  ``dot_general`` (the operands transposed) and its keywords."""
+  lay = m.layout
   if tuple(lay["lhs"]) != tuple(range(lhs.ndim)):
     lhs = jnp.transpose(lhs, lay["lhs"])
   if tuple(lay["rhs"]) != tuple(range(rhs.ndim)):
     rhs = jnp.transpose(rhs, lay["rhs"])
-  nl, k = lay["free"][0], lay["k"]
+  return lhs, rhs, *_gemm_dims(m, params)
+
+
+def _gemm_dims(m, params) -> tuple:
+  """``(dimension_numbers, kwargs)`` of ``_gemm_args``'s ``dot_general``."""
+  nl, k = m.layout["free"][0], m.layout["k"]
   dn = ((tuple(range(nl, nl + k)), tuple(range(k))), ((), ()))
-  extra = {"out_sharding": params["out_sharding"]} if params.get("out_sharding") is not None else {}
-  y = DotGeneral(routing)(lhs, rhs, dn, precision=params.get("precision"),
-                         preferred_element_type=params.get("preferred_element_type"), **extra)
+  kwargs = dict(precision=params.get("precision"), preferred_element_type=params.get("preferred_element_type"))
+  if params.get("out_sharding") is not None:
+    kwargs["out_sharding"] = params["out_sharding"]
+  return dn, kwargs
+
+
+def _matmul(d: Decision, routing: Routing, lhs, rhs, params, anchor_aval):
+  lhs, rhs, dn, kwargs = _gemm_args(d.match, params, lhs, rhs)
+  y = DotGeneral(routing).route(lhs, rhs, dn, schedule=d.choice.schedule, **kwargs)
   # the traced result's sharding type (what the original equation gave; a traced call's shape may lack it)
-  return types.like(y, routing.mesh, anchor_aval, free_dims=range(lay["free"][0]))
+  return types.like(y, routing.mesh, anchor_aval, free_dims=range(d.match.layout["free"][0]))
 
 
 # ------------------------------------------------------------------ the interpreter
@@ -413,7 +581,7 @@ def route(fn, routing: Routing):
     if _ROUTING.get():  # inside another routed function's trace: that one routes
       return fn(*args, **kwargs)
     view, dyn, out_tree = trace(fn, args, kwargs)
-    decisions = plan(view, routing)
+    decisions = tuned_plan(view, routing)
     logging.info("jaxmercury routing of %s:\n%s", getattr(fn, "__qualname__", fn), report(decisions))
     token = _ROUTING.set(True)
     try:
@@ -440,4 +608,4 @@ def explain_function(fn, routing: Routing, args, kwargs) -> Report:
     if "cuDNN" not in str(e):
       raise
     return Report([Entry("attention", raised_at(e), (), False, None, CUDNN_UNTRACEABLE)])
-  return report(plan(view, routing))
+  return report(tuned_plan(view, routing))

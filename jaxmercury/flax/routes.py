@@ -3,9 +3,10 @@
 ``AttentionFn`` has the signature of ``flax.nnx.dot_product_attention`` (what
 ``nnx.MultiHeadAttention(attention_fn=...)`` calls) and ``DotGeneral`` that of
 ``jax.lax.dot_general`` (what ``nnx.Linear(dot_general=...)`` calls). Each
-runs ``jaxmercury.ops`` on its mesh when the call is one it covers, and the
-function it replaced otherwise, so results never change, only where and how
-they are computed. Both are hashable values: Flax keeps them as static
+runs ``jaxmercury.ops`` on its mesh when the call is one it covers and a
+schedule was measured faster for it (``ops.choose``), and the function it
+replaced otherwise, so results never change, only where and how they are
+computed. Both are hashable values: Flax keeps them as static
 attributes of the module.
 """
 
@@ -35,12 +36,15 @@ class Routing:
     database: a ``jaxmercury.Database`` with tuned schedules; None for the
       default file (``jaxmercury.tuner.database.default_path()``).
     tune: on a database miss, tune the operator (and store the winner);
-      otherwise use the nearest sizes' winner or a library default
-      (``ops.schedule_for``).
+      otherwise use the nearest sizes' winner, else the call as written
+      (``ops.choose``).
     tune_options: keyword arguments for ``jaxmercury.autotune``, as sorted
       (name, value) pairs.
     attention: route attention (``jaxmercury.distribute``'s rewriting).
     matmul: route GEMMs (``jaxmercury.distribute``'s rewriting).
+    time_budget_s: with ``tune``, the seconds a traced program's tunes may
+      take together (``jaxmercury.distribute``'s rewriting): no operator's
+      tune starts once they are spent; None: no limit.
   """
 
   mesh: Any
@@ -49,6 +53,7 @@ class Routing:
   tune_options: tuple = ()
   attention: bool = True
   matmul: bool = True
+  time_budget_s: float | None = None
 
   @property
   def devices(self) -> int:
@@ -116,11 +121,13 @@ class AttentionFn:
     if args or not self.covers(query, key, value, kwargs):
       return self.fallback(query, key, value, *args, **kwargs)
     expected = jax.eval_shape(functools.partial(self.fallback, query, key, value, **kwargs))
-    dtype = kwargs.get("dtype")
-    r = self.routing
-    query, key, value = (types.cotangent_like(x, r.mesh) for x in _promote((query, key, value), dtype))
-    out = ops.attention(query, key, value, mesh=r.mesh, causal=bool(kwargs.get("is_causal", False)),
-                        database=r.database, tune=r.tune, **r.options())
+    q, k, v = _promote((query, key, value), kwargs.get("dtype"))
+    r, causal = self.routing, bool(kwargs.get("is_causal", False))
+    choice = ops.choose_for(ops.attention_operands(q, k, v, causal=causal), r.mesh, database=r.database,
+                            tune=r.tune, **r.options())
+    if choice.as_written:  # nothing measured, or nothing beat it: the call as written
+      return self.fallback(query, key, value, **kwargs)
+    out = ops.attention(q, k, v, mesh=r.mesh, causal=causal, schedule=choice.schedule)
     return types.like(out, r.mesh, expected, free_dims=(0, 1))  # batch and sequence follow the inputs
 
 
@@ -180,25 +187,56 @@ class DotGeneral:
     return m, k, n
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    return self.route(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
+
+  def route(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, schedule=None,
+            **kwargs):
+    """The call, through ``ops`` where covered: by ``schedule`` (None: the one ``ops.choose`` picks for the
+    caller's layouts, ``layouts``; the call itself where nothing measured beat it)."""
     plain = (not set(kwargs) - {"out_sharding"} and _default_precision(precision)
              and (preferred_element_type is None or np.dtype(preferred_element_type) == lhs.dtype))
     shape = self.gemm_shape(lhs, rhs, dimension_numbers) if plain else None
-    original = functools.partial(self.fallback, lhs, rhs, dimension_numbers, precision=precision,
-                                 preferred_element_type=preferred_element_type, **kwargs)
+    options = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+    original = functools.partial(self.fallback, lhs, rhs, dimension_numbers, **options)
     if shape is None:
       return original()
     r = self.routing
+    m, k, n = shape
+    prog = ops.matmul_program((m, k), (k, n), str(lhs.dtype))
+    if schedule is None:
+      choice = ops.choose(prog, r.mesh, layouts=self.layouts(lhs, rhs, dimension_numbers, **options),
+                          database=r.database, tune=r.tune, **r.options())
+      if choice.as_written:  # nothing measured, or nothing beat it: the call as written
+        return original()
+      schedule = choice.schedule
     (lc, rc), _ = dimension_numbers
     batch, contracted = lhs.ndim - len(lc), len(rc)
     out_shape = lhs.shape[:batch] + rhs.shape[contracted:]
-    m, k, n = shape
-    lhs, rhs = types.cotangent_like(lhs, r.mesh), types.cotangent_like(rhs, r.mesh)
-    prog = ops.matmul_program((m, k), (k, n), str(lhs.dtype))
-    op = ops.prepare(prog, r.mesh, database=r.database, tune=r.tune, **r.options())
+    lhs, rhs = types.cotangent_like(lhs, r.mesh), types.cotangent_like(rhs, r.mesh)  # gradients of the caller's types
+    op = ops.prepare(prog, r.mesh, schedule=schedule)
     a = types.flatten(lhs, r.mesh, [batch, len(lc)], op.input_specs[0])
     b = types.flatten(rhs, r.mesh, [contracted, rhs.ndim - contracted], op.input_specs[1])
     y = types.unflatten(op.fn(a, b), r.mesh, out_shape, [batch, rhs.ndim - contracted], op.output_spec)
     return types.like(y, r.mesh, jax.eval_shape(original), free_dims=range(batch))
+
+  def layouts(self, lhs, rhs, dimension_numbers, **kwargs) -> tuple | None:
+    """The caller's layouts of the GEMM a covered call is (``ops.caller_layouts``: the operands and the result
+    flattened to ``[m, k] . [k, n] -> [m, n]``, as ``route`` flattens them), from arrays or
+    ``ShapeDtypeStruct``s; ``kwargs`` are the call's other arguments. None on Auto mesh axes."""
+    mesh = self.routing.mesh
+    if not types.explicit(mesh):
+      return None
+    (lc, rc), _ = dimension_numbers
+    batch, contracted = lhs.ndim - len(lc), len(rc)
+
+    def flat(lhs, rhs):
+      a = types.flatten(lhs, mesh, [batch, len(lc)])
+      b = types.flatten(rhs, mesh, [contracted, rhs.ndim - contracted])
+      y = self.fallback(lhs, rhs, dimension_numbers, **kwargs)
+      return a, b, types.flatten(y, mesh, [batch, rhs.ndim - contracted])
+
+    a, b, y = jax.eval_shape(flat, lhs, rhs)
+    return ops.caller_layouts(mesh, (a, b), y)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +271,12 @@ class MoeFn:
     expected = jax.eval_shape(lambda a: a, x)
     x, router, w_gate, w_up, w_down = (types.cotangent_like(a, r.mesh) for a in (x, router, w_gate, w_up, w_down))
     flat = types.flatten(x, r.mesh, [x.ndim - 1, 1]) if x.ndim > 2 else x
+    choice = ops.choose_for(ops.moe_operands(flat, router, w_gate, w_up, w_down, top_k=top_k,
+                                             capacity_factor=capacity_factor),
+                            r.mesh, database=r.database, tune=r.tune, **r.options())
+    if choice.as_written:  # nothing measured, or nothing beat it: the call as written
+      return self.fallback(x, router, w_gate, w_up, w_down, top_k=top_k, capacity_factor=capacity_factor)
     y = ops.moe(flat, router, w_gate, w_up, w_down, mesh=r.mesh, top_k=top_k, capacity_factor=capacity_factor,
-                database=r.database, tune=r.tune, **r.options())
+                schedule=choice.schedule)
     y = types.unflatten(y, r.mesh, x.shape, [x.ndim - 1, 1]) if x.ndim > 2 else y
     return types.like(y, r.mesh, expected, free_dims=range(x.ndim - 1))

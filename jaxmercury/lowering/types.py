@@ -33,11 +33,11 @@ def entries(spec: PartitionSpec | None, rank: int) -> list:
 
 
 def spec_of(x, mesh) -> PartitionSpec:
-  """The spec ``x``'s type carries on ``mesh`` (all None where its type has no mesh, or with Auto axes; over the
-  Explicit axes alone on a mesh mixing both)."""
+  """The spec ``x``'s type (an array's, or a ``ShapeDtypeStruct``'s sharding) carries on ``mesh`` (all None where
+  its type has no mesh; empty with Auto axes; over the Explicit axes alone on a mesh mixing both)."""
   if not explicit(mesh):
     return PartitionSpec()
-  sharding = jax.typeof(x).sharding
+  sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
   if getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
     return PartitionSpec(*([None] * x.ndim))
   return PartitionSpec(*entries(sharding.spec, x.ndim))
@@ -50,6 +50,11 @@ def _only(spec: PartitionSpec, rank: int, names: set) -> PartitionSpec:
     kept = tuple(lv for lv in spec_levels(entry) if lv in names)
     out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return PartitionSpec(*out)
+
+
+def typed_part(spec: PartitionSpec, rank: int, mesh) -> PartitionSpec:
+  """``spec`` over ``mesh``'s Explicit axes alone (what an array's type can say on a mesh mixing both)."""
+  return _only(spec, rank, {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit})
 
 
 def constrain(x, mesh, spec: PartitionSpec):

@@ -48,6 +48,9 @@ class Plain:
     layout: ``layout(program, specs, sizes) -> specs``: the input layouts (a ``PartitionSpec`` per input) JAX can
       partition the call in, from the caller's ``specs`` on mesh levels of ``sizes`` (``{level: size}``); None:
       any layout (XLA partitions it).
+    out_sharding: the function ``make`` returns takes ``out_sharding=`` (a ``NamedSharding``), as ``jnp.dot``
+      does: on Explicit mesh axes it is called with the output's, as a user must call it; one that does not is
+      called there with those axes made Auto (``jax.sharding.auto_axes``), XLA partitioning it as on Auto axes.
   """
 
   name: str
@@ -55,6 +58,7 @@ class Plain:
   make: Callable
   why_not: Callable = lambda program, platform: None
   layout: Callable | None = None
+  out_sharding: bool = False
 
   @property
   def label(self) -> str:
@@ -64,7 +68,7 @@ class Plain:
 
 def _dot(program):
   out = program.writes.dtype
-  return lambda a, b: jnp.dot(a, b, preferred_element_type=out)
+  return lambda a, b, out_sharding=None: jnp.dot(a, b, preferred_element_type=out, out_sharding=out_sharding)
 
 
 def _attention(implementation: str):
@@ -157,7 +161,7 @@ def _einsum_dispatch_why_not(program, platform: str) -> str | None:
 
 # By pattern: the plain programs, in the order a tune offers them.
 PLAIN = {
-    "matmul": (Plain("jnp.dot", XLA, _dot),),
+    "matmul": (Plain("jnp.dot", XLA, _dot, out_sharding=True),),
     "attention": (Plain("dot_product_attention", CUDNN, _attention(CUDNN), _cudnn_why_not, _cudnn_layout),
                   Plain("dot_product_attention", XLA, _attention(XLA), _xla_attention_why_not)),
     # a mixture of experts as Flax's and MaxText's layers write it, and the dense form (every expert, masked)

@@ -47,6 +47,7 @@ import warnings
 from typing import NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec
 
 from jaxmercury._version import __version__
 from jaxmercury.errors import ScheduleError, TraceError
@@ -104,7 +105,25 @@ def record_key(program, mesh, layouts=None, objective: str = FORWARD) -> str:
   return json.dumps({
       "program": program.fingerprint(), "params": {k: str(v) for k, v in program.params.items()},
       "mesh": [[n, s] for n, s in mesh.shape.items()], "device": _device_kind(mesh),
-      "layouts": None if layouts is None else str(layouts), **extra, **_versions()}, sort_keys=True)
+      "layouts": _layouts_text(program, layouts), **extra, **_versions()}, sort_keys=True)
+
+
+def _layouts_text(program, layouts) -> str | None:
+  """The caller's layouts as text, each spec over all of its buffer's dims (``P("x")`` of a matrix is
+  ``P("x", None)``), so that a layout written short or long is one key."""
+  if layouts is None:
+    return None
+  ins, out = layouts
+
+  def full(spec, buf):
+    if spec is None:
+      return None
+    rank = len(buf.shape)
+    entries = (list(spec) + [None] * rank)[:rank]
+    return PartitionSpec(*[e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries])
+
+  ins = None if ins is None else tuple(full(s, b) for s, b in zip(ins, program.reads))
+  return str((ins, full(out, program.writes)))
 
 
 MESH_PART, KERNELS_PART = "mesh", "kernels"  # calibrate.MESH and calibrate.KERNELS

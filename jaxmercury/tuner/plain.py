@@ -20,6 +20,14 @@ definition that JAX partitions only in some layouts (``Plain.layout``:
 cuDNN's attention splits batch and heads, nothing else) is called in those:
 inputs in other layouts are moved to them first (XLA's all-to-all), as a
 user would have to; where the caller gives none, they are its layouts.
+On Explicit mesh axes each is called as a user must call it there
+(``PlainProgram.compile``): ``jnp.dot`` with ``out_sharding``, the others with
+the axes made Auto for XLA to partition them, so that every layout JAX
+accepts for the arrays runs.
+
+``as_written`` is the plain program a caller's call stands for, in the
+layouts the caller's arrays are in (unknown ones left unconstrained): what
+``jaxmercury.ops`` runs for an operator no tune has measured.
 """
 
 from __future__ import annotations
@@ -29,21 +37,24 @@ import json
 import math
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmercury.errors import TraceError
 from jaxmercury.ir.loops import spec_levels
 from jaxmercury.ir.program import Program
+from jaxmercury.lowering import types
 from jaxmercury.programs import plain as definitions
 from jaxmercury.schedules import trace as trace_format
 from jaxmercury.schedules.schedule import Schedule
 
 
-def _spec_data(spec: PartitionSpec):
-  return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+def _spec_data(spec: PartitionSpec | None):
+  return None if spec is None else [e if e is None or isinstance(e, str) else list(e) for e in spec]
 
 
-def _spec_from(data) -> PartitionSpec:
+def _spec_from(data) -> PartitionSpec | None:
+  if data is None:
+    return None
   if not isinstance(data, list) or not all(e is None or isinstance(e, (str, list)) for e in data):
     raise TraceError(f"a plain program's layout must be a list of level names, got {data!r}")
   return PartitionSpec(*[e if e is None or isinstance(e, str) else tuple(e) for e in data])
@@ -65,8 +76,9 @@ class PlainProgram:
     program: the program it computes.
     mesh: the device mesh.
     plain: the definition.
-    in_shardings: a ``PartitionSpec`` per input, over the input's own dims.
-    out_sharding: the output's ``PartitionSpec``.
+    in_shardings: a ``PartitionSpec`` per input, over the input's own dims; None: the caller's array's layout,
+      whatever it is (nothing is constrained: ``as_written``).
+    out_sharding: the output's ``PartitionSpec``; None: what XLA (on Explicit axes, JAX's typing) gives.
   """
 
   program: Program
@@ -97,7 +109,13 @@ class PlainProgram:
 
   def compile(self, *, differentiable: bool = True):
     """``f(*inputs) -> output``, jitted: the inputs constrained to their layouts, the plain computation, the output
-    constrained to its layout (arrays in other layouts are moved by XLA, as for a schedule).
+    constrained to its layout (arrays in other layouts are moved by XLA, as for a schedule; a None layout is left
+    as the caller's array has it).
+
+    On Explicit mesh axes the computation is called as a user must call it there: with the output's
+    ``out_sharding`` (``jnp.dot``); in its own layouts (``Plain.layout``: cuDNN's attention), which JAX's types
+    take; else with the axes made Auto (``jax.sharding.auto_axes``) for XLA to partition it (JAX's attention,
+    whose einsums JAX's types refuse for some layouts: sequence-split queries and keys).
 
     Args:
       differentiable: accepted for a schedule's signature; a plain program is always differentiable (JAX's own
@@ -106,23 +124,32 @@ class PlainProgram:
     del differentiable
     fn = self.plain.make(self.program)
     mesh, prog = self.mesh, self.program
-    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-
-    def constrain(x, spec):
-      sharding = NamedSharding(mesh, spec)
-      return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
-
     inner = self.inner_shardings()
 
     def run(*inputs):
       prog.check_inputs(inputs)
-      xs = [constrain(x, s) for x, s in zip(inputs, self.in_shardings)]
+      xs = [_constrain(x, mesh, s) for x, s in zip(inputs, self.in_shardings)]
       if inner != self.in_shardings:  # moved to layouts the call's partitioner takes (an all-to-all)
-        xs = [constrain(x, s) for x, s in zip(xs, inner)]
-      return constrain(fn(*xs), self.out_sharding)
+        xs = [_constrain(x, mesh, s) for x, s in zip(xs, inner)]
+      return _constrain(self._call(fn, xs), mesh, self.out_sharding)
 
     run.__name__ = f"{prog.name.replace(' ', '_')}_plain"
     return jax.jit(run)
+
+  def _call(self, fn, xs):
+    """``fn(*xs)``, on Explicit axes with the output's sharding said (``compile``)."""
+    if not types.explicit(self.mesh) or self.out_sharding is None or self.plain.layout is not None:
+      return fn(*xs)
+    rank = len(self.program.writes.shape)
+    out = NamedSharding(self.mesh, types.typed_part(self.out_sharding, rank, self.mesh))
+    if self.plain.out_sharding:
+      return fn(*xs, out_sharding=out)
+    return jax.sharding.auto_axes(fn, out_sharding=out)(*xs)
+
+  def in_layouts(self, in_shardings=None, out_sharding=None) -> "PlainProgram":
+    """The same definition in other layouts (a None entry, or none given: the caller's array's, unconstrained)."""
+    given = tuple(in_shardings) if in_shardings is not None else (None,) * len(self.program.reads)
+    return dataclasses.replace(self, in_shardings=given, out_sharding=out_sharding)
 
   def inner_shardings(self) -> tuple:
     """The input layouts the definition is called in: its own (``Plain.layout``: cuDNN's attention splits batch
@@ -136,7 +163,7 @@ class PlainProgram:
     sizes = self.levels
     total = 0
     for buf, spec in [*zip(self.program.reads, self.in_shardings), (self.program.writes, self.out_sharding)]:
-      split = math.prod(sizes[level] for entry in spec for level in spec_levels(entry))
+      split = math.prod(sizes[level] for entry in spec or () for level in spec_levels(entry))
       total += math.prod(buf.shape) * buf.dtype.itemsize // split
     return int(total)
 
@@ -176,12 +203,20 @@ class PlainProgram:
     lines = [f"{self.name}: {self.program.name} as written in JAX, partitioned by XLA on mesh {self.levels}",
              "buffers:"]
     for b, spec in zip(self.program.reads, self.in_shardings):
-      lines.append(f"  in  {b.name}{list(b.shape)} {b.dtype} {spec}")
+      lines.append(f"  in  {b.name}{list(b.shape)} {b.dtype} {_shown(spec)}")
     out = self.program.writes
-    lines.append(f"  out {out.name}{list(out.shape)} {out.dtype} {self.out_sharding}")
+    lines.append(f"  out {out.name}{list(out.shape)} {out.dtype} {_shown(self.out_sharding)}")
     return "\n".join(lines)
 
   __repr__ = __str__
+
+
+def _constrain(x, mesh, spec: PartitionSpec | None):
+  return x if spec is None else types.constrain(x, mesh, spec)
+
+
+def _shown(spec: PartitionSpec | None) -> str:
+  return "as the caller's" if spec is None else str(spec)
 
 
 def _data(text: str) -> dict:
@@ -248,6 +283,16 @@ def plain_programs(program: Program, mesh, in_shardings=None, out_sharding=None)
   return out
 
 
+def as_written(program: Program, mesh, in_shardings=None, out_sharding=None) -> PlainProgram:
+  """The plain program a caller's call of ``program`` stands for: its first plain program that applies (``jnp.dot``;
+  cuDNN's attention on GPUs where it applies, else XLA's; the MoE einsum dispatch) in the caller's layouts, a
+  None entry (or none given) left as the caller's array has it: nothing is constrained, XLA partitions the call
+  from the layouts the caller's arrays are in. A definition with its own layouts (``Plain.layout``: cuDNN's
+  attention) is called in those (``plain_programs``)."""
+  first = plain_programs(program, mesh, in_shardings, out_sharding)[0]
+  return first if first.plain.layout is not None else first.in_layouts(in_shardings, out_sharding)
+
+
 def _same_dims(a, b) -> bool:
   """Whether buffers ``a`` and ``b`` have the same dims (attention's ``q`` and ``o``)."""
   return [[x.name for x in d] for d in a.dims] == [[x.name for x in d] for d in b.dims]
@@ -257,5 +302,5 @@ def is_plain(runnable) -> bool:
   return isinstance(runnable, PlainProgram)
 
 
-__all__ = ["PlainProgram", "default_specs", "is_plain", "is_plain_json", "plain_programs", "platform_of",
+__all__ = ["PlainProgram", "as_written", "default_specs", "is_plain", "is_plain_json", "plain_programs", "platform_of",
            "runnable_from_json"]
