@@ -13,7 +13,7 @@ import optax
 import pytest
 import routing_models as rm
 import upstream_models as um
-from conftest import fresh_key, make_mesh
+from conftest import fresh_key, make_mesh, routable
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -89,7 +89,7 @@ def test_model_routes_and_trains_as_undecorated(name, kind, tmp_path):
     assert type(plain) is not type(routed) and isinstance(routed, type(plain))
     report = jm.explain(routed, *batch[:1])
     assert [(e.module, e.mask) for e in report.of_kind("attention")] == model.attention
-    assert all(e.routed for e in report.of_kind("attention")), report
+    assert all(routable(e) for e in report.of_kind("attention")), report
     store_winners(db, mesh, report)
     routed = jm.distribute(nnx.clone(plain), mesh=mesh, database=db)  # its own parameters, to train apart
     trained = train_alike(plain, routed, model.loss, batch, mesh=mesh, lower=True)
@@ -109,7 +109,7 @@ def test_gemma_explain_and_the_undecorated_instance(tmp_path):
   assert type(model) is um.GemmaLM and not hasattr(type(model), "jaxmercury_routing")
   assert routed.transformer.embedder.embedding is model.transformer.embedder.embedding  # one set of variables
   attention = report.of_kind("attention")
-  assert [(e.module, e.mask, e.routed) for e in attention] == [
+  assert [(e.module, e.mask, routable(e)) for e in attention] == [
       ("transformer.layers.0.attn", "sliding_window+padding", True),
       ("transformer.layers.1.attn", "causal+padding", True)]
   assert all(e.where.startswith("tests/upstream_models.py:") and "GemmaAttention.__call__" in e.where
@@ -125,7 +125,7 @@ def test_gemma_explain_and_the_undecorated_instance(tmp_path):
   with jax.set_mesh(mesh):
     mask = um.make_causal_attn_mask(tokens > um.PAD)
     inner = jm.explain(model.transformer, tokens, positions, mask, mesh=mesh)
-  assert [(e.mask, e.routed) for e in inner.of_kind("attention")] == [("band+array", True), ("array", True)]
+  assert [(e.mask, routable(e)) for e in inner.of_kind("attention")] == [("band+array", True), ("array", True)]
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])

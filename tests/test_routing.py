@@ -15,7 +15,6 @@ from conftest import (
   assert_grads_match,
   assert_trains_alike,
   fresh_key,
-  routable,
   make_mesh,
   rel_err,
   routable,
