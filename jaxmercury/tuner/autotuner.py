@@ -398,9 +398,10 @@ def autotune(program, mesh, *, candidates=None, space: int = 24, top_k: int = 8,
   log(f"== {program}{' (training step)' if training else ''} on mesh {dict(mesh.shape)}")
   try:
     threads = ahead.default_threads() if compile_threads is None else compile_threads
-    result = _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine,
-                     iters, time_limit_s, key, database, retune, isolation, resume, training, final_budget_s, log,
-                     layouts, many, objective, threads)
+    with jax.set_mesh(None):  # a caller's mesh (jax.set_mesh) would refuse the tuner's calls on single devices
+      result = _search(program, mesh, candidates, space, top_k, in_shardings, out_sharding, memory_budget, machine,
+                       iters, time_limit_s, key, database, retune, isolation, resume, training, final_budget_s,
+                       log, layouts, many, objective, threads)
   except KeyboardInterrupt:
     kept = 0 if database is None else len([m for m in database.measurements(program, mesh, layouts,
                                                                             objective=objective).values()
