@@ -119,3 +119,142 @@ def test_distribute_tunes_a_packed_model(tmp_path):
     [e] = [e for e in jm.explain(routed, x, seg) if e.kind == "attention"]
     assert (e.routed, e.mask, e.reason) == (True, "causal+segment_ids", "tuned")
     assert rel_err(routed(x, seg), model(x, seg)) < 1e-5
+
+
+# ------------------------------------------------------------------ rings that skip steps by the segment ids
+def ring_steps_with_pairs(seg, devices, causal=True):
+  """The steps t of a natural-order ring (rank r visits key block (t + r) % devices) at which some rank's queries
+  keep a key: from the dense mask."""
+  t = seg.shape[1]
+  d = np.arange(t)[:, None] - np.arange(t)[None, :]
+  keep = (seg[:, :, None] == seg[:, None, :]) & ((d >= 0) if causal else True)
+  share = t // devices
+  return {s for s in range(devices) for r in range(devices)
+          if keep[:, r * share:(r + 1) * share, ((r + s) % devices) * share:((r + s) % devices + 1) * share].any()}
+
+
+def check_packed(schedules, xs, keep, *, grads=True, tol=2e-5):
+  """Each schedule's output and the gradients of a weighted sum of it against ``dense`` with ``keep``."""
+  host = [jax.device_get(x) for x in xs]
+  want = dense(*host[:3], keep)
+  w = jax.random.normal(fresh_key(), want.shape)
+  want_g = jax.grad(lambda q, k, v: jnp.sum(w * dense(q, k, v, keep)), argnums=(0, 1, 2))(*host[:3])
+  for name, s in schedules.items():
+    f = s.compile()
+    assert rel_err(f(*xs), want) < tol, f"{name}\n{s}"
+    if grads:
+      g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(w * f(q, k, v, *xs[3:])), argnums=(0, 1, 2)))(*xs[:3])
+      for part, a, b in zip("qkv", g, want_g):
+        assert rel_err(a, b) < 10 * tol, f"d{part} {name}\n{s}"
+
+
+@pytest.fixture
+def prefixes(monkeypatch):
+  """The numbers of chain steps the data-decided rings run, recorded while running."""
+  from jaxmercury.lowering import nest
+  ran, decide = [], nest.Nest._data_prefix
+
+  def recorded(self, *args):
+    runs = decide(self, *args)
+    jax.debug.callback(lambda r: ran.append(int(r)), runs)
+    return runs
+  monkeypatch.setattr(nest.Nest, "_data_prefix", recorded)
+  return ran
+
+
+def devices(n, axis_type=AxisType.Auto):
+  """A one-level mesh ``("x",)`` of the first ``n`` devices."""
+  return jax.make_mesh((n,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:n])
+
+
+def test_ring_prints_the_steps_that_keep_pairs():
+  """Random packings (documents shorter than a device's 8 queries, and most of a row): the printout's steps are
+  the steps with kept pairs, in the order the ring takes them (the previous rank's keys first)."""
+  ring = jm.library(jm.programs.attention(3, 4, 2, 64, 64, 8, causal=True, segment_ids=True), make_mesh("8"))["ring"]
+  seg = packing(np.random.default_rng(), 3, 64, shortest=2, longest=24)
+  seg[1, :3], seg[1, 3:] = 0, 1  # one document of most of the row
+  want = ring_steps_with_pairs(seg, 8)
+  run = ring.data_run(seg, seg)
+  assert set(run.kept_steps["j0"]) == want and run.steps["j0"] == (0, 7, 6, 5, 4, 3, 2, 1)[:len(want)]
+  assert f"pairs kept at {len(want)} of 8 steps, runs {len(want)} " in ring.describe(seg, seg)
+  short = np.arange(64)[None].repeat(3, 0) // 4  # documents of half a device's share
+  assert ring.data_run(short, short).steps["j0"] == (0,)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_ring_runs_the_steps_that_keep_pairs(axis_type, prefixes):
+  """On four devices: the ring runs as many steps as ``data_run`` counts, forward and backward, on every device;
+  the output and gradients are right."""
+  mesh = devices(4, axis_type)
+  t = 32
+  prog = jm.programs.attention(2, 4, 2, t, t, 8, causal=True, segment_ids=True)
+  ring = jm.library(prog, mesh)["ring"]
+  seg = packing(np.random.default_rng(), 2, t, shortest=1, longest=12)
+  want = len(ring.data_run(seg, seg).steps["j0"])
+  assert len(ring_steps_with_pairs(seg, 4)) == want
+  q, k, v = prog.random_inputs(fresh_key())[:3]
+  d = np.arange(t)[:, None] - np.arange(t)[None, :]
+  keep = (seg[:, None, :, None] == seg[:, None, None, :]) & (d >= 0)
+  with jax.set_mesh(mesh):
+    check_packed({"ring": ring}, (q, k, v, jnp.asarray(seg), jnp.asarray(seg)), keep)
+  assert set(prefixes) == {want}
+
+
+def long_tailed(rng, batch, length):
+  """Rows of one document of half the row among documents of random lengths (up to an eighth of it)."""
+  ids = packing(rng, batch, length, shortest=1, longest=length // 8)
+  start = int(rng.integers(0, length // 2))
+  ids[:, start:start + length // 2] = ids.max() + 1
+  return ids
+
+
+def test_ring_steps_follow_the_zigzag_order_too():
+  """In zigzag order a rank's two chunks have neighbours on both sides: the chain alternates; the printout counts
+  the steps with kept pairs."""
+  mesh = make_mesh("8")
+  prog = jm.programs.attention(1, 4, 2, 64, 64, 8, causal=True, segment_ids=True)
+  zigzag = jm.library(prog, mesh)["ring_zigzag"]
+  assert zigzag.plan().rings["j0"].chain_steps() == [0, 1, 7, 2, 6, 3, 5, 4]
+  seg = np.arange(64)[None] // 4  # documents of a chunk: each rank's own blocks only
+  assert zigzag.data_run(seg, seg).steps["j0"] == (0,)
+  assert "runs 1 (0) of 0, 1, 7, 2, 6, 3, 5, 4" in zigzag.describe(seg, seg)
+
+
+# ------------------------------------------------------------------ the balanced split
+@pytest.mark.parametrize("rows", ["uniform", "long_tailed"])
+def test_balanced_split_evens_the_kept_pairs(rows):
+  """Random packings: documents of random lengths (1/64 to 1/4 of the row, as tunes draw them), and rows with one
+  document of half the row: each device's kept pairs within 10% of the mean in the balanced split, where the
+  plain split and zigzag order leave the busiest device far above it."""
+  mesh = make_mesh("8")
+  t = 2048
+  prog = jm.programs.attention(4, 4, 2, t, t, 8, causal=True, segment_ids=True)
+  lib = jm.library(prog, mesh)
+  rng = np.random.default_rng()
+  seg = (np.asarray(jm.programs.packing.random_packing(fresh_key(), 4, t)) if rows == "uniform"
+         else long_tailed(rng, 4, t))
+  pairs = {name: np.array(lib[name].data_run(seg, seg).pairs) for name in ("ring", "ring_zigzag", "ring_balanced")}
+  assert len({int(p.sum()) for p in pairs.values()}) == 1  # the same work, placed differently
+  balanced = pairs["ring_balanced"]
+  assert np.abs(balanced / balanced.mean() - 1).max() < 0.1, balanced / balanced.mean()
+  if rows == "long_tailed":
+    assert all(p.max() > 1.3 * p.mean() for name, p in pairs.items() if name != "ring_balanced")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_balanced_ring_forward_and_backward(axis_type):
+  """The balanced ring on two devices: random packings with documents shorter than a chunk and one longer than a
+  device's share; the output (and on Explicit axes the gradients) against the dense reference, permuted back."""
+  mesh = devices(2, axis_type)
+  t = 32
+  prog = jm.programs.attention(2, 4, 2, t, t, 8, causal=True, segment_ids=True)
+  ring = jm.library(prog, mesh)["ring_balanced"]
+  assert ring.balanced and "balanced order" in str(ring)
+  assert jm.Schedule.from_json(prog, mesh, ring.to_json()).balanced
+  seg = long_tailed(np.random.default_rng(), 2, t)
+  q, k, v = prog.random_inputs(fresh_key())[:3]
+  d = np.arange(t)[:, None] - np.arange(t)[None, :]
+  keep = (seg[:, None, :, None] == seg[:, None, None, :]) & (d >= 0)
+  with jax.set_mesh(mesh):  # gradients on Explicit axes, whose types the permutations must keep
+    check_packed({"ring_balanced": ring}, (q, k, v, jnp.asarray(seg), jnp.asarray(seg)), keep,
+                 grads=axis_type == AxisType.Explicit)
