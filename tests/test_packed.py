@@ -7,8 +7,9 @@ Shapes are tiny and candidate sets small: each test runs in seconds.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -258,3 +259,58 @@ def test_balanced_ring_forward_and_backward(axis_type):
   with jax.set_mesh(mesh):  # gradients on Explicit axes, whose types the permutations must keep
     check_packed({"ring_balanced": ring}, (q, k, v, jnp.asarray(seg), jnp.asarray(seg)), keep,
                  grads=axis_type == AxisType.Explicit)
+
+
+# ------------------------------------------------------------------ packed models reach these schedules
+def flax_packed(q, k, v, seg):
+  """Flax's packed attention: float masks from ``make_attention_mask(seg, seg, jnp.equal)`` and the causal mask,
+  combined, into ``nnx.dot_product_attention``."""
+  mask = nnx.combine_masks(nnx.make_attention_mask(seg, seg, pairwise_fn=jnp.equal), nnx.make_causal_mask(seg))
+  return nnx.dot_product_attention(q, k, v, mask=mask)
+
+
+def maxtext_packed(q, k, v, seg):
+  """MaxText's: ``==`` of the ids, ``and`` the causal mask, the scores masked by ``where`` before the softmax."""
+  t = seg.shape[1]
+  mask = (seg[:, :, None] == seg[:, None, :]) & (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])[None]
+  s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  s = jnp.where(mask[:, None], s, -0.7 * float(np.finfo(np.float32).max))
+  return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("style", ["flax", "maxtext"])
+def test_packed_attention_routes_and_trains(style):
+  """Segment ids compared with ``==`` (Flax's float masks, MaxText's booleans) reach the schedules that skip by
+  them; ``jm.explain`` says so; three optimizer steps train as the plain model does."""
+  attend = {"flax": flax_packed, "maxtext": maxtext_packed}[style]
+  mesh = devices(4, AxisType.Explicit)
+  key = iter(jax.random.split(fresh_key(), 4))
+  x = jax.random.normal(next(key), (2, 32, 16))
+  params = {n: jax.random.normal(next(key), (16, 4, 8)) / 4 for n in "qkv"}
+  seg = jnp.asarray(packing(np.random.default_rng(), 2, 32, longest=12))
+
+  def loss(fn, p):
+    q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[n]) for n in "qkv")
+    return jnp.mean(jnp.sin(fn(q, k, v, seg)))
+
+  def train(fn):
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, state):
+      value, grads = jax.value_and_grad(lambda p: loss(fn, p))(p)
+      updates, state = tx.update(grads, state, p)
+      return value, optax.apply_updates(p, updates), state
+
+    p, state, losses = params, tx.init(params), []
+    for _ in range(3):
+      value, p, state = step(p, state)
+      losses.append(float(value))
+    return losses
+
+  routed = jm.distribute(attend, mesh=mesh)
+  with jax.set_mesh(mesh):
+    [e] = jm.explain(routed, *(jnp.zeros((2, 32, 4, 8)),) * 3, seg)
+    assert (e.routed, e.mask) == (True, "causal+segment_ids")
+    assert e.schedule == "ring (skips ring steps and blocks by segment ids)"
+    assert_trains_alike(train(routed), train(attend))

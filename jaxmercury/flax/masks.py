@@ -121,6 +121,13 @@ def _back(view: View, ref, dims: tuple, *, ints: bool = False):
       for i, src in enumerate(perm):
         inv[src] = dims[i]
       ref, dims = site.ins[0], tuple(inv)
+    elif not ints and _truth(site):
+      # a boolean cast to numbers and back, or compared with 0 (Flax's float masks: make_attention_mask,
+      # combine_masks, and dot_product_attention's where)
+      inner, inner_dims = _back(view, next(x for x in site.ins if not _zero(x)), dims)
+      if View.aval(inner).dtype != np.bool_:
+        return ref, dims
+      ref, dims = inner, inner_dims
     elif p in ("convert_element_type", "copy", "squeeze", "reshape", "expand_dims"):
       src = View.aval(site.ins[0])
       kind = np.issubdtype(src.dtype, np.integer) if ints else src.dtype == np.bool_
@@ -141,6 +148,19 @@ def _back(view: View, ref, dims: tuple, *, ints: bool = False):
     else:
       return ref, dims
   return ref, dims
+
+
+def _zero(x) -> bool:
+  """Whether ``x`` is a literal of zeros."""
+  return isinstance(x, Lit) and not np.asarray(x.value).any()
+
+
+def _truth(site) -> bool:
+  """Whether ``site`` takes the truth of a number: ``x != 0``, or ``x`` cast to bool."""
+  if site.primitive == "ne":
+    return len(site.ins) == 2 and sum(_zero(x) for x in site.ins) == 1
+  return (site.primitive == "convert_element_type" and site.params.get("new_dtype") == np.bool_
+          and View.aval(site.ins[0]).dtype != np.bool_)
 
 
 def _parts(view: View, ref, dims: tuple, out: list):

@@ -33,6 +33,7 @@ import numpy as np
 from absl import logging
 
 from jaxmercury import ops
+from jaxmercury.analysis import packed
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import loops, masks, patterns
 from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, raised_at
@@ -97,7 +98,9 @@ def _decide(view, match, routing) -> Decision:
     choice = ops.choose(program, routing.mesh, database=routing.database, tune=routing.tune, **routing.options())
   except ScheduleError as e:
     return Decision(m, Entry(**common, routed=False, schedule=None, reason=f"no schedule: {e}", mask=mask), {})
-  return Decision(m, Entry(**common, routed=True, schedule=choice.name, reason=choice.reason, mask=mask), operator)
+  path = packed.data_path(choice.schedule)
+  return Decision(m, Entry(**common, routed=True, schedule=choice.name + (f" ({path})" if path else ""),
+                           reason=choice.reason, mask=mask), operator)
 
 
 def _inside_custom(view, m) -> str:
