@@ -4,6 +4,13 @@ segment ids, the balanced split, and routing packed models.
 Shapes are tiny and candidate sets small: each test runs in seconds.
 """
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +18,12 @@ import optax
 import pytest
 from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
+from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.analysis import placements
+from jaxmercury.analysis.packed import sample_run
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import autotuner, cost
 
@@ -221,6 +230,22 @@ def test_ring_steps_follow_the_zigzag_order_too():
   assert "runs 1 (0) of 0, 1, 7, 2, 6, 3, 5, 4" in zigzag.describe(seg, seg)
 
 
+def test_cost_model_counts_what_runs_for_the_programs_sample():
+  """The cost model prices packed attention on the program's own sample of ids (the packings a tune times): the
+  busiest device's blocks that keep a pair, the ring's transfers of the steps that run."""
+  mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  machine = cost.Machine("test", 100e12, {"*": 100e9}, 10e-6, call_overhead_s=0.0, memory_bytes_per_s=1e30)
+  t = 8192
+  plain = jm.library(jm.programs.attention(1, 8, 8, t, t, 64, causal=True), mesh)["ring"]
+  packed = jm.library(jm.programs.attention(1, 8, 8, t, t, 64, causal=True, segment_ids=True), mesh)["ring"]
+  run = sample_run(packed)
+  steps = run.steps["j0"]  # documents of 128-2048 positions, 1024 a device: the previous two devices' keys at most
+  assert steps in ((0, 7), (0, 7, 6))
+  assert cost.compute_seconds(packed, machine) == pytest.approx(cost.compute_seconds(plain, machine) * max(run.calls) / 8)
+  assert packed.plan().rings["j0"].moves(steps) == len(steps) - 1 and plain.plan().rings["j0"].transfers == 7
+  assert cost.predict(packed, machine) < cost.predict(plain, machine) / 2
+
+
 # ------------------------------------------------------------------ the balanced split
 @pytest.mark.parametrize("rows", ["uniform", "long_tailed"])
 def test_balanced_split_evens_the_kept_pairs(rows):
@@ -314,3 +339,55 @@ def test_packed_attention_routes_and_trains(style):
     assert (e.routed, e.mask) == (True, "causal+segment_ids")
     assert e.schedule == "ring (skips ring steps and blocks by segment ids)"
     assert_trains_alike(train(routed), train(attend))
+
+
+# ------------------------------------------------------------------ several processes
+PROCESS = textwrap.dedent("""
+    import json, os, sys
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import jaxmercury as jm
+
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    prog = jm.programs.attention(1, 2, 2, 16, 16, 8, causal=True, segment_ids=True)
+    seg = np.zeros((1, 16), np.int32)
+    seg[0, 6:10], seg[0, 10:] = 1, 2  # documents across the processes' devices: steps 0 and 3 run
+    q, k, v = (np.asarray(x) for x in prog.random_inputs(jax.random.key(3))[:3])
+    ref = np.asarray(prog.reference(q, k, v, seg, seg))
+    ring = jm.library(prog, mesh)["ring"]
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+    with jax.set_mesh(mesh):
+      y = ring.compile()(*map(put, (q, k, v, seg, seg)))
+    err = max(float(np.max(np.abs(np.asarray(s.data) - ref[s.index]))) for s in y.addressable_shards)
+    print("REPORT " + json.dumps({"err": err, "steps": list(ring.data_run(seg, seg).steps["j0"])}), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def test_the_ring_decides_its_steps_alike_on_two_processes():
+  """Two processes of two CPU devices (gloo): the steps a ring runs are decided over the whole mesh, so both
+  processes make the same collectives, and each one's shards of the output are right."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+         "XLA_FLAGS": cpu_flags("", 2)}
+  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-5000:]
+  for out in outs:
+    report = json.loads(next(line[len("REPORT "):] for line in out.splitlines() if line.startswith("REPORT ")))
+    assert report["steps"] == [0, 3] and report["err"] < 1e-5, report

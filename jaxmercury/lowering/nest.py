@@ -184,14 +184,12 @@ class Nest:
     current = shift({b: env[b][0] for b in ring.buffers}, offset + steps[0])
     acc = (None,) * len(self.parts)
     for n_step in range(len(steps)):
-      kinds = [lambda c, a: (c, a), lambda c, a, s=n_step: step(s, steps, c, a, False)]
-      if n_step + 1 < len(steps):
-        kinds.append(lambda c, a, s=n_step: step(s, steps, c, a, True))
-      if n_step == 0:  # the first step always runs (and sets the accumulators' structure)
-        current, acc = kinds[min(len(kinds) - 1, 2)](current, acc) if len(steps) == 1 else jax.lax.cond(
-            runs > 1, kinds[2], kinds[1], current, acc)
-        continue
-      current, acc = jax.lax.switch(jnp.clip(runs - n_step, 0, len(kinds) - 1), kinds, current, acc)
+      ahead = (False, True) if n_step + 1 < len(steps) else (False,)
+      kinds = [lambda c, a: (c, a)] + [lambda c, a, s=n_step, on=on: step(s, steps, c, a, on) for on in ahead]
+      first = int(n_step == 0)  # the first step always runs (and sets the accumulators' structure)
+      kinds = kinds[first:]
+      choice = jnp.clip(runs - n_step - first, 0, len(kinds) - 1)
+      current, acc = kinds[0](current, acc) if len(kinds) == 1 else jax.lax.switch(choice, kinds, current, acc)
     if any(r.travel for r in rings):  # travelling partial outputs go on to their owners
       home = [lambda a, t=t: shift(a, ring.size - 1 - t) for t in steps]
       acc = tuple(jax.lax.switch(runs - 1, home, a) if r.travel else a for r, a in zip(rings, acc))
@@ -214,8 +212,7 @@ class Nest:
     q_ids = jnp.where(q_real, q_ids, _PAD_QUERY)
     row = lambda qi, qp, ki, kp, kr: packing.keeps(jnp, qi, qp, ki, kp, kr, band)
     per_row = jax.vmap(row, in_axes=(0, None, 0, None, None))
-    stepped = (0 if side == "i" else None, 0 if side == "i" else None, 0 if side == "j" else None,
-               0 if side == "j" else None, 0 if side == "j" else None)
+    stepped = (None, None, 0, 0, 0) if side == "j" else (0, 0, None, None, None)  # the visiting side's arrays
     visits = jnp.any(jax.vmap(per_row, in_axes=stepped)(q_ids, q_pos, k_ids, k_pos, k_real), axis=1)
     needed = jax.lax.pmax(visits.astype(jnp.int32), tuple(self.s.levels))
     return jnp.maximum(jnp.max(needed * jnp.arange(1, len(steps) + 1)), 1)
