@@ -19,6 +19,7 @@ import pytest
 from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
+from test_masks import dense
 
 import jaxmercury as jm
 from jaxmercury._cpu_flags import cpu_flags
@@ -42,18 +43,6 @@ def packing(rng, batch, length, *, shortest=1, longest=None):
       row[at:at + n] = doc
       at, doc = at + n, doc + 1
   return ids
-
-
-def dense(q, k, v, keep):
-  """Attention with ``keep`` [b or 1, h or 1, t, s]; rows that keep nothing give zeros."""
-  h, hk = q.shape[2], k.shape[2]
-  k, v = jnp.repeat(k, h // hk, axis=2), jnp.repeat(v, h // hk, axis=2)
-  s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
-  s = jnp.where(keep, s, -jnp.inf)
-  top = jnp.max(s, -1, keepdims=True)
-  p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
-  p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30)
-  return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
 # ------------------------------------------------------------------ tuning masked attention

@@ -315,6 +315,20 @@ def body_calls(schedule, rings, axes) -> tuple:
   return index, rank, starts
 
 
+SEQUENCE = ("i", "j")  # the query and key axes: what positional masks compare
+
+
+def _call_blocks(schedule, loops, rings):
+  """Every body call of the nest on every device (``body_calls``) as a ``kernels.work.Block`` over the query and
+  key axes: ``(index, rank, blocks, inverse)``, the distinct blocks and each call's one (``blocks[inverse]``)."""
+  index, rank, starts = body_calls(schedule, rings, SEQUENCE)
+  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in SEQUENCE}
+  extents = {a: schedule.program.axes[a].extent for a in SEQUENCE}
+  cols, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
+  blocks = [Block(sizes, extents, dict(zip(SEQUENCE, map(int, col))), schedule.zigzags) for col in cols.T]
+  return index, rank, blocks, np.reshape(inverse, -1)
+
+
 def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
   """For each ring whose steps an attention program's positional mask hides from every rank, the distances
   ``(visited block - rank) % size`` that some rank computes (``Ring.distances``).
@@ -327,17 +341,12 @@ def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
   mask = mask_of(prog.params)
   if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.positional or not {"i", "j"} <= set(prog.kinds):
     return {}
-  masked = ("i", "j")
-  index, rank, starts = body_calls(schedule, rings, masked)
-  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in masked}
-  extents = {a: prog.axes[a].extent for a in masked}
-  pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
-  shown = np.array([Block(sizes, extents, dict(zip(masked, map(int, col))), schedule.zigzags,
-                          mask.band).band_case() != "hidden" for col in pairs.T])[np.reshape(inverse, -1)]
+  index, rank, blocks, inverse = _call_blocks(schedule, loops, rings)
+  shown = np.array([b.band_case(band=mask.band) != "hidden" for b in blocks])[inverse]
   out = {}
   for name, ring in rings.items():
     lp = loops[name]
-    if lp.axis not in masked:  # a ring over heads (or batch): every step holds the same positions
+    if lp.axis not in SEQUENCE:  # a ring over heads (or batch): every step holds the same positions
       continue
     distance = (index(lp) - rank[ring.level]) % ring.size
     needed = frozenset(int(d) for d in np.unique(distance[shown]))
@@ -359,18 +368,13 @@ def _data_chains(schedule, loops, rings) -> dict[str, tuple[int, ...]]:
   mask = mask_of(prog.params)
   if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.segment_ids or not {"i", "j"} <= set(prog.kinds):
     return {}
-  masked = ("i", "j")
-  index, rank, starts = body_calls(schedule, rings, masked)
-  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in masked}
-  extents = {a: prog.axes[a].extent for a in masked}
-  pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
-  gaps = np.array([_band_gap(Block(sizes, extents, dict(zip(masked, map(int, col))), schedule.zigzags), mask.band)
-                   for col in pairs.T])[np.reshape(inverse, -1)]
+  index, rank, blocks, inverse = _call_blocks(schedule, loops, rings)
+  gaps = np.array([_band_gap(b, mask.band) for b in blocks])[inverse]
   out = {}
   for name, ring in rings.items():
     lp = loops[name]
     inner = schedule.loops[schedule.loops.index(lp) + 1:]
-    if lp.axis not in masked or SEGMENT_IDS[lp.axis] not in ring.buffers or any(
+    if lp.axis not in SEQUENCE or SEGMENT_IDS[lp.axis] not in ring.buffers or any(
         other.shifted_by and other.axis == lp.axis for other in inner):
       continue
     distance = (index(lp) - rank[ring.level]) % ring.size
