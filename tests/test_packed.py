@@ -207,6 +207,26 @@ def long_tailed(rng, batch, length):
   return ids
 
 
+def test_a_ring_of_queries_skips_by_the_segment_ids_too():
+  """Keys stay, queries and their ids travel, partial outputs travel home (a ring of ``i`` over a parallel ``j``,
+  serial tiles inside): the steps run, the output and gradients."""
+  mesh = devices(4)
+  t = 32
+  prog = jm.programs.attention(2, 4, 2, t, t, 8, causal=True, segment_ids=True)
+  s = jm.Schedule(prog, mesh)
+  s.tile("j", 4).parallelize("j0", "x")
+  s.tile("i", 4).shift("i0", "j0")
+  s.tile("i1", 2, names=("i_t", "i_b")).tile("j1", 2, names=("j_t", "j_b"))
+  ring = s.plan().rings["i0"]
+  assert ring.travel and "q_segment_ids" in ring.buffers and ring.chain_steps() == [3, 0, 1, 2]
+  seg = packing(np.random.default_rng(), 2, t, longest=9)
+  assert s.data_run(seg, seg).steps["i0"] in ((3,), (3, 0))  # documents of up to 9: the next device's at most
+  q, k, v = prog.random_inputs(fresh_key())[:3]
+  d = np.arange(t)[:, None] - np.arange(t)[None, :]
+  keep = (seg[:, None, :, None] == seg[:, None, None, :]) & (d >= 0)
+  check_packed({"ring of queries": s}, (q, k, v, jnp.asarray(seg), jnp.asarray(seg)), keep)
+
+
 def test_ring_steps_follow_the_zigzag_order_too():
   """In zigzag order a rank's two chunks have neighbours on both sides: the chain alternates; the printout counts
   the steps with kept pairs."""

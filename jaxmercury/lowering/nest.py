@@ -209,7 +209,7 @@ class Nest:
     theirs = (jnp.take(blocks, visited, axis=0),) + tuple(  # ids [steps, b, n], positions and real [steps, n]
         jnp.stack(x) for x in zip(*(self._region(side, {**fixed, lp.name: idx}) for idx in visited)))
     (q_ids, q_pos, q_real), (k_ids, k_pos, k_real) = (mine, theirs) if side == "j" else (theirs, mine)
-    q_ids = jnp.where(q_real, q_ids, _PAD_QUERY)
+    q_ids = jnp.where(q_real[..., None, :], q_ids, _PAD_QUERY)  # over the batch rows
     row = lambda qi, qp, ki, kp, kr: packing.keeps(jnp, qi, qp, ki, kp, kr, band)
     per_row = jax.vmap(row, in_axes=(0, None, 0, None, None))
     stepped = (None, None, 0, 0, 0) if side == "j" else (0, 0, None, None, None)  # the visiting side's arrays
