@@ -15,6 +15,7 @@
 #                    fused ring attention with our backward on every GPU
 #   tests-lowering   every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients
+#   tests-packed     packed rows on cuDNN blocks: the rings that skip steps by segment ids, the balanced ring
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
 #   gemm             the GEMM suite: Llama-3 8B and 70B layers at M 8K and 32K (XLA's windowed einsum in a child)
 #   fused-gemm       the fused GEMM kernels against the unfused programs and JAX's kernel
@@ -121,6 +122,7 @@ for stage in "$@"; do
     tests-lowering) tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
+    tests-packed) tests "$stage" 540 tests/gpu/test_packed_gpu.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;
     fused-gemm) suite "$stage" 570 --suite fused --ops gemm ;;
