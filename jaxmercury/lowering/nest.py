@@ -23,7 +23,7 @@ from jaxmercury.ir.orders import true_positions
 from jaxmercury.ir.program import BlockContext
 from jaxmercury.lowering import blocks
 from jaxmercury.programs import packing
-from jaxmercury.programs.masks import _PAD_QUERY, mask_of
+from jaxmercury.programs.masks import mask_of
 
 UNROLL_LIMIT = 8  # serial loops longer than this run as lax.fori_loop
 
@@ -209,11 +209,10 @@ class Nest:
     theirs = (jnp.take(blocks, visited, axis=0),) + tuple(  # ids [steps, b, n], positions and real [steps, n]
         jnp.stack(x) for x in zip(*(self._region(side, {**fixed, lp.name: idx}) for idx in visited)))
     (q_ids, q_pos, q_real), (k_ids, k_pos, k_real) = (mine, theirs) if side == "j" else (theirs, mine)
-    q_ids = jnp.where(q_real[..., None, :], q_ids, _PAD_QUERY)  # over the batch rows
-    row = lambda qi, qp, ki, kp, kr: packing.keeps(jnp, qi, qp, ki, kp, kr, band)
-    per_row = jax.vmap(row, in_axes=(0, None, 0, None, None))
-    stepped = (None, None, 0, 0, 0) if side == "j" else (0, 0, None, None, None)  # the visiting side's arrays
-    visits = jnp.any(jax.vmap(per_row, in_axes=stepped)(q_ids, q_pos, k_ids, k_pos, k_real), axis=1)
+    row = lambda qi, qp, qr, ki, kp, kr: packing.keeps(jnp, qi, qp, qr, ki, kp, kr, band)
+    per_row = jax.vmap(row, in_axes=(0, None, None, 0, None, None))
+    stepped = (None,) * 3 + (0,) * 3 if side == "j" else (0,) * 3 + (None,) * 3  # the visiting side's arrays
+    visits = jnp.any(jax.vmap(per_row, in_axes=stepped)(q_ids, q_pos, q_real, k_ids, k_pos, k_real), axis=1)
     needed = jax.lax.pmax(visits.astype(jnp.int32), tuple(self.s.levels))
     return jnp.maximum(jnp.max(needed * jnp.arange(1, len(steps) + 1)), 1)
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.programs.masks import Q_SEGMENTS
+from jaxmercury.programs.masks import _PAD_QUERY, KV_SEGMENTS, Q_SEGMENTS
 
 SHORTEST, LONGEST = 64, 4  # random_packing's document lengths: row length / 64 to row length / 4
 
@@ -47,22 +47,19 @@ def random_packing(key, batch: int, length: int):
   return jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(length), side="right"))(ends).astype(jnp.int32)
 
 
-def packed_inputs(mask, key, inputs: tuple) -> tuple:
-  """``inputs`` of an attention program with ``mask`` (``AttentionMask``) whose segment ids are random packings
-  (``Program.sample``): one packing for queries and keys of one length, one each otherwise."""
-  if not mask.segment_ids:
-    return inputs
-  out = list(inputs)
-  at = 3 + mask.buffers.index(Q_SEGMENTS)
-  (b, t), s = out[at].shape, out[at + 1].shape[1]
+def packed_inputs(names: tuple[str, ...], key, inputs: tuple) -> tuple:
+  """``inputs`` (of the read buffers ``names``) with the segment ids random packings (an attention program's
+  ``Program.sample``): one packing for queries and keys of one length, one each otherwise."""
+  out = dict(zip(names, inputs))
+  (b, t), s = out[Q_SEGMENTS].shape, out[KV_SEGMENTS].shape[1]
   keys = jax.random.split(jax.random.fold_in(key, 0x5E6), 2)
-  out[at] = random_packing(keys[0], b, t)
-  out[at + 1] = out[at] if s == t else random_packing(keys[1], b, s)
-  return tuple(out)
+  out[Q_SEGMENTS] = random_packing(keys[0], b, t)
+  out[KV_SEGMENTS] = out[Q_SEGMENTS] if s == t else random_packing(keys[1], b, s)
+  return tuple(out[n] for n in names)
 
 
 # ------------------------------------------------------------------ which blocks keep a pair
-def keeps(xp, q_ids, q_pos, k_ids, k_pos, k_valid, band):
+def keeps(xp, q_ids, q_pos, q_real, k_ids, k_pos, k_real, band):
   """Whether one row's block of queries and block of keys keep a pair (1-D arrays; ``xp``: ``numpy`` or
   ``jax.numpy``).
 
@@ -71,17 +68,18 @@ def keeps(xp, q_ids, q_pos, k_ids, k_pos, k_valid, band):
   are consecutive positions, as a packed row's documents are.
 
   Args:
-    q_ids, q_pos: the queries' segment ids and true positions (a query that is padding: id ``_PAD_QUERY``).
-    k_ids, k_pos, k_valid: the keys' ids, true positions and which are real (not padding).
+    q_ids, q_pos, q_real: the queries' segment ids, true positions and which are real (not padding).
+    k_ids, k_pos, k_real: the keys'.
     band: ``(lo, hi)``: pairs ``lo <= query - key <= hi`` are kept (None: unbounded).
   """
+  q_ids = xp.where(q_real, q_ids, _PAD_QUERY)  # an id no key has
   order = xp.lexsort((q_pos, q_ids))
   ids, pos = q_ids[order], q_pos[order]
   search = np.searchsorted if xp is np else functools.partial(jnp.searchsorted, method="scan_unrolled")  # no loop
   first = search(ids, k_ids, side="left")
   last = search(ids, k_ids, side="right") - 1
   n = ids.shape[0]
-  kept = k_valid & (last >= first)
+  kept = k_real & (last >= first)
   lo, hi = band
   if lo is not None:
     kept = kept & (pos[xp.clip(last, 0, n - 1)] - k_pos >= lo)
