@@ -16,6 +16,7 @@
 #   tests-lowering   every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients; the plain programs
 #                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
+#   tests-packed     packed rows on cuDNN blocks: the rings that skip steps by segment ids, the balanced ring
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
 #   gemm             the GEMM suite: Llama-3 8B and 70B layers at M 8K and 32K (XLA's windowed einsum in a child)
 #   fused-gemm       the fused GEMM kernels against the unfused programs and JAX's kernel
@@ -32,6 +33,10 @@
 #                    kernels on the first GPU in 5 traced rounds (--trace_rounds): where the zigzag ring's step loses
 #                    its time against Ulysses'
 #   training         training steps: jaxmercury tuned for them against every baseline
+#   packed           packed rows on every GPU (the 4-GPU machine): ring, ring_zigzag and ring_balanced on cuDNN blocks,
+#                    skipping by segment ids, against Ulysses with the dense packed mask, B1 H32 KV8 D128 S 32K 128K,
+#                    uniform and long-tailed documents (benchmarks.packed); -training: training steps at S32K;
+#                    -tuned: with the tuner's winner too, S32K
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
@@ -128,6 +133,7 @@ for stage in "$@"; do
     tests-lowering) tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
+    tests-packed) tests "$stage" 540 tests/gpu/test_packed_gpu.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;
     fused-gemm) suite "$stage" 570 --suite fused --ops gemm ;;
@@ -149,6 +155,13 @@ for stage in "$@"; do
     fused-training-sustained-32K|fused-training-sustained-64K) suite "$stage" 570 --suite fused --training \
         --ops attention --variants GQA --seqs "${stage##*-}" --sustain_s 1.0 --iters 3 ;;
     training) suite "$stage" 570 --suite training ;;
+    packed|packed-training|packed-tuned)
+      args=(--seqs 32K 128K)
+      [ $stage = packed-training ] && args=(--seqs 32K --training)
+      [ $stage = packed-tuned ] && args=(--seqs 32K --tune)
+      timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" \
+        --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;
     tuner) suite "$stage" 570 --suite tuner ;;
     llama-4096|llama-16384|llama-32768) suite "$stage" 570 --suite llama --seqs "${stage#llama-}" --measure_iters 5 \

@@ -22,6 +22,7 @@ from jaxmercury.kernels.placements import (
   AttentionPlacement,
   GemmPlacement,
 )
+from jaxmercury.programs.masks import mask_of
 
 # Per GEMM kind, the axis (by role) of A, B and C that level L splits.
 SPLIT_ROLES = {ALLGATHER: ("m", "n", "n"), REDUCESCATTER: ("k", "k", "m")}
@@ -135,7 +136,8 @@ def attention_placement(schedule) -> AttentionPlacement | str:
 
   The sequence of q, k, v and o split over one mesh level L holding every device, nothing else split (the
   ``ring`` and ``ring_zigzag`` strategies), queries and keys of one length, no padding; causal programs in
-  natural order or with both sequence axes in the same zigzag order, in whole chunks per device.
+  natural order or with both sequence axes in the same zigzag order, in whole chunks per device. The kernels
+  mask causally or not at all: a program with a window, segment ids or a mask array has no placement.
   """
   prog = schedule.program
   try:
@@ -144,10 +146,15 @@ def attention_placement(schedule) -> AttentionPlacement | str:
     return f"the fused ring-attention kernels compute attention (loop-nest pattern 'attention'): {e}"
   if match.params.get("emit_lse"):
     return "the fused ring-attention lowering writes the output only; this program also writes the log-sum-exp"
+  mask = mask_of(match.params)
+  if extra := mask.kinds - {"causal"}:
+    return (f"the fused ring-attention kernels mask causally or not at all, not by the program's {sorted(extra)} "
+            f"({mask.describe()})")
   if reason := whole_nest_problem(schedule, zigzag=True):  # zigzag sequence axes: checked below
     return reason
   axes = {role: ax for ax, role in match.to_pattern.items()}
-  (q, k, v), o = prog.reads, prog.writes
+  q, k, v = (b for b in prog.reads if b.name not in mask.buffers)
+  o = prog.writes
   extent = lambda role: prog.axes[axes[role]].extent
   padded = [ax for ax in (axes["i"], axes["j"], axes["d"]) if _extent(schedule, ax) != prog.axes[ax].extent]
   if padded:

@@ -25,7 +25,7 @@ from jaxmercury.analysis.layouts import Layout
 from jaxmercury.errors import PreconditionError, ScheduleError
 from jaxmercury.ir.loops import PARALLEL, SERIAL, VECTOR, spec_levels
 from jaxmercury.kernels.work import Block
-from jaxmercury.programs.masks import mask_of
+from jaxmercury.programs.masks import KV_SEGMENTS, Q_SEGMENTS, mask_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,14 @@ class Ring:
   sliding window) hides every block of some steps from every rank, the
   distances ``(visited block - rank) % size`` some rank computes; the other
   steps are skipped, their compute and their transfers (None: every step runs).
+
+  ``chain``: where segment ids (packed sequences) travel with the ring, the
+  distances of the steps the positional mask keeps, nearest first (by the
+  smallest query-key distance some rank's blocks have there): when running,
+  the ring runs the shortest prefix of it that holds every step at which
+  some device's blocks keep a pair (``programs.packing.keeps``), the
+  transfers going straight from one step run to the next (None: the steps
+  are fixed).
   """
 
   loop: str
@@ -45,6 +53,7 @@ class Ring:
   buffers: tuple[str, ...]  # read buffers passed around the ring
   travel: bool  # partial outputs travel (pipelined reduce-scatter)
   distances: frozenset | None = None
+  chain: tuple[int, ...] | None = None
 
   @property
   def offset(self) -> int:
@@ -59,6 +68,12 @@ class Ring:
       return list(range(self.size))
     return [t for t in range(self.size) if (t + offset) % self.size in self.distances] or [0]
 
+  def chain_steps(self, offset: int | None = None) -> list[int]:
+    """The ``chain``'s steps in its order when rank r visits ``(t + r + offset) % size`` (default this ring's
+    offset)."""
+    offset = self.offset if offset is None else offset
+    return [(d - offset) % self.size for d in self.chain]
+
   @property
   def skipped(self) -> int:
     """How many of its steps the ring skips."""
@@ -66,11 +81,14 @@ class Ring:
 
   @property
   def transfers(self) -> int:
-    """How many times the ring's blocks move (``ppermute`` rounds, of one or several hops): before each step that
-    runs but the first, before the first unless it is step 0, and, for travelling partial outputs, once more
-    after the last step run unless it is the last step."""
-    steps = self.steps()
-    return (len(steps) - 1 + (steps[0] > 0) + (self.travel and steps[-1] < self.size - 1))
+    """How many times the ring's blocks move (``moves`` of the steps it runs)."""
+    return self.moves(self.steps())
+
+  def moves(self, steps) -> int:
+    """How many times the ring's blocks move (``ppermute`` rounds, of one or several hops) when it runs ``steps``
+    in that order: before each step but the first, before the first unless it is step 0, and, for travelling
+    partial outputs, once more after the last step unless it is the last step."""
+    return len(steps) - 1 + (steps[0] > 0) + (self.travel and steps[-1] != self.size - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +197,8 @@ def make_plan(schedule) -> Plan:
     rings[lp.name] = Ring(lp.name, lp.axis, par.level, levels[par.level], ring_bufs, travel)
   for name, d in _band_distances(schedule, loops, rings).items():
     rings[name] = dataclasses.replace(rings[name], distances=d)
+  for name, chain in _data_chains(schedule, loops, rings).items():
+    rings[name] = dataclasses.replace(rings[name], chain=chain)
 
   def nest_layout(buf, ring_member):
     entries = []
@@ -295,6 +315,20 @@ def body_calls(schedule, rings, axes) -> tuple:
   return index, rank, starts
 
 
+SEQUENCE = ("i", "j")  # the query and key axes: what positional masks compare
+
+
+def _call_blocks(schedule, loops, rings):
+  """Every body call of the nest on every device (``body_calls``) as a ``kernels.work.Block`` over the query and
+  key axes: ``(index, rank, blocks, inverse)``, the distinct blocks and each call's one (``blocks[inverse]``)."""
+  index, rank, starts = body_calls(schedule, rings, SEQUENCE)
+  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in SEQUENCE}
+  extents = {a: schedule.program.axes[a].extent for a in SEQUENCE}
+  cols, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
+  blocks = [Block(sizes, extents, dict(zip(SEQUENCE, map(int, col))), schedule.zigzags) for col in cols.T]
+  return index, rank, blocks, np.reshape(inverse, -1)
+
+
 def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
   """For each ring whose steps an attention program's positional mask hides from every rank, the distances
   ``(visited block - rank) % size`` that some rank computes (``Ring.distances``).
@@ -307,23 +341,63 @@ def _band_distances(schedule, loops, rings) -> dict[str, frozenset]:
   mask = mask_of(prog.params)
   if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.positional or not {"i", "j"} <= set(prog.kinds):
     return {}
-  masked = ("i", "j")
-  index, rank, starts = body_calls(schedule, rings, masked)
-  sizes = {a: math.prod(loops[f].extent for f in schedule.factors[a] if loops[f].role == VECTOR) for a in masked}
-  extents = {a: prog.axes[a].extent for a in masked}
-  pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
-  shown = np.array([Block(sizes, extents, dict(zip(masked, map(int, col))), schedule.zigzags,
-                          mask.band).band_case() != "hidden" for col in pairs.T])[np.reshape(inverse, -1)]
+  index, rank, blocks, inverse = _call_blocks(schedule, loops, rings)
+  shown = np.array([b.band_case(band=mask.band) != "hidden" for b in blocks])[inverse]
   out = {}
   for name, ring in rings.items():
     lp = loops[name]
-    if lp.axis not in masked:  # a ring over heads (or batch): every step holds the same positions
+    if lp.axis not in SEQUENCE:  # a ring over heads (or batch): every step holds the same positions
       continue
     distance = (index(lp) - rank[ring.level]) % ring.size
     needed = frozenset(int(d) for d in np.unique(distance[shown]))
     if len(needed) < ring.size:
       out[name] = needed
   return out
+
+
+SEGMENT_IDS = {"i": Q_SEGMENTS, "j": KV_SEGMENTS}  # the segment ids along each sequence axis
+
+
+def _data_chains(schedule, loops, rings) -> dict[str, tuple[int, ...]]:
+  """For each ring around which an attention program's segment ids travel, its ``Ring.chain``: the distances of
+  the steps its positional mask keeps (``Ring.distances``), ordered by the smallest ``|query - key|`` among the
+  pairs the band keeps in any body call at that distance (ties: nearest distance first). Of rings nested on one
+  axis (a ring over each mesh level) the innermost only: an outer ring's block is split over the inner ring's
+  devices."""
+  prog = schedule.program
+  mask = mask_of(prog.params)
+  if not rings or prog.pattern not in ATTENTION_PATTERNS or not mask.segment_ids or not {"i", "j"} <= set(prog.kinds):
+    return {}
+  index, rank, blocks, inverse = _call_blocks(schedule, loops, rings)
+  gaps = np.array([_band_gap(b, mask.band) for b in blocks])[inverse]
+  out = {}
+  for name, ring in rings.items():
+    lp = loops[name]
+    inner = schedule.loops[schedule.loops.index(lp) + 1:]
+    if lp.axis not in SEQUENCE or SEGMENT_IDS[lp.axis] not in ring.buffers or any(
+        other.shifted_by and other.axis == lp.axis for other in inner):
+      continue
+    distance = (index(lp) - rank[ring.level]) % ring.size
+    nearest = {d: float(gaps[distance == d].min()) for d in range(ring.size) if np.any(distance == d)}
+    kept = [d for d, gap in nearest.items() if np.isfinite(gap) and (ring.distances is None or d in ring.distances)]
+    out[name] = tuple(sorted(kept, key=lambda d: (nearest[d], min(d, ring.size - d), d))) or (0,)
+  return out
+
+
+def _band_gap(block: Block, band) -> float:
+  """The smallest ``|query - key|`` of the block's pairs that ``band`` keeps (real keys only; inf: none)."""
+  lo, hi = band
+  best = np.inf
+  for qa, qb in block.ranges("i"):
+    for ka, kb in block.ranges("j"):
+      kb = min(kb, block.extents["j"])
+      if qb <= qa or kb <= ka:
+        continue
+      low, high = qa - (kb - 1), (qb - 1) - ka  # the block's query - key differences
+      low, high = max(low, lo) if lo is not None else low, min(high, hi) if hi is not None else high
+      if low <= high:
+        best = min(best, 0 if low <= 0 <= high else min(abs(low), abs(high)))
+  return best
 
 
 def _level_of(lp, loops):

@@ -179,6 +179,9 @@ def _parts(view: View, ref, dims: tuple, out: list, nonzero: bool = False):
     _parts(view, site.ins[0], dims, out)  # a boolean made a number
   elif not nonzero and site.primitive == "ne" and _zero_test(view, site) is not None:
     _parts(view, _zero_test(view, site), dims, out, nonzero=True)
+  elif (not nonzero and site.primitive == "convert_element_type" and View.aval(ref).dtype == np.bool_
+        and View.aval(site.ins[0]).dtype != np.bool_):
+    _parts(view, site.ins[0], dims, out, nonzero=True)  # a number's truth (Flax's float masks cast back)
   elif site.primitive == ("mul" if nonzero else "and") and len(site.ins) == 2 and (
       nonzero or View.aval(ref).dtype == np.bool_):
     for r in site.ins:

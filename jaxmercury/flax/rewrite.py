@@ -40,6 +40,7 @@ import numpy as np
 from absl import logging
 
 from jaxmercury import ops
+from jaxmercury.analysis import packed
 from jaxmercury.errors import ScheduleError
 from jaxmercury.flax import loops, masks, patterns
 from jaxmercury.flax.jaxpr_view import REMAT, DependsOnInputs, Lit, View, bind, inner, module_path, raised_at
@@ -119,8 +120,9 @@ def _decide(view, match, routing, scope: str = "", tuning=None) -> Decision:
   if choice.as_written:  # nothing measured, or nothing beat the call as written: its equations run as traced
     decision.entry = Entry(**common, routed=False, schedule=None, reason=reason, mask=mask, program=program)
   else:
-    decision.entry = Entry(**common, routed=True, schedule=choice.name, reason=reason, mask=mask,
-                           program=program)
+    path = packed.data_path(choice.schedule)
+    decision.entry = Entry(**common, routed=True, schedule=choice.name + (f" ({path})" if path else ""),
+                           reason=reason, mask=mask, program=program)
   return decision
 
 

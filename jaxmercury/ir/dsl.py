@@ -125,7 +125,8 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
          body: Callable, reduction: Reduction | None = None, name: str = "program",
          pattern: str | None = None, statement: str | None = None,
          params: dict | None = None, flops: float | None = None,
-         workspace: Callable | None = None, routing: Routing | None = None) -> Program:
+         workspace: Callable | None = None, routing: Routing | None = None,
+         sample: Callable | None = None) -> Program:
   """Declares a compute grid: the loop nest of an operator.
 
   Args:
@@ -151,6 +152,8 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
       call needs for blocks of the given per-axis sizes (memory estimate).
     routing: for a routed reduction (a mixture of experts), which loop a
       router picks from and how (``ir.routing.Routing``); None: dense.
+    sample: ``sample(key, inputs) -> inputs``: ``Program.random_inputs`` gives its normal draws this form (an
+      attention's segment ids: rows of packed documents).
 
   Returns:
     The ``Program``.
@@ -176,7 +179,7 @@ def grid(loops: Sequence[Axis], kinds: str, *, reads: Sequence[Buffer], writes: 
                     reads=reads, writes=writes, body=body, reduction=reduction,
                     pattern=pattern, statement=statement, params=dict(params or {}),
                     flops=float(flops if flops is not None else 2 * np.prod([a.extent for a in loops], dtype=float)),
-                    workspace=workspace, routing=routing)
+                    workspace=workspace, routing=routing, sample=sample)
   if not callable(body):  # after the structure, whose errors say more
     raise ProgramError(f"{name}: body must be callable as body(ctx, *blocks), got {type(body).__name__}")
   return program

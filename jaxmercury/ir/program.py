@@ -79,6 +79,7 @@ class Program:
   flops: float = 0.0
   workspace: Callable | None = None
   routing: Routing | None = None  # a routed reduction (mixture of experts): ``ir.routing``
+  sample: Callable | None = None  # ``sample(key, inputs) -> inputs``: random inputs given their form (packed ids)
 
   def fingerprint(self) -> str:
     """A structural hash: loops, kinds, buffers, dtypes, reduction, body and parameters."""
@@ -189,9 +190,11 @@ class Program:
 
   def random_inputs(self, key: jax.Array, scale: float = 1.0):
     """Fresh normal random inputs with the read buffers' shapes and dtypes (boolean buffers: True with
-    probability 3/4)."""
+    probability 3/4), given their form by ``sample`` where the program has one (an attention's segment ids: packed
+    rows)."""
     buffers = tuple((tuple(b.shape), jnp.dtype(b.dtype).name) for b in self.reads)
-    return _random_inputs(key, jnp.float32(scale), buffers=buffers)
+    inputs = _random_inputs(key, jnp.float32(scale), buffers=buffers)
+    return self.sample(key, inputs) if self.sample else inputs
 
   def __str__(self):
     loops = " ".join(f"{a.name}:{a.extent}{self.kinds[a.name]}" for a in self.loops)

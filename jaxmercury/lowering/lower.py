@@ -13,6 +13,8 @@ from jaxmercury.lowering import types
 from jaxmercury.lowering.collectives import reshard
 from jaxmercury.lowering.nest import Nest
 from jaxmercury.lowering.storage_order import reorder
+from jaxmercury.programs import packing
+from jaxmercury.programs.masks import KV_SEGMENTS, Q_SEGMENTS
 
 
 def lower(schedule, *, jit: bool = True, per_device=None, widths: tuple[int, ...] | None = None):
@@ -50,8 +52,11 @@ def lower(schedule, *, jit: bool = True, per_device=None, widths: tuple[int, ...
   edges = _Edges(schedule, plan)
 
   def run(*inputs):
-    y = mapped(*edges.inputs(inputs))
-    return edges.output(y) if widths is None else tuple(edges.output(part, w) for part, w in zip(y, widths))
+    order = edges.order(inputs)
+    y = mapped(*edges.inputs(inputs, order))
+    if widths is None:
+      return edges.output(y, order=order)
+    return tuple(edges.output(part, w, order=order) for part, w in zip(y, widths))
 
   run.__name__ = f"{prog.name.replace(' ', '_')}_schedule"
   return jax.jit(run) if jit else run
@@ -96,8 +101,9 @@ def lower_joint(schedules, kernel, *, jit: bool = True):
   edges = [_Edges(s, p) for s, p in zip(schedules, plans)]
 
   def run(*inputs):
-    outs = mapped(*edges[0].inputs(inputs))
-    return tuple(e.output(y) for e, y in zip(edges, outs))
+    order = edges[0].order(inputs)  # the programs read the same inputs: one order
+    outs = mapped(*edges[0].inputs(inputs, order))
+    return tuple(e.output(y, order=order) for e, y in zip(edges, outs))
 
   run.__name__ = "_and_".join(s.program.name.replace(" ", "_") for s in schedules) + "_joint_schedule"
   return jax.jit(run) if jit else run
@@ -154,11 +160,32 @@ class _Edges:
       k += len(group)
     return PartitionSpec(*out)
 
-  def inputs(self, inputs) -> list:
+  def order(self, inputs):
+    """A balanced schedule's order of each row (``Schedule.balance``: ``programs.packing.balanced_order`` of the
+    segment ids among ``inputs``), or None."""
+    if not self.s.balanced:
+      return None
+    ids = {b.name: x for b, x in zip(self.s.program.reads, inputs)}
+    q, k = (self._whole(jnp.asarray(ids[n])) for n in (Q_SEGMENTS, KV_SEGMENTS))
+    return packing.balanced_order(q, k, self.s.zigzags["i"])
+
+  def _ordered(self, x, buf, perm):
+    """``x`` (``buf``'s array, the program's own shape) with its sequence dimension taken in ``perm``'s order, in
+    its own layout (the rows are permuted whole)."""
+    dim = next(n for n, group in enumerate(buf.dims) if {a.name for a in group} & {"i", "j"})
+    spec = types.spec_of(x, self.mesh) if self.explicit else None
+    index = jnp.reshape(perm, perm.shape + (1,) * (x.ndim - 2))
+    y = jnp.take_along_axis(self._whole(x), index, axis=dim)
+    return y if spec is None else self._constrain(y, spec)
+
+  def inputs(self, inputs, order=None) -> list:
+    """The stored blocks' global arrays of ``inputs``; ``order``: a balanced schedule's (``order``)."""
     prog = self.s.program
     prog.check_inputs(inputs)
     canon = []
     for b, x in zip(prog.reads, inputs):
+      if order is not None and {"i", "j"} & set(b.axes):
+        x = self._ordered(x, b, order)
       groups = [len(d) for d in b.dims]
       entry = self._entry_spec(b)
       x = self._constrain(x, entry)  # Auto axes too: XLA then never regroups a split across the reshape
@@ -172,9 +199,9 @@ class _Edges:
       canon.append(self._constrain(x, self.plan.spec(b.name)))
     return canon
 
-  def output(self, y, width: int | None = None):
+  def output(self, y, width: int | None = None, *, order=None):
     """The output's stored block(s) as the program's output; ``width``: a part of it, that wide along its last
-    axis (``lower``'s ``widths``)."""
+    axis (``lower``'s ``widths``); ``order``: a balanced schedule's, undone."""
     out = self.s.program.writes
     shape = out.canonical_shape if width is None else (*out.canonical_shape[:-1], width)
     if not self.explicit:  # XLA's propagation then starts from the layout the nest left
@@ -186,6 +213,8 @@ class _Edges:
       spec = self.plan.spec(out.name) if not self.explicit else types.spec_of(y, self.mesh)
       y = self._constrain(y, types.whole(spec, y.ndim, cropped))
     y = types.flatten(y[crop], self.mesh, [len(d) for d in out.dims])
+    if order is not None:
+      y = self._ordered(y, out, jnp.argsort(order, axis=-1))
     return y if self.explicit else self._constrain(y, types.output_spec(self.s))
 
 

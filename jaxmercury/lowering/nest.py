@@ -15,10 +15,15 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
+from jaxmercury.analysis.plan import SEGMENT_IDS
 from jaxmercury.ir.loops import PARALLEL, SERIAL
+from jaxmercury.ir.orders import true_positions
 from jaxmercury.ir.program import BlockContext
 from jaxmercury.lowering import blocks
+from jaxmercury.programs import packing
+from jaxmercury.programs.masks import mask_of
 
 UNROLL_LIMIT = 8  # serial loops longer than this run as lax.fori_loop
 
@@ -142,13 +147,11 @@ class Nest:
       return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.level, perm), tree)
 
     offset = max(r.offset for r in rings)  # a part whose outputs travel starts one block on
-    # the steps some part computes a block at (a positional mask may hide the others from every rank)
-    steps = sorted(set().union(*(r.steps(offset) for r in rings)))
-    current = shift({b: env[b][0] for b in ring.buffers}, offset + steps[0])
-    acc = (None,) * len(self.parts)
-    for n_step, t in enumerate(steps):
-      later = steps[n_step + 1] if n_step + 1 < len(steps) else None
-      nxt = shift(current, later - t) if later is not None else None  # issued before this step's compute
+
+    def step(n_step, steps, current, acc, ahead: bool):
+      """Step ``steps[n_step]``: the next step's blocks sent on (``ahead``) before this one's compute."""
+      t = steps[n_step]
+      nxt = shift(current, steps[n_step + 1] - t) if ahead else current
       idx = (t + rank + offset) % n
       step_env = {**env, **{b: (current[b], env[b][1]) for b in ring.buffers}}
       sub = self._run(k + 1, self._slice_env(step_env, lp, idx), {**fixed, lp.name: idx})
@@ -156,10 +159,81 @@ class Nest:
       acc = tuple(part.accumulate(a, s, lp.name, fixed, idx,
                                   shift=(lambda tree, h=hops: shift(tree, h)) if r.travel else None)
                   for part, r, a, s in zip(self.parts, rings, acc, sub))
-      current = nxt
+      return nxt, acc
+
+    if ring.chain is not None:
+      return self._data_ring(env, fixed, lp, rings, shift, step, offset)
+    # the steps some part computes a block at (a positional mask may hide the others from every rank)
+    steps = sorted(set().union(*(r.steps(offset) for r in rings)))
+    current = shift({b: env[b][0] for b in ring.buffers}, offset + steps[0])
+    acc = (None,) * len(self.parts)
+    for n_step in range(len(steps)):
+      current, acc = step(n_step, steps, current, acc, n_step + 1 < len(steps))
     if steps[-1] < n - 1:  # travelling partial outputs go on to their owners
       acc = tuple(shift(a, n - 1 - steps[-1]) if r.travel else a for r, a in zip(rings, acc))
     return acc
+
+  def _data_ring(self, env, fixed, lp, rings, shift, step, offset):
+    """A ring whose steps the segment ids decide (``Ring.chain``): its chain's steps in order, up to the last at
+    which some device's blocks keep a pair (``_data_prefix``, the same on every device); a step past it neither
+    computes nor moves blocks, a step before it sends the blocks straight to the next step (``lax.switch``
+    over: idle, the last step, a step and its transfer)."""
+    ring = rings[0]
+    steps = ring.chain_steps(offset)
+    runs = self._data_prefix(env, fixed, lp, ring, steps, offset)
+    current = shift({b: env[b][0] for b in ring.buffers}, offset + steps[0])
+    acc = (None,) * len(self.parts)
+    for n_step in range(len(steps)):
+      ahead = (False, True) if n_step + 1 < len(steps) else (False,)
+      kinds = [lambda c, a: (c, a)] + [lambda c, a, s=n_step, on=on: step(s, steps, c, a, on) for on in ahead]
+      first = int(n_step == 0)  # the first step always runs (and sets the accumulators' structure)
+      kinds = kinds[first:]
+      choice = jnp.clip(runs - n_step - first, 0, len(kinds) - 1)
+      current, acc = kinds[0](current, acc) if len(kinds) == 1 else jax.lax.switch(choice, kinds, current, acc)
+    if any(r.travel for r in rings):  # travelling partial outputs go on to their owners
+      home = [lambda a, t=t: shift(a, ring.size - 1 - t) for t in steps]
+      acc = tuple(jax.lax.switch(runs - 1, home, a) if r.travel else a for r, a in zip(rings, acc))
+    return acc
+
+  def _data_prefix(self, env, fixed, lp, ring, steps, offset):
+    """How many of the chain's ``steps`` run: up to the last at which some device's queries and visiting keys keep
+    a pair (``programs.packing.keeps`` on the segment ids: the travelling ids of every rank gathered once),
+    combined over the whole mesh; at least one."""
+    side = lp.axis
+    other = "i" if side == "j" else "j"
+    band = mask_of(self.prog.params).band
+    blocks = jax.lax.all_gather(env[SEGMENT_IDS[side]][0], ring.level)  # rank r holds block r before the ring
+    rank = jax.lax.axis_index(ring.level)
+    visited = jnp.array([(t + rank + offset) % ring.size for t in steps])
+    mine = (env[SEGMENT_IDS[other]][0],) + self._region(other, fixed)  # ids [b, n], positions [n], real [n]
+    theirs = (jnp.take(blocks, visited, axis=0),) + tuple(  # ids [steps, b, n], positions and real [steps, n]
+        jnp.stack(x) for x in zip(*(self._region(side, {**fixed, lp.name: idx}) for idx in visited)))
+    (q_ids, q_pos, q_real), (k_ids, k_pos, k_real) = (mine, theirs) if side == "j" else (theirs, mine)
+    row = lambda qi, qp, qr, ki, kp, kr: packing.keeps(jnp, qi, qp, qr, ki, kp, kr, band)
+    per_row = jax.vmap(row, in_axes=(0, None, None, 0, None, None))
+    stepped = (None,) * 3 + (0,) * 3 if side == "j" else (0,) * 3 + (None,) * 3  # the visiting side's arrays
+    visits = jnp.any(jax.vmap(per_row, in_axes=stepped)(q_ids, q_pos, q_real, k_ids, k_pos, k_real), axis=1)
+    needed = jax.lax.pmax(visits.astype(jnp.int32), tuple(self.s.levels))
+    return jnp.maximum(jnp.max(needed * jnp.arange(1, len(steps) + 1)), 1)
+
+  def _region(self, axis, fixed):
+    """The true positions (and which are real, not padding) along ``axis`` of the blocks the sub-nest under
+    ``fixed`` reads, in their layout: its unfixed serial and vector factors, major first."""
+    stored, stride = jnp.zeros((), jnp.int32), 1
+    for f in reversed(self.s.factors[axis]):
+      lp = self.loops[f]
+      if lp.role == PARALLEL:
+        stored = stored + jax.lax.axis_index(lp.level) * stride
+      elif f in fixed:
+        stored = stored + fixed[f] * stride
+      else:
+        stored = stored[None] + (jnp.arange(lp.extent) * stride).reshape((lp.extent,) + (1,) * stored.ndim)
+      stride *= lp.extent
+    stored = jnp.reshape(stored, -1)
+    extent = self.prog.axes[axis].extent
+    chunks = self.s.zigzags.get(axis)
+    true = stored if chunks is None else true_positions(stored, extent, chunks)
+    return true, true < extent
 
   def _leaf(self, env, fixed):
     starts, sizes = {}, {}
@@ -198,8 +272,8 @@ def joint_problem(first, others) -> str | None:
         return f"buffer {b} is laid out differently in {s.program.name}"
     if serial(s) != serial(first):
       return f"serial loops {serial(s)} of {s.program.name} differ from {serial(first)}"
-    if {k: (r.buffers, r.level, r.size, r.distances) for k, r in p.rings.items()} != {
-        k: (r.buffers, r.level, r.size, r.distances) for k, r in p0.rings.items()}:
+    if {k: (r.buffers, r.level, r.size, r.distances, r.chain) for k, r in p.rings.items()} != {
+        k: (r.buffers, r.level, r.size, r.distances, r.chain) for k, r in p0.rings.items()}:
       return f"the rings of {s.program.name} move other buffers"
     if (s.zigzags, s.factors, s.padded) != (first.zigzags, first.factors, first.padded):
       return f"{s.program.name} tiles, pads or orders its axes differently"

@@ -10,6 +10,7 @@ import numpy as np
 from jaxmercury.errors import ProgramError
 from jaxmercury.ir.dsl import Axis, grid, match_buffer
 from jaxmercury.ir.reductions import LogSumExp
+from jaxmercury.programs import packing
 from jaxmercury.programs.masks import KV_SEGMENTS, MASK, Q_SEGMENTS, AttentionMask
 
 
@@ -148,10 +149,13 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
                  "v[b, j, hk]")
   else:
     statement = f"o[b, i, hk*g] <- softmax(q[b, i, hk*g] . k[b, j, hk] | {mask.describe()}) v[b, j, hk]"
-  return grid((b, hk, g, i, j), "ssssr", reads=(q, k, v) + extras, writes=o,
+  reads = (q, k, v) + extras
+  sample = functools.partial(packing.packed_inputs, tuple(r.name for r in reads)) if mask.segment_ids else None
+  return grid((b, hk, g, i, j), "ssssr", reads=reads, writes=o,
               body=functools.partial(attention_block, mask=mask),
               reduction=LogSumExp(value_axes=("d",)), name=mask.name(), pattern="attention",
               params=dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
                           head_dim=head_dim, causal=bool(causal), dtype=str(np.dtype(dtype)), **mask.params()),
               flops=4.0 * batch * heads * q_len * kv_len * head_dim * mask.kept_share(q_len, kv_len),
-              workspace=_workspace(mask), statement=statement)
+              workspace=_workspace(mask), statement=statement,
+              sample=sample)

@@ -15,8 +15,8 @@ keep a pair):
   and ``kv_segment_ids [b, j]``, int32) and a boolean mask array (buffer
   ``mask`` over some of ``b``, ``h`` (query heads), ``i``, ``j``; the others
   broadcast). Blocks they hide wholly are skipped at run time (``lax.cond``);
-  the cost model prices every such block as computed, an upper bound, since
-  which blocks share no segment is data.
+  a ring around which segment ids travel also skips the steps they leave
+  empty (``programs.packing``, ``lowering.nest``).
 
 Rows that keep no key give a zero output (and a log-sum-exp of ``-inf``), as
 ``query_seq_lengths`` padding does in JAX. JAX's XLA path gives such a row,

@@ -81,7 +81,11 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
       s.shift(j, p)
     return s
 
-  def ring_zigzag():
+  def ring_zigzag(balanced: bool = False):
+    if balanced:
+      s = Schedule(program, mesh)
+      s.balance(2 * math.prod(s.levels.values()))  # raises where the program has no segment ids to spread
+      return _zigzag_ring(s)
     if not mask.causal or program.axes["i"].extent != program.axes["j"].extent:
       raise ScheduleError("ring_zigzag balances causal self-attention")
     if mask.window is not None and not _zigzag_pays(mask, program.axes["i"].extent, math.prod(s_levels.values())):
@@ -90,6 +94,9 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     s = Schedule(program, mesh)
     chunks = 2 * math.prod(s.levels.values())
     s.zigzag("i", chunks).zigzag("j", chunks)
+    return _zigzag_ring(s)
+
+  def _zigzag_ring(s):
     par = split(s, "i", levels)
     rings = split(s, "j", levels, parallel=False)
     for p, j in zip(par, rings):
@@ -136,6 +143,7 @@ def attention_library(program, mesh) -> dict[str, Schedule]:
     return s
 
   for name, build in (("context_parallel", ctx_parallel), ("ring", ring), ("ring_zigzag", ring_zigzag),
+                      ("ring_balanced", lambda: ring_zigzag(balanced=True)),
                       ("ulysses", ulysses), ("head_parallel", head_parallel), ("usp", usp), ("tree", tree)):
     _try(out, name, build)
   return out
@@ -312,7 +320,9 @@ def library(program, mesh) -> dict[str, Schedule]:
 
   attention: ``context_parallel`` (all-gathered K/V), ``ring``
   (RingAttention), ``ring_zigzag`` (the ring with queries and keys in zigzag
-  order, so causal work is balanced), ``ulysses`` (heads spread, all-to-all from sequence-sharded
+  order, so causal work is balanced), ``ring_balanced`` (packed rows: the
+  ring in zigzag order after each row's documents are spread evenly over
+  the chunks, ``Schedule.balance``), ``ulysses`` (heads spread, all-to-all from sequence-sharded
   inputs), ``head_parallel`` (kv heads spread over every level, where they divide: no communication for
   callers whose heads are split, as in a tensor-parallel attention block; each device's attention is whole, so
   its backward is one fused call, ``lowering.local_backward``), ``usp`` (heads on the inner level, ring on the

@@ -35,8 +35,9 @@ def collective_text(buf, c: cl.Collective, reduction: str = "sum") -> str:
   return f"{c.describe(axes)} of {buf.name}"
 
 
-def communication(schedule, plan) -> list[str]:
-  """One line per communication the lowering emits, in program order."""
+def communication(schedule, plan, run=None) -> list[str]:
+  """One line per communication the lowering emits, in program order (``run``: an ``analysis.packed.DataRun``,
+  whose steps data-decided rings run)."""
   prog = schedule.program
   red = prog.reduction.name if prog.reduction else "sum"
   out = prog.writes
@@ -45,6 +46,9 @@ def communication(schedule, plan) -> list[str]:
     lines += [collective_text(b, c) for c in cl.steps(plan.storage[b.name], plan.resident[b.name])]
   for ring in plan.rings.values():
     steps = f", {ring.size - ring.skipped} of {ring.size} steps" if ring.skipped else ""
+    if ring.chain is not None:
+      steps = (f", {len(run.steps[ring.loop])} of {ring.size} steps for these segment ids" if run else
+               f", at most {len(ring.chain)} of {ring.size} steps: those the segment ids need")
     if ring.buffers:
       what = ", ".join(ring.buffers)
       lines.append(f"Ring({what} over {ring.level} at loop {ring.loop}, ppermute overlapped{steps})")
@@ -92,9 +96,9 @@ def fused_summary(schedule) -> str:
           f"device, the ring over {level} inside it; gradients: {gradients}\n  {k.description}")
 
 
-def _step_list(ring) -> str:
-  """The steps a ring runs, as ``0, 6-7``."""
-  runs, steps = [], ring.steps()
+def _step_list(steps) -> str:
+  """Steps, as ``0, 6-7``."""
+  runs = []
   for t in steps:
     if runs and runs[-1][1] == t - 1:
       runs[-1][1] = t
@@ -103,7 +107,8 @@ def _step_list(ring) -> str:
   return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def render(schedule) -> str:
+def render(schedule, run=None) -> str:
+  """The printout; ``run``: an ``analysis.packed.DataRun`` of some segment ids, whose counts it shows."""
   prog = schedule.program
   plan = schedule.plan()
   mesh = ", ".join(f"{k}={v}" for k, v in schedule.levels.items())
@@ -111,13 +116,16 @@ def render(schedule) -> str:
   if any(schedule.padded[a] != prog.axes[a].extent for a in schedule.padded):
     out.append("padded: " + ", ".join(f"{a} {prog.axes[a].extent}->{e}" for a, e in schedule.padded.items()
                                       if e != prog.axes[a].extent))
-  if schedule.zigzags:
+  if schedule.balanced:
+    out.append(f"balanced order: each row's segments spread evenly over {schedule.zigzags['i']} chunks (from the "
+               "segment ids, when running), then zigzag order")
+  elif schedule.zigzags:
     out.append("zigzag order: " + ", ".join(f"{a} in {c} chunks" for a, c in schedule.zigzags.items()))
   out.append("buffers:")
   for b in prog.reads + (prog.writes,):
     role = "out" if b is prog.writes else "in "
     out.append(f"  {role} {b.name}{_layout(b, plan.storage[b.name])} {b.dtype}")
-  comm = communication(schedule, plan)
+  comm = communication(schedule, plan, run)
   out.append("communication:" + ("" if comm else " none"))
   out += [f"  {c}" for c in comm]
   out.append("loop nest:")
@@ -136,9 +144,11 @@ def render(schedule) -> str:
         ring = plan.rings[lp.name]
         head += f"  shift({lp.shifted_by}): visits ({lp.name} + rank {ring.level}"
         head += f" + 1) % {lp.extent}" if ring.offset else f") % {lp.extent}"
-        if ring.skipped:
+        if ring.skipped and ring.chain is None:
           where = "window" if mask_of(prog.params).window is not None else "mask"
-          head += f"; skips {ring.skipped} of {lp.extent} steps outside the {where} (runs {_step_list(ring)})"
+          head += f"; skips {ring.skipped} of {lp.extent} steps outside the {where} (runs {_step_list(ring.steps())})"
+        if ring.chain is not None:
+          head += _data_steps(ring, run)
     line = "  " * depth + head
     out.append(f"{line:<64}# {tag}" if len(line) < 64 else f"{line}  # {tag}")
     depth += 1
@@ -155,4 +165,17 @@ def render(schedule) -> str:
   out.append("  " * depth + f"block {block}: {prog.statement or prog.name}  [kernel {kernel}]")
   if schedule.lowering is not None:
     out.append(fused_summary(schedule))
+  if run is not None:
+    out.append(f"for these segment ids: blocks computed per device {list(run.calls)}, kept pairs per device "
+               f"{list(run.pairs)} (busiest {run.balance():.2f}x the mean)")
   return "\n".join(out)
+
+
+def _data_steps(ring, run) -> str:
+  """The loop line's note on a ring whose steps the segment ids decide."""
+  chain = ", ".join(map(str, ring.chain_steps()))
+  if run is None:
+    return f"; runs the steps its segment ids keep pairs at, as far along {chain} as needed"
+  kept, steps = run.kept_steps[ring.loop], run.steps[ring.loop]
+  return (f"; for these segment ids: pairs kept at {len(kept)} of {ring.size} steps, runs {len(steps)} "
+          f"({_step_list(sorted(steps))}) of {chain}")

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.analysis import dispatch as dispatches
-from jaxmercury.analysis import placements
+from jaxmercury.analysis import packed, placements
 from jaxmercury.analysis import plan as plans
 from jaxmercury.errors import PreconditionError, ProgramError, ScheduleError, UnknownNameError
 from jaxmercury.ir.dsl import check_name
@@ -18,6 +18,7 @@ from jaxmercury.ir.program import Program
 from jaxmercury.kernels import config as configs
 from jaxmercury.kernels import registry
 from jaxmercury.kernels.registry import KernelChoice
+from jaxmercury.programs import masks
 from jaxmercury.schedules import checks, printer
 from jaxmercury.schedules import trace as trace_format
 from jaxmercury.schedules.trace import replay
@@ -74,6 +75,7 @@ class Schedule:
     self.factors: dict[str, list[str]] = {a.name: [a.name] for a in program.loops}
     self.padded: dict[str, int] = {a.name: a.extent for a in program.loops}
     self.zigzags: dict[str, int] = {}
+    self.balanced = False  # ``balance``: the zigzag axes hold the segments' positions spread evenly first
     self.placements: dict[tuple[str, str], tuple] = {}
     self._kernel: KernelChoice | None = None
     self._lowering: KernelChoice | None = None  # a fused kernel (``lower_with``); None: the loop nest
@@ -243,6 +245,59 @@ class Schedule:
           f"zigzag({axis!r}, {chunks!r}): chunks must be even and divide the axis extent {lp.extent}")
     self.zigzags[axis] = chunks
     self._record("zigzag", axis, chunks)
+    return self
+
+  def balance(self, chunks: int) -> "Schedule":
+    """Stores the queries and keys of packed rows so that every rank of a zigzag split keeps as many pairs.
+
+    A packed row's long documents give the ranks of a sequence split very
+    unequal work (a causal mask's pairs grow with the square of a
+    document's length). Before the schedule runs, each row is permuted by
+    ``programs.packing.balanced_order`` of its segment ids: every segment's
+    positions spread evenly over ``chunks`` chunks, in their order; the
+    chunks are then stored in zigzag order (as ``zigzag("i", chunks)`` and
+    ``zigzag("j", chunks)``), so that a rank holding chunks ``r`` and
+    ``chunks - 1 - r`` keeps about ``1 / ranks`` of every document's pairs.
+    The output (and every gradient) is permuted back. The permutation is
+    computed from the segment ids inside the compiled program (static
+    shapes); since it keeps each segment's positions in their order, a
+    causal mask compares the stored positions as it would the true ones, and
+    every kernel that takes a zigzag order takes it. A row whose key ids
+    the queries hold at other positions keeps its order.
+
+    Preconditions: attention with segment ids (``q_segment_ids``,
+    ``kv_segment_ids``), queries and keys of one length, no window (it
+    measures distances the order does not keep) and no mask array; the
+    sequence axes are not yet tiled, padded or zigzagged; ``chunks`` is even
+    and divides their extent.
+
+    Before / after (``balance(4)`` on a row of documents A (6 positions) and
+    B (2), split over 2 ranks; kept causal pairs 10 and 14, then 11 and 13)::
+
+      rank 0: A0 A1 A2 A3          rank 0: A0 A1 | A5 B1  (chunks 0 and 3)
+      rank 1: A4 A5 B0 B1          rank 1: A2 B0 | A3 A4  (chunks 1 and 2)
+    """
+    prog = self.program
+    mask = masks.mask_of(prog.params)
+    names = {b.name for b in prog.reads}
+    where = f"balance({chunks!r})"
+    if not {masks.Q_SEGMENTS, masks.KV_SEGMENTS} <= names or not {"i", "j"} <= set(self.factors):
+      raise PreconditionError(f"{where}: {prog.name} reads no segment ids over sequence axes 'i' and 'j'; balance "
+                              "spreads the documents of packed rows (attention with segment_ids=True)")
+    if prog.axes["i"].extent != prog.axes["j"].extent:
+      raise PreconditionError(f"{where}: queries ({prog.axes['i'].extent}) and keys ({prog.axes['j'].extent}) "
+                              "differ in length; balance permutes both sequences alike (self-attention)")
+    if mask.window is not None or mask.mask_axes is not None:
+      raise PreconditionError(f"{where}: the program masks by {mask.describe()}; balance keeps each segment's "
+                              "order, not its distances (a window) nor a mask array's pairs: causal masks or none")
+    try:
+      self.copy().zigzag("i", chunks).zigzag("j", chunks)
+    except PreconditionError as e:
+      raise PreconditionError(f"{where}: {e}") from None
+    self.zigzag("i", chunks).zigzag("j", chunks)
+    del self._trace[-2:]  # recorded as one step, balance
+    self.balanced = True
+    self._record("balance", chunks)
     return self
 
   def tile(self, loop: str, factor: int, names: Sequence[str] | None = None) -> "Schedule":
@@ -665,6 +720,17 @@ class Schedule:
     if self._plan is None:
       self._plan = plans.make_plan(self)
     return self._plan
+
+  def data_run(self, q_segment_ids, kv_segment_ids) -> packed.DataRun:
+    """What the schedule runs for these segment ids (int [batch, q_len], [batch, kv_len]): per ring whose steps
+    the ids decide, the steps with kept pairs and the steps that run; per device, the blocks computed and the
+    pairs kept (``analysis.packed.data_run``)."""
+    return packed.data_run(self, q_segment_ids, kv_segment_ids)
+
+  def describe(self, q_segment_ids=None, kv_segment_ids=None) -> str:
+    """``str(schedule)``, with the counts of ``data_run`` for segment ids where given."""
+    run = None if q_segment_ids is None else self.data_run(q_segment_ids, kv_segment_ids)
+    return printer.render(self, run)
 
   def compile(self, *, differentiable: bool = True):
     """Lowers the schedule to a jitted callable on global arrays.

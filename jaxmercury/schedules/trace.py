@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec
 from jaxmercury.errors import TraceError
 
 FORMAT = 2
-PRIMITIVES = ("pad", "zigzag", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard", "replicate",
-              "lower_with", "dispatch")
+PRIMITIVES = ("pad", "zigzag", "balance", "tile", "join", "reorder", "patch", "parallelize", "shift", "shard",
+              "replicate", "lower_with", "dispatch")
 
 
 def _spec_to_data(spec):

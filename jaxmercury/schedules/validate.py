@@ -93,7 +93,7 @@ def check_trace(schedule):
     raise
   except ScheduleError as e:
     raise TraceError(f"the schedule's trace does not replay: {e}") from None
-  for attr in ("loops", "factors", "padded", "zigzags", "placements", "kernel", "kernel_config", "lowering",
+  for attr in ("loops", "factors", "padded", "zigzags", "balanced", "placements", "kernel", "kernel_config", "lowering",
                "lowering_config"):
     if getattr(fresh, attr) != getattr(schedule, attr):
       raise TraceError(

@@ -141,7 +141,8 @@ def autotune(program, mesh, *, candidates=None, config: TuneConfig | None = None
   started = time.perf_counter()
   log(f"== {program}{' (training step)' if config.training else ''} on mesh {dict(mesh.shape)}")
   try:
-    result = tune(task, config, candidates, machine=machine, database=database, log=log)
+    with jax.set_mesh(None):  # a caller's mesh (jax.set_mesh) would refuse the tuner's calls on single devices
+      result = tune(task, config, candidates, machine=machine, database=database, log=log)
   except KeyboardInterrupt:
     kept = 0 if database is None else len([m for m in database.measurements(
         program, mesh, task.layouts, objective=config.objective).values() if m.result is not None])

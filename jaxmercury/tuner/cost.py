@@ -8,7 +8,10 @@ causal blocks it cannot take, padded keys, blocks spanning zigzag chunks);
 the fallback runs at the ``xla`` rate. Causal blocks that are wholly masked
 are skipped, so devices may do unequal work; the busiest one sets the time
 (a contiguous ring gives the device with the last queries the most, a zigzag
-order or a split of heads none).
+order or a split of heads none). Segment ids skip what they hide when
+running; the model counts what runs for the program's own sample of them
+(``analysis.packed.sample_run``: blocks that keep no pair, ring steps past
+the last that does).
 Each collective moves bytes over the link bandwidth of its mesh level plus a
 fixed latency; ring transfers overlap the compute of the step they precede,
 so a ring costs the larger of the two plus the part of the smaller that the
@@ -37,7 +40,7 @@ import numpy as np
 
 from jaxmercury.analysis import collectives as cl
 from jaxmercury.analysis import dispatch as dispatches
-from jaxmercury.analysis import placements
+from jaxmercury.analysis import packed, placements
 from jaxmercury.analysis.memory import block_sizes, local_elements
 from jaxmercury.analysis.plan import body_calls
 from jaxmercury.ir.loops import SERIAL
@@ -290,7 +293,9 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
   (``TRANSPOSED``) or left out (None)."""
   prog, plan = schedule.program, schedule.plan()
   levels = schedule.levels
-  calls = math.prod(len(plan.rings[lp.name].steps()) if lp.shifted_by else lp.extent  # steps a mask hides: none
+  run = packed.sample_run(schedule)  # the steps segment ids leave, on the program's sample
+  ring_steps = {name: run.steps[name] if run and name in run.steps else r.steps() for name, r in plan.rings.items()}
+  calls = math.prod(len(ring_steps[lp.name]) if lp.shifted_by else lp.extent  # steps a mask hides: none
                     for lp in schedule.loops if lp.role == SERIAL)
   compute = 0.0
   if work:
@@ -319,7 +324,7 @@ def _nest_seconds(schedule, machine: Machine, *, work: float = 1.0, reductions: 
                  for b in r.buffers)
     if r.travel:
       nbytes += state_bytes
-    ring += r.transfers * (nbytes / machine.bandwidth(r.level) + machine.latency_s)  # steps a mask hides: none
+    ring += r.moves(ring_steps[r.loop]) * (nbytes / machine.bandwidth(r.level) + machine.latency_s)
   return exposed + max(compute, ring) + (1.0 - machine.overlap) * min(compute, ring)
 
 
@@ -405,20 +410,23 @@ def compute_seconds(schedule, machine: Machine, plan=None) -> float:
     return w.fast * fast_s + w.fallback * slow_s
 
   serial = [lp for lp in schedule.loops if lp.role == SERIAL]
-  masked = masked_axes(prog)
+  run = packed.sample_run(schedule)  # segment ids: calls whose blocks keep no pair of the sample compute nothing
+  masked = packed.AXES if run is not None else masked_axes(prog)
   kept = [lp for lp in serial if lp.axis in masked]
   repeat = math.prod(lp.extent for lp in serial if lp not in kept)  # loops whose blocks all cost the same
   if not masked:
     return seconds({}) * repeat
   _, _, starts = body_calls(schedule, plan.rings, masked)  # each call's first stored position
   pairs, inverse = np.unique(np.stack(starts), axis=1, return_inverse=True)
-  cost = np.array([seconds(dict(zip(masked, map(int, col)))) for col in pairs.T])
-  per_device = cost[np.reshape(inverse, -1)].reshape(math.prod(schedule.levels.values()), -1).sum(axis=1)
+  cost = np.array([seconds(dict(zip(masked, map(int, col)))) for col in pairs.T])[np.reshape(inverse, -1)]
+  if run is not None:
+    cost = cost * run.computed
+  per_device = cost.reshape(math.prod(schedule.levels.values()), -1).sum(axis=1)
   return repeat * float(per_device.max())
 
 
 def _zigzag_seconds(schedule, machine: Machine, plan) -> float:
-  """Putting zigzag-ordered buffers in and out of their order.
+  """Putting zigzag-ordered buffers in and out of their order (and a balanced schedule's rows in theirs).
 
   Where the axis is split over devices in whole chunks, each device sends
   its chunks straight to their new devices, ``k`` rounds of one
@@ -431,6 +439,8 @@ def _zigzag_seconds(schedule, machine: Machine, plan) -> float:
   total = 0.0
   for b in prog.reads + (prog.writes,):
     nbytes = math.prod(b.canonical_shape) * b.dtype.itemsize
+    if schedule.balanced and {"i", "j"} & set(b.axes):  # the balanced order: rows permuted whole, gathered first
+      total += machine.gather_factor * nbytes * (devices - 1) / devices / machine.bandwidth("*") + machine.latency_s
     for dim, a in enumerate(b.axes):
       if a not in schedule.zigzags:
         continue
