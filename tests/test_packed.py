@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err
+from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err, store_library_winners
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from test_masks import dense
@@ -116,7 +116,7 @@ def test_distribute_tunes_a_packed_model(tmp_path):
   routed = jm.distribute(model, mesh=mesh, tune=True, database=db, linear=False, **options)
   with jax.set_mesh(mesh):
     [e] = [e for e in jm.explain(routed, x, seg) if e.kind == "attention"]
-    assert (e.routed, e.mask, e.reason) == (True, "causal+segment_ids", "tuned")
+    assert e.mask == "causal+segment_ids" and e.reason in ("tuned", "plain (tuned: no schedule beat it)"), e
     assert rel_err(routed(x, seg), model(x, seg)) < 1e-5
 
 
@@ -313,7 +313,7 @@ def maxtext_packed(q, k, v, seg):
 
 
 @pytest.mark.parametrize("style", ["flax", "maxtext"])
-def test_packed_attention_routes_and_trains(style):
+def test_packed_attention_routes_and_trains(style, tmp_path):
   """Segment ids compared with ``==`` (Flax's float masks, MaxText's booleans) reach the schedules that skip by
   them; ``jm.explain`` says so; three optimizer steps train as the plain model does."""
   attend = {"flax": flax_packed, "maxtext": maxtext_packed}[style]
@@ -342,9 +342,12 @@ def test_packed_attention_routes_and_trains(style):
       losses.append(float(value))
     return losses
 
-  routed = jm.distribute(attend, mesh=mesh)
+  db = jm.Database(str(tmp_path / "db"))
+  routed = jm.distribute(attend, mesh=mesh, database=db)
   with jax.set_mesh(mesh):
-    [e] = jm.explain(routed, *(jnp.zeros((2, 32, 4, 8)),) * 3, seg)
+    example = (*(jnp.zeros((2, 32, 4, 8)),) * 3, seg)
+    assert store_library_winners(db, lambda: jm.explain(routed, *example)) == 1  # untuned: plain
+    [e] = jm.explain(routed, *example)
     assert (e.routed, e.mask) == (True, "causal+segment_ids")
     assert e.schedule == "ring (skips ring steps and blocks by segment ids)"
     assert_trains_alike(train(routed), train(attend))
