@@ -4,12 +4,12 @@
 
 For each case (B1 H32 D128 bf16 by default), in one process on the same inputs, interleaved rounds
 (``tuner.measure.rounds``): ``jax.nn.dot_product_attention(implementation="cudnn")`` and the kernel
-(``kernels.fused_ring_attention_ws``, a one-device ring) under each ``Pipeline`` from the kernel as first written
+(``kernels.attention.ws_forward``, a one-device ring) under each ``Pipeline`` from the kernel as first written
 (``BEFORE``) to the default, one change at a time (non-causal cases: the changes that apply to them). Outputs are
 checked against cuDNN's. ``--training`` times forward and backward instead: ``jax.vjp`` of cuDNN's attention
 against the ring schedule lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is
 the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
-backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
+backward kernel (``kernels.attention.ws_backward``). ``--backward`` times the backward alone, both from the same
 output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours in each of
 ``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``) and at the ``--query_chunks`` counts, gradients checked
 against cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
@@ -37,10 +37,11 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from benchmarks import cases, harness
 from jaxmercury._cpu_flags import cpu_flags
-from jaxmercury.kernels import config, registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
-from jaxmercury.kernels.cudnn_attention import cudnn_backward
-from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
+from jaxmercury.kernels import config, registry
+from jaxmercury.kernels.attention import ws as ws_attention
+from jaxmercury.kernels.attention.cudnn import cudnn_backward
+from jaxmercury.kernels.attention.ws_backward import BackwardBlocks
+from jaxmercury.kernels.attention.ws_forward import BEFORE, Pipeline, fused_ring_attention_ws
 from jaxmercury.tuner import measure
 
 ROUND_ROBIN = dict(heads_in_turn=False, alternate_keys=False)  # one device without a mask: the order before 2026-11-28
@@ -245,7 +246,7 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
       default = " (the default)" if blocks == ws_attention.BACKWARD else ""
       contestants.append(harness.Contestant(
           name, "jaxmercury", lambda x=blocks: ws_backward_of(causal, args.smoke, x),
-          f"kernels.attention_backward_ws, {config.changed(blocks) or 'its defaults'}{default}: dq, dk, dv in one "
+          f"kernels.attention.ws_backward, {config.changed(blocks) or 'its defaults'}{default}: dq, dk, dv in one "
           "pass (ws_attention.whole)", record={"blocks": dataclasses.asdict(blocks)}))
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:

@@ -9,7 +9,7 @@ Each contestant runs ``--reps`` times after one warm-up call, so that a profiler
 cuDNN's before the profiled calls, so a profile is never of a kernel that computes something else.
 
 ``--forward`` runs the forward instead: cuDNN's (``jax.nn.dot_product_attention(implementation="cudnn")``) and
-the kernel (``kernels.fused_ring_attention_ws``) at each of ``--steps`` (``ws_local.STEPS``), outputs checked against
+the kernel (``kernels.attention.ws_forward``) at each of ``--steps`` (``ws_local.STEPS``), outputs checked against
 cuDNN's first: for counters such as DRAM bytes and L2 hit rates of the two forwards on the same inputs.
 
 ``--training --step NAME`` runs one training step of ``benchmarks.ws_local --training`` instead (``cudnn``: the

@@ -163,7 +163,8 @@ def cpu_cudnn(monkeypatch):
   """
   import dataclasses
 
-  from jaxmercury.kernels import cudnn_attention, registry
+  from jaxmercury.kernels import registry
+  from jaxmercury.kernels.attention import cudnn as cudnn_attention
   ran = []
 
   def forward(q, k, v, causal=False, window=None, keep=None):

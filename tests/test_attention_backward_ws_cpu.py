@@ -1,6 +1,6 @@
 """Our one-pass attention backward kernel and ``ws_attention`` without a GPU.
 
-The kernel (``kernels.attention_backward_ws``) runs in Mosaic GPU interpret mode on one device against the float32
+The kernel (``kernels.attention.ws_backward``) runs in Mosaic GPU interpret mode on one device against the float32
 derivative of plain attention, with a CTA per item and on persistent grids whose last round of items is whole,
 part-filled in an even round and part-filled in an odd one (the snake order hands an odd round's items to the last
 CTAs); its input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local
@@ -26,9 +26,10 @@ from test_training import _check_grads
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import attention_backward_ws as attention_backward_ws_module
-from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import (
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.attention import ws as ws_attention
+from jaxmercury.kernels.attention import ws_backward as attention_backward_ws_module
+from jaxmercury.kernels.attention.ws_backward import (
   WAITS,
   BackwardBlocks,
   attention_backward_ws,

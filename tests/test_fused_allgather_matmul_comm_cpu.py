@@ -15,10 +15,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_allgather_matmul import reference
-from jaxmercury.kernels.fused_allgather_matmul_comm import _kernel, fused_allgather_matmul_comm
-from jaxmercury.kernels.mosaic_matmul import Tiles
-from jaxmercury.kernels.peer_gemm import round_up
+from jaxmercury.kernels.gemm.allgather import reference
+from jaxmercury.kernels.gemm.allgather_comm import _kernel, fused_allgather_matmul_comm
+from jaxmercury.kernels.gemm.peer import round_up
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 SMALL = Tiles(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)  # fewer interpreted steps
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)

@@ -9,8 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles
+from jaxmercury.kernels.gemm.allgather_ws import fused_allgather_matmul_ws
+from jaxmercury.kernels.gemm.tiles import WsTiles
 
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
 WS_TILES = [WsTiles(128, 128, 64, 4), WsTiles(128, 64, 64, 4), WsTiles(64, 128, 64, 4, "m")]

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from jaxmercury.analysis import memory, placements
 from jaxmercury.kernels import config as configs
-from jaxmercury.kernels import jax_allgather_matmul, registry
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.gemm import allgather_jax as jax_allgather_matmul
 from jaxmercury.lowering import fused as lowering_fused
 from jaxmercury.lowering import lower
 from jaxmercury.schedules import dual

@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_matmul_reducescatter import fused_matmul_reducescatter, reference
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.reducescatter import fused_matmul_reducescatter, reference
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
 

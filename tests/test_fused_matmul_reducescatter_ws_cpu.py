@@ -9,7 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
+from jaxmercury.kernels.gemm.reducescatter_ws import fused_matmul_reducescatter_ws
+from jaxmercury.kernels.gemm.tiles import WsTiles
 
 SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
 # The GPU test's and the benchmark's variants.

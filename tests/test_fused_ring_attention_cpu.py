@@ -22,15 +22,15 @@ from ring_attention_checks import SEQ, SPECS, check_loopback, first_devices, loc
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.ir import orders
-from jaxmercury.kernels.fused_ring_attention import (
+from jaxmercury.kernels.attention.ring import (
   CONFIGS,
   Blocks,
-  _item,
   _kernel,
   fused_ring_attention,
   positions,
   reference,
   ring_attention,
+  round_robin_item,
 )
 
 
@@ -250,7 +250,7 @@ def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
   """Items 0 .. b * kv - 1 are the forwarders (query block 0 of each group's first head), one per (b, kv head)."""
   g = h // kv
   forwarders = b * kv
-  items = [tuple(int(x) for x in _item(jnp.int32(t), forwarders, g * nq, nq, g, kv)) for t in range(b * h * nq)]
+  items = [tuple(int(x) for x in round_robin_item(jnp.int32(t), forwarders, g * nq, nq, g, kv)) for t in range(b * h * nq)]
   assert sorted(i[:3] for i in items) == [(bi, hi, qi) for bi in range(b) for hi in range(h) for qi in range(nq)]
   assert [i[3] for i in items] == [1] * forwarders + [0] * (len(items) - forwarders)
   assert {(bi, hi // g) for bi, hi, qi, _ in items[:forwarders]} == {(bi, k) for bi in range(b) for k in range(kv)}

@@ -30,8 +30,8 @@ from ring_attention_checks import SEQ, SPECS, assert_close, check_loopback, firs
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.ir import orders
-from jaxmercury.kernels.fused_ring_attention import SequenceOrder, _item, reference
-from jaxmercury.kernels.fused_ring_attention_ws import (
+from jaxmercury.kernels.attention.ring import SequenceOrder, reference, round_robin_item
+from jaxmercury.kernels.attention.ws_forward import (
   BEFORE,
   CONFIGS,
   INTERPRET_CTAS,
@@ -137,9 +137,9 @@ def test_heads_in_turn_take_every_item_once_in_order():
   b, h, kv, pairs = 2, 4, 2, 3
   g = h // kv
   every = [(bi, hi, p) for bi in range(b) for hi in range(h) for p in range(pairs)]
-  items = [tuple(int(x) for x in _item(jnp.int32(t), 0, g * pairs, pairs, g, kv)[:3]) for t in range(len(every))]
+  items = [tuple(int(x) for x in round_robin_item(jnp.int32(t), 0, g * pairs, pairs, g, kv)[:3]) for t in range(len(every))]
   assert items == every
-  ringed = [_item(jnp.int32(t), b * kv, g * pairs, pairs, g, kv) for t in range(len(every))]
+  ringed = [round_robin_item(jnp.int32(t), b * kv, g * pairs, pairs, g, kv) for t in range(len(every))]
   assert [bool(f) for *_, f in ringed] == [True] * (b * kv) + [False] * (len(every) - b * kv)
   assert sorted(tuple(int(x) for x in i[:3]) for i in ringed) == every
 
@@ -195,7 +195,7 @@ def _ring_loads(seq: int, n: int, h: int, kv: int, grid: int, balanced: bool) ->
         forwarders=kv))
   else:
     cta = ranks % grid
-    bi, hi, pair, forwards = (np.asarray(x) for x in _item(jnp.asarray(ranks), kv, g * pairs, pairs, g, kv))
+    bi, hi, pair, forwards = (np.asarray(x) for x in round_robin_item(jnp.asarray(ranks), kv, g * pairs, pairs, g, kv))
   assert len(set(zip(bi.tolist(), hi.tolist(), pair.tolist()))) == h * pairs  # every item once
   first = ranks < grid
   assert sorted(cta[forwards & first].tolist()) == list(range(kv)) and forwards.sum() == kv  # CTA f's first item

@@ -30,9 +30,11 @@ from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_ker
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import causal_dispatch, registry
-from jaxmercury.kernels import mosaic_attention as ma
-from jaxmercury.kernels import mosaic_matmul as mm
+from jaxmercury.kernels import mosaic_gpu, registry
+from jaxmercury.kernels.attention import causal_blocks
+from jaxmercury.kernels.attention import mosaic as ma
+from jaxmercury.kernels.gemm import mosaic as mm
+from jaxmercury.kernels.gemm.tiles import Tiles
 from jaxmercury.programs import attention_backward as ab
 
 MOSAIC = ("mosaic_attention", "mosaic_attention_dq", "mosaic_attention_dkv", "mosaic_matmul", "jax_mosaic_matmul")
@@ -58,11 +60,11 @@ class _FakeDevice:
 
 def test_hopper_only():
   cpu = jax.devices("cpu")[0]
-  assert str(cpu) in mm.hopper_only(cpu) and "cpu" in mm.hopper_only(cpu)
-  reason = mm.hopper_only(_FakeDevice("8.0", "NVIDIA A100-SXM4-80GB"))
+  assert str(cpu) in mosaic_gpu.hopper_only(cpu) and "cpu" in mosaic_gpu.hopper_only(cpu)
+  reason = mosaic_gpu.hopper_only(_FakeDevice("8.0", "NVIDIA A100-SXM4-80GB"))
   assert "9.0" in reason and "8.0" in reason and "A100" in reason
-  assert mm.hopper_only(_FakeDevice("9.0")) is None
-  assert "wgmma" in mm.hopper_only(_FakeDevice("10.0"))
+  assert mosaic_gpu.hopper_only(_FakeDevice("9.0")) is None
+  assert "wgmma" in mosaic_gpu.hopper_only(_FakeDevice("10.0"))
 
 
 @pytest.mark.parametrize("name", MOSAIC)
@@ -106,7 +108,7 @@ def test_matmul_interpret_every_variant(dtype):
   """Every feasible variant (bf16; the default in fp16) on a shape with several tiles along each axis."""
   a, b = _normal((256, 512), dtype), _normal((512, 512), dtype)
   want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-  for tiles in _feasible_variants() if dtype == jnp.bfloat16 else [mm.Tiles()]:
+  for tiles in _feasible_variants() if dtype == jnp.bfloat16 else [Tiles()]:
     got = jax.jit(functools.partial(mm.mosaic_gemm, tiles=tiles, interpret=True))(a, b)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     assert rel_err(got, want) < 1e-5, tiles
@@ -118,7 +120,7 @@ def test_matmul_gradients_interpret(k):
   (k=256), through XLA where k is no multiple of the 128-wide output tiles of those two GEMMs (k=192)."""
   a, b = _normal((256, k), jnp.bfloat16), _normal((k, 256), jnp.bfloat16)
   d_out = _normal((256, 256), jnp.float32)
-  tiles = mm.Tiles(128, 128, 64, 2)
+  tiles = Tiles(128, 128, 64, 2)
   loss = lambda f: lambda a, b: jnp.vdot(f(a, b), d_out)
   want = jax.grad(loss(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), (0, 1))(a, b)
   got = jax.jit(jax.grad(loss(functools.partial(mm.mosaic_gemm, tiles=tiles, interpret=True)), (0, 1)))(a, b)
@@ -202,7 +204,7 @@ def test_matmul_gradients_lower_to_three_kernels():
   s = jax.ShapeDtypeStruct
   a, b, d = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16), s((512, 512), jnp.float32)
   (choice, *_) = registry.kernel("jax_mosaic_matmul").variants()
-  gemms = [functools.partial(mm.mosaic_gemm, tiles=mm.Tiles()),
+  gemms = [functools.partial(mm.mosaic_gemm, tiles=Tiles()),
            functools.partial(mm.jax_gemm, **dataclasses.asdict(choice.config))]
   for gemm in gemms:
     step = jax.value_and_grad(lambda a, b, d: jnp.vdot(gemm(a, b), d), (0, 1))
@@ -234,7 +236,7 @@ def test_attention_shared_memory_estimates(cuda_runtime, d):
         admitted = False
       else:
         admitted = True
-      run = lambda *x, config=config, part=part: causal_dispatch.pick(part)(*ma.backward(*x, config))
+      run = lambda *x, config=config, part=part: causal_blocks.pick(part)(*ma.backward(*x, config))
       _assert_lowers_iff(admitted, run, q, k, k, q, q, lse)
 
 

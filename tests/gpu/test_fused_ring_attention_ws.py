@@ -17,8 +17,8 @@ from conftest import rel_err
 from ring_attention_checks import HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs, run
 
 from gpu.checks import gpu_mesh
-from jaxmercury.kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.kernels.fused_ring_attention_ws import (
+from jaxmercury.kernels.attention.ring import fused_ring_attention
+from jaxmercury.kernels.attention.ws_forward import (
   CONFIGS,
   Pipeline,
   WsBlocks,
@@ -26,7 +26,7 @@ from jaxmercury.kernels.fused_ring_attention_ws import (
   _kernel,
   fused_ring_attention_ws,
 )
-from jaxmercury.kernels.peer_gemm import sm_count
+from jaxmercury.kernels.mosaic_gpu import sm_count
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -17,8 +17,8 @@ from ring_attention_checks import backward_problem
 
 import jaxmercury as jm
 from gpu.checks import check_gradients, check_schedule
-from jaxmercury.kernels.attention_backward_ws import WAITS, BackwardBlocks, attention_backward_ws
-from jaxmercury.kernels.cudnn_attention import cudnn_backward
+from jaxmercury.kernels.attention.cudnn import cudnn_backward
+from jaxmercury.kernels.attention.ws_backward import WAITS, BackwardBlocks, attention_backward_ws
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -83,7 +83,7 @@ Ring and forwarding: as in ``fused_ring_attention``, ``received_k`` and
 ``received_v`` (``[n - 1, b, s, kv, d]``) are extra outputs that the right
 neighbour fills; for each ``(b, kv head)`` exactly one item forwards (a
 query block of the group's first query head: pair 0 in round-robin order,
-items ``0 .. F - 1``, ``_item``; the heaviest block in the balanced order,
+items ``0 .. F - 1``, ``round_robin_item``; the heaviest block in the balanced order,
 its ranks ``0 .. F - 1``, ``_forwarders_first``; ``F = b * kv``). Its memory
 warpgroup, once a tile's load completed, stores the K and V tile from SMEM
 into the left neighbour's ``received[s]`` (``plgpu.remote_ref``) and does
@@ -163,7 +163,7 @@ after the kernel by their log-sum-exps (``_SplitTail``).
 
 Backward: ``DualPrograms``, on one device one cuDNN flash backward call from
 this kernel's output and log-sum-exp; configured ``backward="ws_attention"``,
-our one-pass kernel (``kernels.attention_backward_ws``) instead, one call per
+our one-pass kernel (``kernels.attention.ws_backward``) instead, one call per
 device or per ring block pair. Not done yet: the pipelined consumers for
 causal attention; a causal
 forwarder loads every K and V tile, hidden ones too, to pass them on; in a
@@ -185,8 +185,20 @@ import numpy as np
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import fused_ring_attention as fra
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
+from jaxmercury.kernels.attention import ring as fra
+from jaxmercury.kernels.attention.ring import (
+  HIDDEN,
+  LOG2E,
+  PARTIAL,
+  VISIBLE,
+  SequenceOrder,
+  finish,
+  initial_state,
+  reference,
+  round_robin_item,
+  softmax_step,
+)
+from jaxmercury.kernels.attention.ws_backward import BackwardBlocks
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import INTERPRET_CTAS as INTERPRET_CTAS_FUSED
 from jaxmercury.kernels.fused_common import (
@@ -194,22 +206,8 @@ from jaxmercury.kernels.fused_common import (
   positive_ints,
   ring_attention_memory,
   ring_attention_seconds,
-  snake_order,
 )
-from jaxmercury.kernels.fused_ring_attention import (
-  HIDDEN,
-  LOG2E,
-  PARTIAL,
-  VISIBLE,
-  SequenceOrder,
-  _finish,
-  _initial_state,
-  _item,
-  reference,
-  softmax_step,
-)
-from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
-from jaxmercury.kernels.peer_gemm import left_peer, sm_count, step_semaphores
+from jaxmercury.kernels.mosaic_gpu import SMEM_BYTES, left_peer, sm_count, snake_order, step_semaphores, swizzled
 from jaxmercury.kernels.placements import RING_ATTENTION
 from jaxmercury.kernels.registry import DualPrograms, FusedKernel
 
@@ -516,7 +514,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
     v: this device's values, like ``k``.
     axis_name: the ``shard_map`` axis the sequence is sharded over; it must
       span every device of the process when it has more than one. None: no
-      ring, this device's own keys (local attention, ``kernels.ws_attention``).
+      ring, this device's own keys (local attention, ``kernels.attention.ws``).
     causal: each query attends only to keys at global positions up to its
       own (``fused_ring_attention.positions``).
     order: ``"natural"`` or ``"zigzag"``, as for ``fused_ring_attention``.
@@ -546,7 +544,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   """
   blocks = WsBlocks(block_q, block_kv, max_concurrent_steps)
   with _named():
-    n_dev = fra._check(q, k, v, axis_name, blocks, interpret)
+    n_dev = fra.check_inputs(q, k, v, axis_name, blocks, interpret)
     seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
   s = q.shape[1]
   if s % (CONSUMERS * block_q):
@@ -637,7 +635,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
   q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
   leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # items first, one per K/V head (0: heads in turn)
-  item_args = dict(forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)  # _item's: the kernel's and merge's
+  item_args = dict(forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)  # round_robin_item's
   alternate = lone and pipeline.alternate_keys
 
   def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
@@ -678,7 +676,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
         index = cta + i * grid
         if split:  # a part of the last round's item first_part + (i - full)
           index = jnp.where(i < split.full, index, split.full * grid + first_part + i - split.full)
-        bi, hi, pair, forwards = _item(index, **item_args)
+        bi, hi, pair, forwards = round_robin_item(index, **item_args)
       q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
       return bi, hi, pair, forwards, q_last
 
@@ -852,7 +850,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
       def load_q(i):
         """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
         coordinates, its query rows and the tile. The next item's buffer held the previous item's output, whose
-        store ``_finish`` saw read."""
+        store ``finish`` saw read."""
         bi, hi, pair, forwards, q_last = item_of(i)
         buf = q_buffer(i)
         if q_buffers == 1:
@@ -901,18 +899,18 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
             loaded = loaded + count
           return loaded, carry
 
-        loaded, carry = over_steps(step, (loaded, _initial_state(bq, d)))
+        loaded, carry = over_steps(step, (loaded, initial_state(bq, d)))
         store(carry, i, bi, hi, q_rows, q_smem)
         return loaded
 
       def store(carry, i, bi, hi, q_rows, q_smem):
         """Item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its slot."""
-        finish = functools.partial(_finish, carry, q_smem, lse_row)
+        write = functools.partial(finish, carry, q_smem, lse_row)
         if not split:
-          return finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+          return write(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
         whole, part, own = i < split.full, i - split.full, pl.ds(wg * bq, bq)
-        pl.when(whole)(lambda: finish(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
-        pl.when(~whole)(lambda: finish(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
+        pl.when(whole)(lambda: write(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
+        pl.when(~whole)(lambda: write(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
 
       def take_turn():  # the tensor cores are this consumer's until it gives the turn to the other
         plgpu.barrier_wait(turn.at[wg])
@@ -947,7 +945,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           return qk
 
         def attend(acc_ref):
-          _, m, l = _initial_state(bq, d)
+          _, m, l = initial_state(bq, d)
           plgpu.barrier_wait(k_loaded.at[slot_of(0)])
           m, l, _, p16 = online_softmax(scores(slot_of(0)), m, l)
 
@@ -970,7 +968,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
           plgpu.barrier_arrive(v_consumed.at[slot_of(tiles - 1)])
           store((acc, m, l), i, bi, hi, q_rows, q_smem)
 
-        zeros = _initial_state(bq, d)[0]
+        zeros = initial_state(bq, d)[0]
         if interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
           o_smem[0].at[wg][...] = zeros
           attend(o_smem[0].at[wg])
@@ -992,7 +990,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
   if split:  # each CTA's (at most two) parts of the last round's items: outputs and log-sum-exps
     out_types += [jax.ShapeDtypeStruct((grid, 2, rows, d), dtype), jax.ShapeDtypeStruct((grid, 2, rows), jnp.float32)]
-  kv_transforms = _swizzled(d, dtype)
+  kv_transforms = swizzled(d, dtype)
   scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
              plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
@@ -1025,7 +1023,7 @@ def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
   slot = np.array([[k for _, k in parts[t]] + [0] * (width - len(parts[t])) for t in ids], np.int32)
   real = np.array([[True] * len(parts[t]) + [False] * (width - len(parts[t])) for t in ids])
   with jax.ensure_compile_time_eval():  # the items' coordinates are constants
-    coords = _item(np.array(ids) + split.full * split.grid, **items)
+    coords = round_robin_item(np.array(ids) + split.full * split.grid, **items)
   bi, hi, pair = (np.asarray(x) for x in coords[:3])
   rows = part_o.shape[2]
   part_lses = jnp.where(real[..., None], part_lse[cta, slot], -jnp.inf)  # [items, width, rows]
@@ -1047,7 +1045,7 @@ BACKWARDS = (None, "ws_attention")
 class WsRingConfig:
   """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots; and
   ``backward``, the local kernel whose backward blocks run the dual programs (None: cuDNN's where the devices have
-  it, ``schedules.dual.backward_schedule``; ``"ws_attention"``: ours, ``kernels.attention_backward_ws``, dq, dk
+  it, ``schedules.dual.backward_schedule``; ``"ws_attention"``: ours, ``kernels.attention.ws_backward``, dq, dk
   and dv in one pass: the training step on one kernel family); ``balanced``, causal items heaviest first
   (``Pipeline.balanced``; False: round-robin, the order before 2026-11-28, which benchmarks time beside it)."""
 
@@ -1088,7 +1086,7 @@ def _make(p, config: WsRingConfig, interpret: bool):
 
 FUSED_RING_ATTENTION_WS = FusedKernel(
     name=NAME,
-    description="our warp-specialized Mosaic GPU kernel (kernels.fused_ring_attention_ws): two consumer warpgroups "
+    description="our warp-specialized Mosaic GPU kernel (kernels.attention.ws_forward): two consumer warpgroups "
                 "take turns on the tensor cores while a memory warpgroup loads K and V tiles and forwards them to "
                 "the left neighbour; one CTA per SM",
     placement=RING_ATTENTION, config=WsRingConfig, devices=interpretable_devices, problem=_problem,

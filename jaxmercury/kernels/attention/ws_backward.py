@@ -175,9 +175,8 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.fused_common import positive_ints, snake_order
-from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES, _swizzled
-from jaxmercury.kernels.peer_gemm import sm_count
+from jaxmercury.kernels.fused_common import positive_ints
+from jaxmercury.kernels.mosaic_gpu import SMEM_BYTES, sm_count, snake_order, swizzled
 
 NAME = "attention_backward_ws"
 LOG2E = math.log2(math.e)
@@ -742,9 +741,9 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, num_
       else:
         consumer(wg)
 
-  tiles = _swizzled(d, dtype)
-  ds_tiles = _swizzled(bq, dtype)
-  dq_tiles = _swizzled(dq_cols, jnp.float32)
+  tiles = swizzled(d, dtype)
+  ds_tiles = swizzled(bq, dtype)
+  dq_tiles = swizzled(dq_cols, jnp.float32)
   scratch = [plgpu.SMEM((slots, bq, d), dtype, transforms=tiles),  # q
              plgpu.SMEM((slots, bq, d), dtype, transforms=tiles),  # do
              plgpu.SMEM((slots, bq), jnp.float32),  # lse (base 2)
