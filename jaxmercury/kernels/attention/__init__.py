@@ -7,7 +7,8 @@
 - ``ws``: our warp-specialized kernels as a local kernel, forward and backward (``ws_attention``);
 - ``ring``: ring attention in one Mosaic GPU kernel, one warpgroup per CTA (``fused_ring_attention``);
 - ``ws_forward``: the warp-specialized forward, on one device or as a ring (``fused_ring_attention_ws``);
-- ``ws_backward``: the warp-specialized backward, dq, dk and dv in one pass;
+- ``ws_backward``: the warp-specialized backward, dq, dk and dv in one pass; ``ws_order``: the forward's order of
+  work items;
 - ``causal_blocks``: how a local kernel takes a causal block at traced offsets.
 """
 

@@ -39,14 +39,6 @@ from jaxmercury.programs.masks import mask_of
 NAME = "ws_attention"
 F32 = jnp.float32
 BACKWARD = BackwardBlocks()
-# Its GPU runs: one H200, 2026-11-26, gave wrong gradients where the persistent grid's last round of items was
-# part-filled and odd (fixed in 4e39a15); one H100, 2026-11-27, passed its GPU tests and matched cuDNN's gradients
-# on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*); with the queries in chunks (75e161d), one
-# H100 passed its chunked GPU tests and matched cuDNN at S 32K-64K (...-ws_backward_chunked-*,
-# ...-ws_training_chunked-*); at 549d8cc its GPU tests passed on 2 x H200, the ring with it on both GPUs
-# (...-gpu_tests_ws_attention-549d8cc-2xH200-*); with one query head per item (a56863d), one H100 passed its kernel
-# tests (...-gpu_tests_ws_backward-a56863d-H100.log) and its training steps matched cuDNN's gradients on every
-# benchmark case (...-ws_training_sustained-a56863d-*). The tuner measures it beside cuDNN's.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,7 +137,7 @@ def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, inte
 def whole(q, k, v, o, do, lse, causal: bool, *, interpret: bool = False, blocks: BackwardBlocks = BACKWARD):
   """``(dq, dk, dv)`` of a device's whole attention in one kernel call, in the inputs' dtypes: ``q, o, do
   [b, i, heads, d]``, ``k, v [b, j, kv heads, d]``, ``lse [b, i, heads]`` (natural log); ``blocks`` the backward
-  kernel's configuration (``BackwardBlocks``; benchmarks compare them)."""
+  kernel's configuration (``BackwardBlocks``)."""
   dq, dk, dv = attention_backward_ws(q, k, v, o, do.astype(q.dtype), jnp.transpose(lse, (0, 2, 1)).astype(F32),
                                      causal=causal, blocks=blocks, interpret=interpret)
   return dq.astype(q.dtype), dk, dv

@@ -1,6 +1,6 @@
 """Ring attention in one warp-specialized Mosaic GPU kernel: two consumer warpgroups and a memory warpgroup per CTA.
 
-The contract is ``fused_ring_attention``'s (read its docstring: shapes, GQA,
+The contract is ``fused_ring_attention``'s (``ring``; read its docstring: shapes, GQA,
 ``causal``, ``order`` and ``positions``, the unfused ``reference``): inside
 ``shard_map`` over ``n`` devices device ``r`` computes softmax attention of
 its queries over the keys of every device and returns ``(out, lse)``. That
@@ -53,7 +53,7 @@ After (this kernel; per CTA, the three warpgroups run concurrently)::
         schedule barrier; wait "v loaded"; acc += P @ v (wgmma, P from registers); release v
       out[bi, rows, hi], lse[bi, hi, rows] = acc / l, m + log(l)
 
-  consumer warpgroup w, ``pipelined=True`` (FlashAttention-3's intra-warpgroup pipelining; not causal):
+  consumer warpgroup w, pipelined (one device without a mask; FlashAttention-3's intra-warpgroup pipelining):
     for item (bi, hi, pair) of this CTA:            # tiles t = 0 .. T-1: every tile of every ring step
       take the turn; S = q_tile @ k_0.T; give the turn; release k 0; m, l, P = online softmax of S
       for t in 1 .. T-1:
@@ -83,14 +83,15 @@ Ring and forwarding: as in ``fused_ring_attention``, ``received_k`` and
 ``received_v`` (``[n - 1, b, s, kv, d]``) are extra outputs that the right
 neighbour fills; for each ``(b, kv head)`` exactly one item forwards (a
 query block of the group's first query head: pair 0 in round-robin order,
-items ``0 .. F - 1``, ``round_robin_item``; the heaviest block in the balanced order,
-its ranks ``0 .. F - 1``, ``_forwarders_first``; ``F = b * kv``). Its memory
+items ``0 .. F - 1``, ``ring.round_robin_item``; the heaviest block in the
+balanced order, its ranks ``0 .. F - 1``, ``ws_order.forwarders_first``;
+``F = b * kv``). Its memory
 warpgroup, once a tile's load completed, stores the K and V tile from SMEM
 into the left neighbour's ``received[s]`` (``plgpu.remote_ref``) and does
 not refill that slot before the stores have read it
 (``wait_smem_to_gmem(..., wait_read_only=True)``); at the end of step
 ``s < n - 1`` it waits until its stores have landed and increments semaphore
-``s`` of the left device (``peer_gemm.step_semaphores``: one per step, so that a
+``s`` of the left device (``mosaic_gpu.step_semaphores``: one per step, so that a
 forwarder running ahead cannot let a waiter for an earlier step through).
 Before loading step ``s``'s tiles every item waits until its device's
 semaphore ``s - 1`` reaches ``F``.
@@ -106,7 +107,7 @@ end of the kernel). Both consumers take the same tiles in the same order
 and meet the schedule barrier twice per tile; consumer 1 meets it once
 more at the start of the kernel and consumer 0 once more at the end, which
 makes them alternate. Tile counts are computed identically in all three
-warpgroups (``_run_tiles``).
+warpgroups (``needed_tiles``).
 
 Causal masking: the tiles of a run whose first key follows the item's last
 query are not loaded (except by a forwarder, which passes every tile on);
@@ -146,28 +147,34 @@ is a plain dot added to the accumulator, and the pipelined consumers keep
 their accumulator in SMEM (the interpreter cannot store into a wgmma
 accumulator).
 
-Scheduling (``Pipeline``; each change measured against the last on one
-H100 and one H200 by ``benchmarks.ws_local``): causal tiles come in class
-order along a run (visible, then partial, then hidden), so each consumer runs
-three loops, the first without a branch or a mask; causal items run longest
-first in snake order, which balances the CTAs (on one device round-robin left
-5-28% more work on the busiest CTA at S 4K-16K; in a zigzag ring of two, 4-34%
-at S 16K-32K, 2-4% at S64K); on one device in folded rounds of one or two
-heads where the blocks fold into whole pairs of rounds (``_Folded``, S >= 16K
-at H32 on 132 SMs), else in bands of query blocks head after head (``_band``)
-where that keeps the balance; each consumer loads its next
-item's Q tile into a second buffer while it computes this one; and on one
-device without a mask, when the items leave the last round part empty, its
-items' key tiles are shared out over every CTA and each item's parts merged
-after the kernel by their log-sum-exps (``_SplitTail``).
+Scheduling: causal tiles come in class order along a run (visible, then
+partial, then hidden: ``visible_tiles``), so each consumer runs three loops,
+the first without a branch or a mask; the CTAs take their items in the order
+``ws_order.ItemOrder`` chooses (causal items heaviest first in snake order,
+on one device in folded rounds where the blocks fold; one device without a
+mask, heads in turn and the last round's key tiles shared out over every
+CTA); each consumer loads its next item's Q tile into a second buffer while
+it computes this one (not for causal items of more than
+``PREFETCH_MAX_CAUSAL_TILES`` key tiles); on one device without a mask the
+consumers are pipelined, and a CTA reads the key tiles of its odd items last
+to first, so that a round starts on the tiles the round before it ended on
+(still in L2).
+
+Stages: ``_body`` sets up one CTA; the memory warpgroup is ``_Producer``
+(per item, ring step and run of keys: the loads, and the forwarders' stores
+and signals), the consumer warpgroups ``_Consumer`` (per tile: the scores,
+the tile's class and mask, the online softmax, ``P V``; per item the
+epilogue, ``_Consumer.store``); ``_merge_parts`` merges a split tail's parts
+after the kernel. Which key tiles an item loads is ``needed_tiles``; which of
+them it masks or skips, ``visible_tiles`` and ``softmax_step``'s mask.
 
 Backward: ``DualPrograms``, on one device one cuDNN flash backward call from
 this kernel's output and log-sum-exp; configured ``backward="ws_attention"``,
 our one-pass kernel (``kernels.attention.ws_backward``) instead, one call per
 device or per ring block pair. Not done yet: the pipelined consumers for
-causal attention; a causal
-forwarder loads every K and V tile, hidden ones too, to pass them on; in a
-ring, natural-order causal work is unbalanced (zigzag balances it).
+causal attention; a causal forwarder loads every K and V tile, hidden ones
+too, to pass them on; in a ring, natural-order causal work is unbalanced
+(zigzag balances it).
 """
 
 from __future__ import annotations
@@ -185,12 +192,10 @@ import numpy as np
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.attention import ring as fra
+from jaxmercury.kernels import fused_common
+from jaxmercury.kernels.attention import ring
 from jaxmercury.kernels.attention.ring import (
-  HIDDEN,
   LOG2E,
-  PARTIAL,
-  VISIBLE,
   SequenceOrder,
   finish,
   initial_state,
@@ -199,19 +204,19 @@ from jaxmercury.kernels.attention.ring import (
   softmax_step,
 )
 from jaxmercury.kernels.attention.ws_backward import BackwardBlocks
+from jaxmercury.kernels.attention.ws_order import CtaItems, ItemOrder, SplitTail
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.fused_common import INTERPRET_CTAS as INTERPRET_CTAS_FUSED
 from jaxmercury.kernels.fused_common import (
   interpretable_devices,
   positive_ints,
   ring_attention_memory,
   ring_attention_seconds,
 )
-from jaxmercury.kernels.mosaic_gpu import SMEM_BYTES, left_peer, sm_count, snake_order, step_semaphores, swizzled
+from jaxmercury.kernels.mosaic_gpu import SMEM_BYTES, left_peer, sm_count, step_semaphores, swizzled
 from jaxmercury.kernels.placements import RING_ATTENTION
 from jaxmercury.kernels.registry import DualPrograms, FusedKernel
 
-__all__ = ["BEFORE", "CONFIGS", "Pipeline", "WsBlocks", "fused_ring_attention_ws", "reference"]
+__all__ = ["CONFIGS", "WsBlocks", "fused_ring_attention_ws", "reference"]
 
 NAME = "fused_ring_attention_ws"
 CONSUMERS = 2  # consumer warpgroups per CTA; warpgroup CONSUMERS issues the loads
@@ -219,19 +224,22 @@ CONSUMER_REGISTERS = 232
 MEMORY_REGISTERS = 40
 # Registers per thread each warpgroup starts with: an SM's 65536 over 384 threads, rounded down to 8. setmaxnreg's
 # "increase" waits until the registers it asks for are free, so the warpgroups may ask for at most what they hold
-# together: 232/40 and 240/24 run (as fast, on one H200), 240/32 hangs.
+# together.
 LAUNCH_REGISTERS = 168
-INTERPRET_CTAS = fra.INTERPRET_CTAS
-# Shared memory beyond the buffers (barriers, alignment): Mosaic GPU's count exceeds the buffers' bytes by 2.6 to
-# 2.7 KiB in every configuration lowered for an H100 (measured), so smem_bytes is an upper bound of its count.
+INTERPRET_CTAS = ring.INTERPRET_CTAS
+# Shared memory beyond the buffers (barriers, alignment): an upper bound of what Mosaic GPU adds to the buffers'
+# bytes in the configurations lowered for an H100, so smem_bytes bounds its count.
 SMEM_OVERHEAD = 3 * 1024
+# Causal items of more key tiles than this (over every ring step) load their Q tiles one at a time: the next
+# item's prefetched tile did not pay there.
+PREFETCH_MAX_CAUSAL_TILES = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class WsBlocks(fra.Blocks):
+class WsBlocks(ring.Blocks):
   """Tile sizes and pipeline depth: ``block_q`` rows per consumer warpgroup (``2 block_q`` per work item).
 
-  The same limits as ``fused_ring_attention.Blocks`` (its ``problem``), on this kernel's shared memory.
+  The same limits as ``ring.Blocks`` (its ``problem``), on this kernel's shared memory.
   """
 
   def smem_bytes(self, d: int, itemsize: int, q_buffers: int = 1) -> int:
@@ -245,251 +253,6 @@ class WsBlocks(fra.Blocks):
 CONFIGS = (WsBlocks(64, 128, 2), WsBlocks(64, 64, 3), WsBlocks(64, 64, 4))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Pipeline:
-  """How the kernel schedules its work; every field off is the kernel as first written, which
-  ``benchmarks.ws_local`` times beside each step (the defaults are all on).
-
-  Attributes:
-    causal_loops: causal tiles run in three loops per run (visible, partial, hidden; the classes come in that
-      order), not one loop that switches on each tile's class: the visible tiles' loop has no branch.
-    balanced: causal items run longest first in snake order: CTA ``c`` takes rank ``i * grid + c`` in its even
-      rounds and ``i * grid + grid - 1 - c`` in its odd ones, ranks ordered by decreasing causal work (the query
-      block's global position, ``_pair_by_weight``; in bands of blocks head after head, ``_band``), so every CTA
-      gets about the same work and the last round holds the shortest items; in a ring the forwarders first
-      (``_forwarders_first``). Zigzag chunks that a device does not hold in (early, late) pairs keep the
-      round-robin order.
-    prefetch_q: each consumer loads the next item's Q tile into its second Q buffer while it computes this one;
-      not for causal items of more than ``PREFETCH_MAX_CAUSAL_TILES`` key tiles (measured slower there).
-    split_tail: on one device without a mask, when the items do not fill the last round, its items' key tiles
-      are shared out evenly over every CTA (``_SplitTail``), each item's parts merged after the kernel by their
-      log-sum-exps.
-    band: query blocks per band of the balanced order (None: ``_band``'s choice); it must divide the blocks.
-    folded: on one device with a causal mask and no ``band`` given, the balanced order in folded rounds
-      where a folding exists (``_Folded``; else bands): CTAs running together read the keys of one or two heads,
-      and every CTA has the same work after each pair of rounds. On one H200, MHA S64K causal read 2.8-3.0% of
-      the DRAM bandwidth instead of 6.9-7.2% (L2 hits 96% instead of 89%), held a higher clock, and ran 1.007x of
-      cuDNN where the bands ran 0.997x; 0.7-1.6% faster than the bands at S 16K-64K, KV 32 and 8
-      (benchmarks/results/2026-11-28-ws_local_folded-4493e8c-H200.json).
-    heads_in_turn: on one device without a mask, the round-robin items go head after head from the first; else
-      one item per K/V head first, as a ring's forwarders (on one device they forward nothing, and the first round
-      reads every head's keys).
-    alternate_keys: on one device without a mask, a CTA reads the key tiles of its odd items last to first, so a
-      round starts on the tiles that the round before it ended on, likely still in L2 (a head's keys and values at
-      S64K D128, 32 MiB, are two thirds of an H100's or H200's 50 MB L2: a round reading them in the same order
-      misses on every tile). With ``heads_in_turn``, on one H200 MHA S64K read 1.6-1.8% of the DRAM bandwidth
-      instead of 2.6-3.0% (cuDNN's forward: 1.5-1.6%) and ran 1.012-1.017x of cuDNN where the round-robin order
-      ran 0.998-1.006x (two processes); over S 4K-64K, KV 32 and 8, 1.002-1.034x, within 0.6% of the
-      round-robin order where slower (benchmarks/results/2026-11-28-ws_local_orders-3dfbedb-H200.json).
-  """
-
-  causal_loops: bool = True
-  balanced: bool = True
-  prefetch_q: bool = True
-  split_tail: bool = True
-  band: int | None = None
-  folded: bool = True
-  heads_in_turn: bool = True
-  alternate_keys: bool = True
-
-
-BEFORE = Pipeline(causal_loops=False, balanced=False, prefetch_q=False, split_tail=False, folded=False,
-                  heads_in_turn=False, alternate_keys=False)  # as first written
-# On one H100 (benchmarks/results/2026-11-25-ws_local-*): the Q prefetch gains 1-17% at S 4K-32K, and at S64K causal
-# KV 32 lost 2-6% in three runs (KV 8 and non-causal within 1%, either way): above 256 tiles of 128 keys, causal
-# items load their Q tiles one at a time.
-PREFETCH_MAX_CAUSAL_TILES = 256
-
-
-def _imbalance(work: np.ndarray, heads: int, grid: int, band: int) -> float:
-  """The busiest CTA's causal work over the mean: ``work[w]`` the work of the query blocks of weight rank ``w``
-  (heaviest first), items in snake order by bands of ``band`` blocks."""
-  rank = np.arange(len(work) * heads)
-  rounds, c = np.divmod(rank, grid)
-  cta = np.where(rounds % 2 == 0, c, grid - 1 - c)
-  weight_rank = rank // (band * heads) * band + rank % band
-  loads = np.bincount(cta, weights=work[weight_rank], minlength=grid)
-  return float(loads.max() / loads.mean())
-
-
-def _kv_heads_at_once(pairs: int, heads: int, g: int, grid: int, band: int) -> float:
-  """The K/V heads (of every batch) that a round's ``grid`` CTAs read together, on average over the rounds of the
-  balanced order by bands of ``band`` blocks (``g`` query heads per K/V head)."""
-  rank = np.arange(pairs * heads)
-  kv_head = rank % (band * heads) // band // g
-  rounds = [kv_head[r:r + grid] for r in range(0, len(rank) - grid + 1, grid)] or [kv_head]
-  return float(np.mean([len(np.unique(r)) for r in rounds]))
-
-
-# The K/V heads a round may read together: with one block per band, B1 H32 KV8 (8 K/V heads) was the fastest band at
-# S 4K-16K on one H100 and KV32 (32) the slowest at every S 4K-64K; bands of 32 blocks (about 5 K/V heads) ran 2.5-4%
-# faster at S 4K-16K and 1% at S32K (benchmarks/results/2026-11-28-ws_local_bands-*-H100*.json).
-KV_HEADS_AT_ONCE = 8
-
-
-def _band(work: np.ndarray, heads: int, grid: int, g: int = 1) -> int:
-  """Query blocks per band of the balanced order (``work [devices, pairs]``: each device's blocks' work, heaviest
-  first; ``g`` query heads per K/V head): ranks go by decreasing work in bands of this many blocks, each band head
-  after head, so CTAs running together read the keys of fewer heads (with one block per band they read every
-  head's; at S64K, 32 heads of 128 rows, that lost 2-9% to round-robin, whose CTAs share one head, in three of
-  four runs on an H100 and an H200). Of the bands (32, 16, 8, 1) that divide the blocks and whose rounds read at
-  most ``KV_HEADS_AT_ONCE`` K/V heads together (none: the widest), the widest that keeps every device's busiest
-  CTA within 0.2% of the mean above the best balance among them."""
-  bands = [band for band in (32, 16, 8, 1) if work.shape[1] % band == 0]
-  local = [band for band in bands if _kv_heads_at_once(work.shape[1], heads, g, grid, band) <= KV_HEADS_AT_ONCE]
-  local = local or bands[:1]
-  worst = {band: max(_imbalance(w, heads, grid, band) for w in work) for band in local}
-  best = max(min(worst.values()), 1.0)
-  return next(band for band in local if worst[band] <= best + 0.002)
-
-
-def _chunk_by_weight(rank, local_chunks: int):
-  """The local chunk (of ``local_chunks``, an int or traced) holding the positions of weight rank ``rank``
-  (latest first): a device's stored zigzag chunks pair up as (early, late) in true order, so the late ones
-  (odd) come first, earliest late chunk first, then the early ones (even), latest first."""
-  if local_chunks == 1:
-    return 0 * rank
-  late = 2 * rank + 1
-  early = 2 * (local_chunks - 1 - rank)
-  return jnp.where(rank < local_chunks // 2, late, early) if not isinstance(rank, int) else (
-      late if rank < local_chunks // 2 else early)
-
-
-def _pair_by_weight(rank, per_chunk: int, local_chunks: int):
-  """The local query block (work item pair) of weight rank ``rank``: blocks by decreasing global position."""
-  within = rank % per_chunk if isinstance(rank, int) else lax.rem(rank, per_chunk)
-  return _chunk_by_weight(rank // per_chunk, local_chunks) * per_chunk + per_chunk - 1 - within
-
-
-def _weights(order: SequenceOrder, pairs: int, rows: int, devices: int) -> np.ndarray | None:
-  """``[devices, pairs]``: each device's causal work per block (its last query's global position + 1) by weight
-  rank (``_pair_by_weight``); None where that rank order is not heaviest first on every device (zigzag chunks
-  that a device does not hold in (early, late) pairs)."""
-  per_chunk = order.segment // rows
-  local_chunks = pairs // per_chunk
-  pair = [_pair_by_weight(w, per_chunk, local_chunks) for w in range(pairs)]
-  work = np.array([[order.first(dev, p * rows) + rows for p in pair] for dev in range(devices)])
-  return work if np.all(np.diff(work, axis=1) <= 0) else None
-
-
-def _balanced_item(rank, batch_heads: int, h: int, g: int, band: int, per_chunk: int, local_chunks: int,
-                   forwarders: int = 0):
-  """Rank ``rank`` of the balanced order -> ``(batch, query head, pair, forwards)``: ranks by decreasing weight
-  rank in bands of ``band`` blocks, each band over the ``batch_heads`` (batch, query head) pairs in turn; with
-  ``forwarders`` (a ring), those first (``_forwarders_first``)."""
-  forwards = False
-  if forwarders:
-    rank, forwards = _forwarders_first(rank, forwarders, g * band)
-  band_index, within = rank // (band * batch_heads), lax.rem(rank, band * batch_heads)
-  bh = within // band
-  pair = _pair_by_weight(band_index * band + lax.rem(within, band), per_chunk, local_chunks)
-  return bh // h, lax.rem(bh, h), pair, forwards
-
-
-def _forwarders_first(rank, forwarders: int, stride: int):
-  """A ring's balanced rank -> (the rank in the balanced order, forwards): ranks ``0 .. F - 1`` are the ``F``
-  forwarders, each the heaviest block of its group's first head (rank ``f stride`` in the balanced order,
-  ``stride`` = heads per group x blocks per band); the rest of the first band follows in its order, and every
-  later rank keeps its place. So a forwarder is the first item of CTA ``f`` (deadlock freedom, module docstring)."""
-  others = max(stride - 1, 1)
-  m = rank - forwarders
-  rest = m // others * stride + lax.rem(m, others) + 1
-  moved = jnp.where(rank < forwarders, rank * stride, jnp.where(rank < forwarders * stride, rest, rank))
-  return moved, rank < forwarders
-
-
-@dataclasses.dataclass(frozen=True)
-class _SplitTail:
-  """``work`` items of ``tiles`` key tiles over ``grid`` CTAs: the ``full`` whole rounds as usual (CTA ``c`` takes
-  items ``c, c + grid, ...``), then the last round's ``work % grid`` items, ``tail`` (item, key tile) units in
-  item-major order, shared out evenly: CTA ``c`` takes units ``start(c) .. start(c + 1) - 1`` of them, fewer
-  than an item's, so at most two parts (part slots 0 and 1), merged after the kernel by their log-sum-exps.
-  CTAs running together still read the keys of neighbouring items (L2)."""
-
-  work: int
-  tiles: int
-  grid: int
-
-  @staticmethod
-  def make(work: int, tiles: int, grid: int) -> "_SplitTail | None":
-    """The split, where the last round is part empty and every CTA gets a unit of it."""
-    return _SplitTail(work, tiles, grid) if work % grid and (work % grid) * tiles >= grid else None
-
-  @property
-  def full(self) -> int:
-    return self.work // self.grid
-
-  def start(self, c):
-    """CTA ``c``'s first unit of the last round (an int, or traced): runs of ``tail // grid`` units, the first
-    ``tail % grid`` one longer."""
-    per, extra = divmod((self.work % self.grid) * self.tiles, self.grid)
-    return c * per + (min(c, extra) if isinstance(c, int) else jnp.minimum(c, extra))
-
-  def parts(self) -> dict[int, list[tuple[int, int]]]:
-    """Each last-round item (by its index among them) -> its parts, ``(CTA, part slot)``."""
-    parts = {}
-    for c in range(self.grid):
-      first, end = self.start(c), self.start(c + 1)
-      for slot, item in enumerate(range(first // self.tiles, (end - 1) // self.tiles + 1) if end > first else ()):
-        parts.setdefault(item, []).append((c, slot))
-    return parts
-
-
-@dataclasses.dataclass(frozen=True)
-class _Folded:
-  """The balanced order in folded rounds, for causal blocks whose work falls linearly with their weight rank
-  (one device): each (batch, head) pair's heaviest ``pairs - tail`` blocks fold into ``(w, pairs - tail - 1 - w)``
-  couples of equal total work, ``grid`` couples per pair of rounds, CTA ``c`` taking couple ``k grid + c``'s
-  heavy block in round ``2k`` and its light one in round ``2k + 1``; the couples go head after head, so a round's
-  CTAs read the keys of one or two heads, and every CTA has done the same work after each pair of rounds. The
-  ``tail`` lightest blocks of every head (``tail``: the fewest that leave whole pairs of rounds) then run
-  heaviest first in snake order.
-
-      for k in 0 .. round_pairs - 1:          # every CTA c
-        couple = k * grid + c                 # (head, w), head after head
-        run block w of head; run block pairs - tail - 1 - w of head
-      for rank in snake order over the tail:  # heaviest first, every head at each weight
-        run block pairs - tail + rank // heads of head rank % heads
-  """
-
-  heads: int  # (batch, query head) pairs
-  pairs: int  # query blocks per head
-  grid: int
-  tail: int
-
-  @staticmethod
-  def make(work: np.ndarray, heads: int, grid: int) -> "_Folded | None":
-    """The folding of blocks of ``work [pairs]`` (by weight rank) over ``heads`` heads and ``grid`` CTAs; None where
-    no tail shorter than half the blocks leaves whole pairs of rounds, or the couples' work differs (work not
-    linear in the rank)."""
-    pairs = len(work)
-    for tail in range(pairs // 2):
-      folded = work[:pairs - tail]
-      if len(folded) % 2 == 0 and heads * len(folded) // 2 % grid == 0:
-        return _Folded(heads, pairs, grid, tail) if np.all(folded + folded[::-1] == folded[0] + folded[-1]) else None
-    return None
-
-  @property
-  def round_pairs(self) -> int:
-    return self.heads * (self.pairs - self.tail) // 2 // self.grid
-
-  def count(self, cta):
-    """CTA ``cta``'s items and ``rank(j)``, the rank of its ``j``-th tail item (``snake_order``)."""
-    tail_items, tail_rank = snake_order(self.heads * self.tail, self.grid, cta)
-    return 2 * self.round_pairs + tail_items, tail_rank
-
-  def item(self, i, cta, tail_rank):
-    """CTA ``cta``'s ``i``-th item (traced) -> ``(batch-head, weight rank)``."""
-    half = (self.pairs - self.tail) // 2
-    couple = i // 2 * self.grid + cta
-    w = lax.rem(couple, half)
-    t = tail_rank(jnp.maximum(i - 2 * self.round_pairs, 0))
-    folded = i < 2 * self.round_pairs
-    partner = jnp.where(lax.rem(i, 2) == 0, w, 2 * half - 1 - w)
-    return (jnp.where(folded, couple // half, lax.rem(t, self.heads)),
-            jnp.where(folded, partner, self.pairs - self.tail + t // self.heads))
-
-
 @contextlib.contextmanager
 def _named():
   """Re-raises ``fused_ring_attention``'s precondition errors under this kernel's name."""
@@ -497,15 +260,14 @@ def _named():
     yield
   except PreconditionError as e:
     message = str(e)
-    if message.startswith(f"{fra.NAME}:"):
-      message = NAME + message[len(fra.NAME):]
+    if message.startswith(f"{ring.NAME}:"):
+      message = NAME + message[len(ring.NAME):]
     raise PreconditionError(message) from None
 
 
 def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
-                            max_concurrent_steps: int = 2, num_ctas: int | None = None, pipelined: bool | None = None,
-                            pipeline: Pipeline = Pipeline(), interpret: bool = False):
+                            max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -516,7 +278,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
       span every device of the process when it has more than one. None: no
       ring, this device's own keys (local attention, ``kernels.attention.ws``).
     causal: each query attends only to keys at global positions up to its
-      own (``fused_ring_attention.positions``).
+      own (``ring.positions``).
     order: ``"natural"`` or ``"zigzag"``, as for ``fused_ring_attention``.
     chunks: zigzag chunks of the whole sequence (default ``2 n``).
     block_q: query rows per consumer warpgroup (multiple of 64); a work
@@ -526,14 +288,6 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
     num_ctas: CTAs of the persistent grid (default: the device's SM count, or
       ``INTERPRET_CTAS`` on a device without one); for several devices at
       least ``b * kv`` and at most the SM count.
-    pipelined: each consumer issues tile ``t``'s ``Q K^T`` and tile
-      ``t - 1``'s ``P V`` together and runs tile ``t``'s softmax while the
-      ``P V`` wgmma runs (FlashAttention-3's intra-warpgroup pipelining;
-      module docstring); not causal. None: on one device without a mask
-      (measured faster there on an H100: 1-4% at S 4K-32K, within the
-      timings' spread at S64K; rings keep the other consumers, the turns
-      have not run on two GPUs).
-    pipeline: how the work is scheduled (``Pipeline``; the defaults are the fastest measured).
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
 
   Returns:
@@ -544,25 +298,12 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   """
   blocks = WsBlocks(block_q, block_kv, max_concurrent_steps)
   with _named():
-    n_dev = fra.check_inputs(q, k, v, axis_name, blocks, interpret)
+    n_dev = ring.check_inputs(q, k, v, axis_name, blocks, interpret)
     seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
   s = q.shape[1]
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
                             f"{CONSUMERS * block_q}: a work item is two query tiles")
-  if pipelined is None:
-    pipelined = not causal and n_dev == 1
-  if pipelined and causal:
-    raise PreconditionError(f"{NAME}: pipelined=True runs non-causal attention only; pass causal=False or "
-                            "pipelined=False")
-  switch = next((f.name for f in dataclasses.fields(pipeline)
-                 if f.name != "band" and not isinstance(getattr(pipeline, f.name), bool)), None)
-  if switch:
-    raise PreconditionError(f"{NAME}: Pipeline({switch}={getattr(pipeline, switch)!r}) must be True or False")
-  band, pairs = pipeline.band, s // (CONSUMERS * block_q)
-  if band is not None and (not isinstance(band, int) or isinstance(band, bool) or band < 1 or pairs % band):
-    raise PreconditionError(f"{NAME}: Pipeline(band={band!r}) must be a positive int dividing the {pairs} query "
-                            f"blocks of 2 * block_q = {CONSUMERS * block_q} rows")
   if causal and seq_order.segment % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: zigzag chunks of {seq_order.segment} positions are not a multiple of "
                             f"2 * block_q = {CONSUMERS * block_q}: a work item's two query tiles must lie in one chunk")
@@ -570,16 +311,15 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   num_ctas = num_ctas or sms or INTERPRET_CTAS
   if not isinstance(num_ctas, int) or num_ctas < 1:
     raise PreconditionError(f"{NAME}: num_ctas={num_ctas!r} must be a positive int")
-  fra.check_forwarders_resident(NAME, n_dev, num_ctas, k)
+  ring.check_forwarders_resident(NAME, n_dev, num_ctas, k)
   if n_dev > 1 and sms and num_ctas > sms:
     raise PreconditionError(
         f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
         "registers per thread) fills an SM, and the ring needs every CTA resident")
-  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order, pipelined=pipelined,
-                 pipeline=pipeline)
+  return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
 
 
-def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
+def needed_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
   """The K/V tiles of the run at local position ``start`` of ``source``'s keys that an item loads.
 
   All of them when not causal or when forwarding; else those whose first key
@@ -595,8 +335,79 @@ def _run_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_l
   return jnp.where(forwarding, tiles, needed).astype(jnp.int32)
 
 
+def visible_tiles(offset, count, bq: int, bkv: int):
+  """``(n_visible, n_shown)`` of a causal run's ``count`` loaded tiles: tiles ``0 .. n_visible - 1`` are visible
+  (every key precedes every query of the consumer's tile: no mask), ``n_visible .. n_shown - 1`` partial (a mask),
+  the rest hidden (every key follows every query: no math). ``offset``: the tile's first query position minus the
+  run's first key position; tile ``j``'s, ``offset - j bkv``, falls with ``j``, so the classes come in that
+  order."""
+  n_visible = jnp.clip(jnp.maximum(offset + 1, 0) // bkv, 0, count)  # offset - j bkv >= bkv - 1
+  n_shown = jnp.clip((jnp.maximum(offset + bq, 0) + bkv - 1) // bkv, n_visible, count)  # > -bq
+  return n_visible, n_shown
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What one call runs: the shapes, tiles, ring and item order every stage reads (static)."""
+
+  b: int
+  s_loc: int  # this device's positions
+  h: int
+  kv: int
+  d: int
+  g: int  # query heads per K/V head
+  bq: int
+  bkv: int
+  slots: int  # K/V SMEM slots
+  rows: int  # query rows per work item
+  grid: int
+  n_dev: int  # ring steps
+  ring: bool
+  peers: bool  # the ring crosses devices: remote stores and semaphores (not a loopback ring)
+  causal: bool
+  order: SequenceOrder
+  run: int  # keys per run of contiguous global positions
+  lag: int  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
+  items: ItemOrder
+  q_buffers: int  # Q tiles per consumer: the next item's loads into the second while this one computes
+  pipelined: bool  # FlashAttention-3's intra-warpgroup pipelining (one device without a mask)
+  alternate: bool  # odd items read their key tiles last to first (one device without a mask)
+  scale_log2: float
+  dtype: np.dtype
+  interpret: bool
+
+  @property
+  def starts(self) -> range:
+    """The local positions where the runs of a ring step's keys start."""
+    return range(0, self.s_loc, self.run)
+
+  @property
+  def split(self) -> SplitTail | None:
+    return self.items.split
+
+  @staticmethod
+  def make(q, k, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool, order: SequenceOrder,
+           loopback: bool) -> _Plan:
+    b, s_loc, h, d = q.shape
+    kv = k.shape[2]
+    bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
+    rows = CONSUMERS * bq
+    pairs = s_loc // rows
+    grid = min(b * h * pairs, num_ctas)
+    ring_ = n_dev > 1
+    lone = not (ring_ or causal)  # one device without a mask: no forwarding, every item as long
+    items = ItemOrder.make(b, h, kv, pairs, rows, grid, order, causal=causal, ring=ring_, key_tiles=s_loc // bkv)
+    prefetch = not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
+    q_buffers = 2 if prefetch and blocks.smem_bytes(d, q.dtype.itemsize, 2) <= SMEM_BYTES else 1
+    return _Plan(b=b, s_loc=s_loc, h=h, kv=kv, d=d, g=h // kv, bq=bq, bkv=bkv, slots=slots, rows=rows, grid=grid,
+                 n_dev=n_dev, ring=ring_, peers=ring_ and not loopback, causal=causal, order=order,
+                 run=order.segment if causal else s_loc, lag=slots - 1, items=items, q_buffers=q_buffers,
+                 pipelined=lone, alternate=lone, scale_log2=LOG2E / math.sqrt(d), dtype=q.dtype,
+                 interpret=interpret)
+
+
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False, pipelined: bool = False, pipeline: Pipeline = Pipeline()):
+            order: SequenceOrder, loopback: bool = False):
   """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
 
   With ``loopback`` the forwarders store into this device's own ``received``
@@ -606,415 +417,455 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   forwarding path runs in interpret mode.
   """
   assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
-  assert not (pipelined and causal), "the pipelined consumers run non-causal attention only"
   assert CONSUMERS * CONSUMER_REGISTERS + MEMORY_REGISTERS <= (CONSUMERS + 1) * LAUNCH_REGISTERS, "would hang"
-  b, s_loc, h, d = q.shape
-  kv = k.shape[2]
-  g = h // kv
-  bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
-  rows = CONSUMERS * bq  # query rows per work item
-  pairs = s_loc // rows
-  forwarders, per_group = b * kv, g * pairs
-  work = b * h * pairs
-  grid = min(work, num_ctas)
-  ring = n_dev > 1
-  peers = ring and not loopback  # the ring crosses devices: remote stores and semaphores
-  scale_log2 = LOG2E / math.sqrt(d)
-  dtype = q.dtype
-  run = order.segment if causal else s_loc
-  starts = range(0, s_loc, run)
-  lag = slots - 1  # the memory warpgroup waits for tile j's load after issuing tile j + lag's
-  weights = _weights(order, pairs, rows, n_dev) if pipeline.balanced and causal else None
-  balanced = weights is not None  # without causal every item is as long
-  fold = balanced and pipeline.folded and pipeline.band is None and not ring
-  folded = _Folded.make(weights[0], b * h, grid) if fold else None
-  lone = not (ring or causal)  # one device without a mask: no forwarding, every item as long
-  band_pairs = (pipeline.band or _band(weights, b * h, grid, g)) if balanced and not folded else 1
-  per_chunk = order.segment // rows  # query blocks per run of contiguous positions
-  split = _SplitTail.make(work, s_loc // bkv, grid) if pipeline.split_tail and lone else None
-  prefetch = pipeline.prefetch_q and not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
-  q_buffers = 2 if prefetch and blocks.smem_bytes(d, dtype.itemsize, 2) <= SMEM_BYTES else 1
-  leaders = 0 if lone and pipeline.heads_in_turn else forwarders  # items first, one per K/V head (0: heads in turn)
-  item_args = dict(forwarders=leaders, per_group=per_group, nq=pairs, g=g, kv=kv)  # round_robin_item's
-  alternate = lone and pipeline.alternate_keys
-
-  def body(q_ref, k_ref, v_ref, out_ref, lse_ref, *rest):
-    if ring:
-      recv_k, recv_v, *rest = rest
-    if split:
-      part_o, part_lse, *rest = rest
-    qo_smem, k_smem, v_smem, lse_smem, q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, turn, *o_smem = (
-        rest)
-    cta = lax.axis_index("cta")
-    wg = lax.axis_index("wg")
-    dev = lax.axis_index(axis_name) if peers else 0
-    if split:  # the whole rounds, then the last round's items this CTA's units touch
-      first_unit, end_unit = split.start(cta), split.start(cta + 1)
-      first_part = first_unit // split.tiles
-      items = split.full + jnp.where(end_unit > first_unit, (end_unit - 1) // split.tiles - first_part + 1, 0)
-    elif folded:
-      items, tail_rank = folded.count(cta)
-    elif balanced:  # rounds 0 .. full - 1, and round `full` (snake order: its first CTAs if even, last if odd)
-      items, snake_rank = snake_order(work, grid, cta)
-    else:
-      items = (work - cta + grid - 1) // grid  # this CTA's items: cta, cta + grid, ...
-    if peers:
-      arrived = step_semaphores(n_dev)
-      left, *to_left = left_peer(dev, n_dev, recv_k, recv_v)
-    elif ring:
-      to_left = recv_k, recv_v
-
-    def item_of(i):
-      if folded:
-        bh, weight_rank = folded.item(i, cta, tail_rank)
-        pair = _pair_by_weight(weight_rank, per_chunk, pairs // per_chunk)
-        bi, hi, forwards = bh // h, lax.rem(bh, h), False
-      elif balanced:  # rank i * grid + (cta, or grid - 1 - cta in odd rounds); ranks by decreasing work
-        bi, hi, pair, forwards = _balanced_item(snake_rank(i), b * h, h, g, band_pairs, per_chunk, pairs // per_chunk,
-                                                forwarders if ring else 0)
-      else:
-        index = cta + i * grid
-        if split:  # a part of the last round's item first_part + (i - full)
-          index = jnp.where(i < split.full, index, split.full * grid + first_part + i - split.full)
-        bi, hi, pair, forwards = round_robin_item(index, **item_args)
-      q_last = order.first(dev, pair * rows) + rows - 1 if causal else None
-      return bi, hi, pair, forwards, q_last
-
-    def span(i):
-      """Item ``i``'s key tiles ``first .. first + count - 1`` (split tails only): all of them in the whole
-      rounds, this CTA's units in the last."""
-      base = (first_part + i - split.full) * split.tiles
-      first = jnp.where(i < split.full, 0, jnp.maximum(first_unit - base, 0))
-      end = jnp.where(i < split.full, split.tiles, jnp.minimum(end_unit - base, split.tiles))
-      return first, end - first
-
-    def forwarding_at(forwards, s):
-      return forwards & (s < n_dev - 1) if ring else False
-
-    def step_sources(s):
-      """(keys, values, source device) of ring step ``s`` (a Python 0, or traced)."""
-      if isinstance(s, int) and s == 0:
-        return k_ref, v_ref, dev
-      return recv_k.at[s - 1], recv_v.at[s - 1], lax.rem(dev + s, n_dev)
-
-    def over_steps(step, carry):
-      """``step(s, carry)`` for ring steps 0 .. n - 1 (0 with the local keys, the rest from ``received``)."""
-      carry = step(0, carry)
-      return lax.fori_loop(1, n_dev, step, carry) if ring else carry
-
-    # ------------------------------------------------------------------ memory warpgroup
-    @pl.when(wg == CONSUMERS)
-    def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-      def stream(keys, values, count, loaded, forwarding, dest, first=0, backward=False):
-        """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first`` (``backward``: from the last,
-        down to ``first``), into the slots after tile ``loaded``; forwards them."""
-
-        @pl.loop(0, count + lag)
-        def _tile(j):
-          @pl.when(j < count)
-          def _issue():
-            tile = loaded + j
-            slot = lax.rem(tile, slots)
-            index = jnp.where(backward, first + count - 1 - j, first + j) if alternate else first + j
-            src = pl.ds(index * bkv, bkv)
-            for smem, ref, consumed, barrier, pending in ((k_smem, keys, k_consumed, k_loaded, 1),
-                                                          (v_smem, values, v_consumed, v_loaded, 0)):
-              @pl.when(tile >= slots)
-              def _():
-                plgpu.barrier_wait(consumed.at[slot])  # both consumers are done with the slot's previous tile
-              if ring:  # that tile's stores (all but the newest `pending`) have read the slot
-                plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
-              plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], barrier.at[slot])
-
-          @pl.when(j >= lag)
-          def _landed():
-            i = j - lag
-            slot = lax.rem(loaded + i, slots)
-            dst = pl.ds(i * bkv, bkv)
-            for smem, barrier, to in ((k_smem, k_loaded, 0), (v_smem, v_loaded, 1)):
-              plgpu.barrier_wait(barrier.at[slot])
-              if ring:
-                @pl.when(forwarding)
-                def _():
-                  plgpu.copy_smem_to_gmem(smem.at[slot], dest[to].at[dst])
-
-        return loaded + count
-
-      def item(i, loaded):
-        bi, hi, _, forwards, q_last = item_of(i)
-        kvh = hi // g
-        backward = lax.rem(i, 2) == 1 if alternate else False
-        if split:
-          first, count = span(i)
-          return stream(k_ref.at[bi, :, kvh], v_ref.at[bi, :, kvh], count, loaded, False, None, first, backward)
-
-        def step(s, loaded):
-          keys, values, source = step_sources(s)
-          forwarding = forwarding_at(forwards, s)
-          counts = [_run_tiles(order, run, bkv, source, start, q_last, forwarding, causal) for start in starts]
-          if peers and not (isinstance(s, int) and s == 0):
-            def wait():  # every forwarder of device r + 1 has filled received[s - 1]
-              pl.semaphore_wait(arrived.at[s - 1], value=forwarders, decrement=False)
-            if causal:  # only where this item reads received[s - 1]
-              pl.when(functools.reduce(jnp.add, counts) > 0)(wait)
-            else:
-              wait()
-          for start, count in zip(starts, counts):
-            keys_run = pl.ds(start, run)
-            dest = (to_left[0].at[s, bi, keys_run, kvh], to_left[1].at[s, bi, keys_run, kvh]) if ring else None
-            loaded = stream(keys.at[bi, keys_run, kvh], values.at[bi, keys_run, kvh], count, loaded, forwarding,
-                            dest, backward=backward)
-          if ring:
-            @pl.when(forwarding)
-            def _signal():
-              plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this step's stores have landed in the peer
-              if peers:
-                pl.semaphore_signal(arrived.at[s], device_id=left)
-          return loaded
-
-        return over_steps(step, loaded)
-
-      loaded = lax.fori_loop(0, items, item, jnp.int32(0))
-
-      @pl.loop(jnp.maximum(loaded - slots, 0), loaded)
-      def _drain(tile):  # observe the consumers' last releases (every waiter sees every phase)
-        slot = lax.rem(tile, slots)
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
-
-    # ------------------------------------------------------------------ consumer warpgroups
-    @pl.when(wg < CONSUMERS)
-    def _consumers():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-      lse_row = lse_smem.at[wg]
-
-      def meet():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
-      def hidden(carry, slot):
-        meet()
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return carry
-
-      def online_softmax(qk, m, l, mask_from=None):
-        """``softmax_step`` of the raw scores, ``P`` in the inputs' dtype."""
-        m_new, l, alpha, p = softmax_step(qk, m, l, scale_log2, mask_from)
-        return m_new, l, alpha, p.astype(dtype)
-
-      def update(carry, slot, q_smem, mask_from=None):
-        acc, m, l = carry
-
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          meet()  # the other consumer's softmax runs while this wgmma does
-          plgpu.wgmma_wait(0)
-          return acc_ref[...]
-
-        qk = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        m_new, l, alpha, p16 = online_softmax(qk, m, l, mask_from)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        # The softmax is done before this consumer announces it, not sunk behind the barriers (0-2% on an H100)
-        acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
-        plgpu.barrier_arrive(schedule)  # softmax done
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)  # the tensor cores are ours
-
-        if interpret:  # the interpreter's wgmma takes A from SMEM only: P V as a plain dot
-          acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-        else:
-          def weighted(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            plgpu.wgmma_wait(0)
-          acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l
-
-      def q_buffer(i):  # traced even for one buffer: run_state cannot lower a constant index into the SMEM ref
-        return lax.rem(i, q_buffers)
-
-      def issue_q(i):
-        """Starts loading item ``i``'s Q tile into this consumer's buffer ``i % q_buffers``."""
-        bi, hi, pair, _, _ = item_of(i)
-        buf = q_buffer(i)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(pair * rows + wg * bq, bq), hi], qo_smem.at[wg, buf],
-                                q_loaded.at[wg * q_buffers + buf])
-
-      def load_q(i):
-        """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
-        coordinates, its query rows and the tile. The next item's buffer held the previous item's output, whose
-        store ``finish`` saw read."""
-        bi, hi, pair, forwards, q_last = item_of(i)
-        buf = q_buffer(i)
-        if q_buffers == 1:
-          issue_q(i)
-        plgpu.barrier_wait(q_loaded.at[wg * q_buffers + buf])
-        if q_buffers > 1:
-          pl.when(i + 1 < items)(lambda: issue_q(i + 1))
-        return bi, hi, pair, forwards, q_last, pl.ds(pair * rows + wg * bq, bq), qo_smem.at[wg, buf]
-
-      def item(i, loaded):
-        bi, hi, pair, forwards, q_last, q_rows, q_smem = load_q(i)
-        q_first = order.first(dev, pair * rows + wg * bq) if causal else None
-
-        def step(s, state):
-          loaded, carry = state
-          _, _, source = step_sources(s)
-          forwarding = forwarding_at(forwards, s)
-          for start in starts:
-            count = span(i)[1] if split else _run_tiles(order, run, bkv, source, start, q_last, forwarding, causal)
-            offset = q_first - order.first(source, start) if causal else None
-
-            def arrived(j, loaded=loaded):
-              slot = lax.rem(loaded + j, slots)
-              plgpu.barrier_wait(k_loaded.at[slot])
-              return slot
-
-            visible = lambda j, carry: update(carry, arrived(j), q_smem)
-            partial = lambda j, carry, offset=offset: update(carry, arrived(j), q_smem, mask_from=j * bkv - offset)
-            hide = lambda j, carry: hidden(carry, arrived(j))
-            if not causal:
-              carry = lax.fori_loop(0, count, visible, carry)
-            elif pipeline.causal_loops:  # tile j's first query minus first key, offset - j bkv, falls with j
-              n_visible = jnp.clip(jnp.maximum(offset + 1, 0) // bkv, 0, count)  # offset - j bkv >= bkv - 1
-              n_shown = jnp.clip((jnp.maximum(offset + bq, 0) + bkv - 1) // bkv, n_visible, count)  # > -bq
-              carry = lax.fori_loop(0, n_visible, visible, carry)
-              carry = lax.fori_loop(n_visible, n_shown, partial, carry)
-              carry = lax.fori_loop(n_shown, count, hide, carry)
-            else:
-              def tile(j, carry, offset=offset):
-                gap = offset - j * bkv  # the tile's first query's position minus its first key's
-                kind = jnp.where(gap >= bkv - 1, VISIBLE, jnp.where(gap <= -bq, HIDDEN, PARTIAL)).astype(jnp.int32)
-                branches = [None] * 3
-                branches[HIDDEN], branches[VISIBLE], branches[PARTIAL] = hide, visible, partial
-                return lax.switch(kind, branches, j, carry)
-              carry = lax.fori_loop(0, count, tile, carry)
-            loaded = loaded + count
-          return loaded, carry
-
-        loaded, carry = over_steps(step, (loaded, initial_state(bq, d)))
-        store(carry, i, bi, hi, q_rows, q_smem)
-        return loaded
-
-      def store(carry, i, bi, hi, q_rows, q_smem):
-        """Item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its slot."""
-        write = functools.partial(finish, carry, q_smem, lse_row)
-        if not split:
-          return write(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
-        whole, part, own = i < split.full, i - split.full, pl.ds(wg * bq, bq)
-        pl.when(whole)(lambda: write(out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows]))
-        pl.when(~whole)(lambda: write(part_o.at[cta, part, own], part_lse.at[cta, part, own]))
-
-      def take_turn():  # the tensor cores are this consumer's until it gives the turn to the other
-        plgpu.barrier_wait(turn.at[wg])
-
-      def give_turn():
-        plgpu.barrier_arrive(turn.at[1 - wg])
-
-      def pipelined_item(i, loaded):
-        """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
-        step, ``tiles`` in all, or a split tail's part); the consumers take turns issuing their wgmmas."""
-        bi, hi, _, _, _, q_rows, q_smem = load_q(i)
-        tiles = span(i)[1] if split else n_dev * (s_loc // bkv)
-        slot_of = lambda t: lax.rem(loaded + t, slots)
-
-        def weigh(acc_ref, p16, slot):  # acc += P V, issued (the interpreter's: a plain dot on SMEM)
-          if interpret:
-            acc_ref[...] = acc_ref[...] + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-          else:
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-        def scores(slot, behind=None):
-          """``Q K^T`` of the slot's tile, then ``behind()``'s wgmma; returns the scores once theirs retired."""
-          def issue(s_ref):
-            take_turn()
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            if behind is not None:
-              behind()
-            give_turn()  # the other consumer's wgmmas queue behind these, its softmax ran meanwhile
-            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if behind is None else 1)
-          qk = pl.run_scoped(issue, plgpu.ACC((bq, bkv), jnp.float32))
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          return qk
-
-        def attend(acc_ref):
-          _, m, l = initial_state(bq, d)
-          plgpu.barrier_wait(k_loaded.at[slot_of(0)])
-          m, l, _, p16 = online_softmax(scores(slot_of(0)), m, l)
-
-          def tile(t, carry):
-            m, l, p16 = carry
-            plgpu.barrier_wait(k_loaded.at[slot_of(t)])
-            plgpu.barrier_wait(v_loaded.at[slot_of(t - 1)])
-            qk = scores(slot_of(t), behind=lambda: weigh(acc_ref, p16, slot_of(t - 1)))
-            m, l, alpha, p16 = online_softmax(qk, m, l)
-            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (bq, d), [0])  # reading waits for P V
-            plgpu.barrier_arrive(v_consumed.at[slot_of(t - 1)])
-            return m, l, p16
-
-          m, l, p16 = lax.fori_loop(1, tiles, tile, (m, l, p16))
-          plgpu.barrier_wait(v_loaded.at[slot_of(tiles - 1)])
-          take_turn()
-          weigh(acc_ref, p16, slot_of(tiles - 1))
-          give_turn()
-          acc = acc_ref[...]
-          plgpu.barrier_arrive(v_consumed.at[slot_of(tiles - 1)])
-          store((acc, m, l), i, bi, hi, q_rows, q_smem)
-
-        zeros = initial_state(bq, d)[0]
-        if interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
-          o_smem[0].at[wg][...] = zeros
-          attend(o_smem[0].at[wg])
-        else:
-          pl.run_state(attend)(plgpu.ACC.init(zeros))
-        return loaded + tiles
-
-      if q_buffers > 1:
-        pl.when(items > 0)(lambda: issue_q(0))
-      # Consumer 1 starts one meeting ahead (pipelined: gives consumer 0 the first turn), so the two alternate;
-      # consumer 0 meets once more (takes the last turn given) at the end, so every phase is waited for.
-      pl.when(wg == 1)(give_turn if pipelined else meet)
-      lax.fori_loop(0, items, pipelined_item if pipelined else item, jnp.int32(0))
-      pl.when(wg == 0)(take_turn if pipelined else meet)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-  out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
-  if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
+  p = _Plan.make(q, k, n_dev, blocks, num_ctas, interpret, causal, order, loopback)
+  dtype = p.dtype
+  out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((p.b, p.h, p.s_loc), jnp.float32)]
+  if p.ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
-  if split:  # each CTA's (at most two) parts of the last round's items: outputs and log-sum-exps
-    out_types += [jax.ShapeDtypeStruct((grid, 2, rows, d), dtype), jax.ShapeDtypeStruct((grid, 2, rows), jnp.float32)]
-  kv_transforms = swizzled(d, dtype)
-  scratch = [plgpu.SMEM((CONSUMERS, q_buffers, bq, d), dtype, transforms=kv_transforms),
-             plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
-             plgpu.SMEM((slots, bkv, d), dtype, transforms=kv_transforms),
-             plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-             plgpu.Barrier(num_barriers=CONSUMERS * q_buffers),  # Q tile loaded, per consumer and buffer
-             plgpu.Barrier(num_barriers=slots),  # K tile loaded
-             plgpu.Barrier(num_barriers=slots),  # V tile loaded
-             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # K slot released by both consumers
-             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # V slot released
+  if p.split:  # each CTA's (at most two) parts of the last round's items: outputs and log-sum-exps
+    out_types += [jax.ShapeDtypeStruct((p.grid, 2, p.rows, p.d), dtype),
+                  jax.ShapeDtypeStruct((p.grid, 2, p.rows), jnp.float32)]
+  kv_transforms = swizzled(p.d, dtype)
+  scratch = [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq, p.d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
+             plgpu.SMEM((CONSUMERS, p.bq), jnp.float32),
+             plgpu.Barrier(num_barriers=CONSUMERS * p.q_buffers),  # Q tile loaded, per consumer and buffer
+             plgpu.Barrier(num_barriers=p.slots),  # K tile loaded
+             plgpu.Barrier(num_barriers=p.slots),  # V tile loaded
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # K slot released by both consumers
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # V slot released
              plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' schedule barrier
              plgpu.Barrier(num_barriers=CONSUMERS)]  # pipelined: consumer w's turn on the tensor cores
-  if pipelined and interpret:
-    scratch.append(plgpu.SMEM((CONSUMERS, bq, d), jnp.float32))  # the accumulators (on GPUs: registers)
+  if p.pipelined and interpret:
+    scratch.append(plgpu.SMEM((CONSUMERS, p.bq, p.d), jnp.float32))  # the accumulators (on GPUs: registers)
   results = plgpu.kernel(
-      body, out_type=out_types, scratch_types=scratch, grid=(grid,), grid_names=("cta",), kernel_name=NAME,
-      num_threads=CONSUMERS + 1, thread_name="wg",
+      functools.partial(_body, p, axis_name), out_type=out_types, scratch_types=scratch, grid=(p.grid,),
+      grid_names=("cta",), kernel_name=NAME, num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
-  if split:
-    return _merge_cuts(split, *results, **item_args)
+  if p.split:
+    return _merge_parts(p.split, *results, **p.items.round_robin())
   return results[0], results[1]
 
 
-def _merge_cuts(split: _SplitTail, out, lse, part_o, part_lse, **items):
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """The kernel's operands, outputs and scratch (``_kernel``'s order)."""
+
+  q: object
+  k: object
+  v: object
+  out: object
+  lse: object
+  recv_k: object  # ring: the keys and values the right neighbour stored, one slot per later step
+  recv_v: object
+  part_o: object  # split tail: each CTA's parts of the last round's items
+  part_lse: object
+  qo_smem: object  # [consumer, buffer]: Q tiles, reused for the outputs
+  k_smem: object  # [slot]
+  v_smem: object
+  lse_smem: object  # [consumer]
+  q_loaded: object  # barriers: [consumer * q_buffers + buffer]
+  k_loaded: object  # [slot]
+  v_loaded: object
+  k_consumed: object  # [slot], both consumers arrive
+  v_consumed: object
+  schedule: object  # the consumers' meetings
+  turn: object  # pipelined: [consumer]
+  acc_smem: object  # interpret mode, pipelined: the accumulators
+
+  @staticmethod
+  def unpack(p: _Plan, q, k, v, out, lse, *rest) -> _Refs:
+    rest = list(rest)
+    recv = (rest.pop(0), rest.pop(0)) if p.ring else (None, None)
+    part = (rest.pop(0), rest.pop(0)) if p.split else (None, None)
+    acc_smem = rest.pop() if len(rest) > 11 else None
+    return _Refs(q, k, v, out, lse, *recv, *part, *rest, acc_smem)
+
+
+class _Ring:
+  """This device's ring (traced): the source of each step's keys, where forwarders store them, the semaphores."""
+
+  def __init__(self, p: _Plan, refs: _Refs, dev):
+    self.p, self.refs, self.dev = p, refs, dev
+    if p.peers:
+      self.arrived = step_semaphores(p.n_dev)
+      self.left, *self.to_left = left_peer(dev, p.n_dev, refs.recv_k, refs.recv_v)
+    elif p.ring:
+      self.to_left = refs.recv_k, refs.recv_v
+
+  def forwarding(self, forwards, s):
+    """Whether an item (``forwards``: a forwarder item) passes step ``s``'s tiles on."""
+    return forwards & (s < self.p.n_dev - 1) if self.p.ring else False
+
+  def sources(self, s):
+    """(keys, values, source device) of ring step ``s`` (a Python 0, or traced)."""
+    if isinstance(s, int) and s == 0:
+      return self.refs.k, self.refs.v, self.dev
+    return self.refs.recv_k.at[s - 1], self.refs.recv_v.at[s - 1], lax.rem(self.dev + s, self.p.n_dev)
+
+  def over_steps(self, step, carry):
+    """``step(s, carry)`` for ring steps 0 .. n - 1 (0 with the local keys, the rest from ``received``)."""
+    carry = step(0, carry)
+    return lax.fori_loop(1, self.p.n_dev, step, carry) if self.p.ring else carry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cta:
+  """One CTA's traced state: the plan, the refs, its index, its warpgroup's, its ring and its items."""
+
+  p: _Plan
+  refs: _Refs
+  cta: object
+  wg: object
+  ring: _Ring
+  items: CtaItems
+
+  def item(self, i):
+    """This CTA's item ``i``: ``(batch, query head, query block, forwards, the block's last query position)``."""
+    bi, hi, pair, forwards = self.items.item(i)
+    p = self.p
+    q_last = p.order.first(self.ring.dev, pair * p.rows) + p.rows - 1 if p.causal else None
+    return bi, hi, pair, forwards, q_last
+
+
+def _body(p: _Plan, axis_name, *refs):
+  """One CTA: its memory warpgroup (``_Producer``) and its two consumer warpgroups (``_Consumer``)."""
+  refs = _Refs.unpack(p, *refs)
+  cta = lax.axis_index("cta")
+  wg = lax.axis_index("wg")
+  dev = lax.axis_index(axis_name) if p.peers else 0
+  items = CtaItems(p.items, cta)
+  c = _Cta(p, refs, cta, wg, _Ring(p, refs, dev), items)
+  pl.when(wg == CONSUMERS)(lambda: _Producer(c).run())
+  pl.when(wg < CONSUMERS)(lambda: _Consumer(c).run())
+
+
+class _Producer:
+  """The memory warpgroup: every K/V tile of every item into the SMEM slots, in the order the consumers take them,
+  ``lag`` loads in flight; a forwarder stores each tile from its slot into the left neighbour's ``received`` and
+  signals each step."""
+
+  def __init__(self, c: _Cta):
+    self.c, self.p, self.refs = c, c.p, c.refs
+
+  def run(self):
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+    p, refs = self.p, self.refs
+    loaded = lax.fori_loop(0, self.c.items.count, self.item, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(loaded - p.slots, 0), loaded)
+    def _drain(tile):  # observe the consumers' last releases (every waiter sees every phase)
+      slot = lax.rem(tile, p.slots)
+      plgpu.barrier_wait(refs.k_consumed.at[slot])
+      plgpu.barrier_wait(refs.v_consumed.at[slot])
+
+  def item(self, i, loaded):
+    """Item ``i``'s tiles after the ``loaded`` this CTA loaded before; returns the new count."""
+    p, refs = self.p, self.refs
+    bi, hi, _, forwards, q_last = self.c.item(i)
+    kvh = hi // p.g
+    backward = lax.rem(i, 2) == 1 if p.alternate else False
+    if p.split:
+      first, count = self.c.items.span(i)
+      return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, backward)
+    step = functools.partial(self.step, bi, kvh, forwards, q_last, backward)
+    return self.c.ring.over_steps(step, loaded)
+
+  def step(self, bi, kvh, forwards, q_last, backward, s, loaded):
+    """Ring step ``s`` of an item: the needed tiles of each run (a forwarder's: every tile, stored on)."""
+    p, ring_ = self.p, self.c.ring
+    keys, values, source = ring_.sources(s)
+    forwarding = ring_.forwarding(forwards, s)
+    counts = [needed_tiles(p.order, p.run, p.bkv, source, start, q_last, forwarding, p.causal) for start in p.starts]
+    if p.peers and not (isinstance(s, int) and s == 0):
+      def wait():  # every forwarder of device r + 1 has filled received[s - 1]
+        pl.semaphore_wait(ring_.arrived.at[s - 1], value=p.items.forwarders, decrement=False)
+      if p.causal:  # only where this item reads received[s - 1]
+        pl.when(functools.reduce(jnp.add, counts) > 0)(wait)
+      else:
+        wait()
+    for start, count in zip(p.starts, counts):
+      keys_run = pl.ds(start, p.run)
+      dest = (ring_.to_left[0].at[s, bi, keys_run, kvh], ring_.to_left[1].at[s, bi, keys_run, kvh]) if p.ring else None
+      loaded = self.stream(keys.at[bi, keys_run, kvh], values.at[bi, keys_run, kvh], count, loaded, forwarding,
+                           dest, backward=backward)
+    if p.ring:
+      @pl.when(forwarding)
+      def _signal():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this step's stores have landed in the peer
+        if p.peers:
+          pl.semaphore_signal(ring_.arrived.at[s], device_id=ring_.left)
+    return loaded
+
+  def stream(self, keys, values, count, loaded, forwarding, dest, first=0, backward=False):
+    """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first`` (``backward``: from the last, down to
+    ``first``), into the slots after tile ``loaded``; forwards them."""
+
+    @pl.loop(0, count + self.p.lag)
+    def _tile(j):
+      pl.when(j < count)(lambda: self.issue(keys, values, count, loaded, first, backward, j))
+      pl.when(j >= self.p.lag)(lambda: self.landed(loaded, forwarding, dest, j))
+
+    return loaded + count
+
+  def issue(self, keys, values, count, loaded, first, backward, j):
+    """The loads of tile ``j`` of a run into its slot, once both consumers (and a forwarder's stores) freed it."""
+    p, refs = self.p, self.refs
+    tile = loaded + j
+    slot = lax.rem(tile, p.slots)
+    index = jnp.where(backward, first + count - 1 - j, first + j) if p.alternate else first + j
+    src = pl.ds(index * p.bkv, p.bkv)
+    for smem, ref, consumed, barrier, pending in ((refs.k_smem, keys, refs.k_consumed, refs.k_loaded, 1),
+                                                  (refs.v_smem, values, refs.v_consumed, refs.v_loaded, 0)):
+      @pl.when(tile >= p.slots)
+      def _():
+        plgpu.barrier_wait(consumed.at[slot])  # both consumers are done with the slot's previous tile
+      if p.ring:  # that tile's stores (all but the newest `pending`) have read the slot
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+      plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], barrier.at[slot])
+
+  def landed(self, loaded, forwarding, dest, j):
+    """Tile ``j - lag`` of a run has landed: a forwarder stores it on from its slot."""
+    p, refs = self.p, self.refs
+    i = j - p.lag
+    slot = lax.rem(loaded + i, p.slots)
+    dst = pl.ds(i * p.bkv, p.bkv)
+    for smem, barrier, to in ((refs.k_smem, refs.k_loaded, 0), (refs.v_smem, refs.v_loaded, 1)):
+      plgpu.barrier_wait(barrier.at[slot])
+      if p.ring:
+        @pl.when(forwarding)
+        def _():
+          plgpu.copy_smem_to_gmem(smem.at[slot], dest[to].at[dst])
+
+
+class _Consumer:
+  """A consumer warpgroup (``wg`` 0 or 1): its Q tile of each item against every tile the memory warpgroup loads
+  for it, in turn with the other consumer on the tensor cores (module docstring), then the item's output."""
+
+  def __init__(self, c: _Cta):
+    self.c, self.p, self.refs, self.wg = c, c.p, c.refs, c.wg
+
+  def run(self):
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    self.lse_row = self.refs.lse_smem.at[self.wg]
+    p, items = self.p, self.c.items
+    if p.q_buffers > 1:
+      pl.when(items.count > 0)(lambda: self.issue_q(0))
+    # Consumer 1 starts one meeting ahead (pipelined: gives consumer 0 the first turn), so the two alternate;
+    # consumer 0 meets once more (takes the last turn given) at the end, so every phase is waited for.
+    meet = self.meet  # one function for both: one branch traced
+    pl.when(self.wg == 1)(self.give_turn if p.pipelined else meet)
+    lax.fori_loop(0, items.count, self.pipelined_item if p.pipelined else self.item, jnp.int32(0))
+    pl.when(self.wg == 0)(self.take_turn if p.pipelined else meet)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  # ---------------------------------------------------------------- the two consumers' meetings and turns
+  def meet(self):
+    plgpu.barrier_arrive(self.refs.schedule)
+    plgpu.barrier_wait(self.refs.schedule)
+
+  def take_turn(self):  # the tensor cores are this consumer's until it gives the turn to the other
+    plgpu.barrier_wait(self.refs.turn.at[self.wg])
+
+  def give_turn(self):
+    plgpu.barrier_arrive(self.refs.turn.at[1 - self.wg])
+
+  # ---------------------------------------------------------------- Q tiles
+  def q_buffer(self, i):  # traced even for one buffer: run_state cannot lower a constant index into the SMEM ref
+    return lax.rem(i, self.p.q_buffers)
+
+  def issue_q(self, i):
+    """Starts loading item ``i``'s Q tile into this consumer's buffer ``i % q_buffers``."""
+    p, refs, wg = self.p, self.refs, self.wg
+    bi, hi, pair, _, _ = self.c.item(i)
+    buf = self.q_buffer(i)
+    plgpu.copy_gmem_to_smem(refs.q.at[bi, pl.ds(pair * p.rows + wg * p.bq, p.bq), hi], refs.qo_smem.at[wg, buf],
+                            refs.q_loaded.at[wg * p.q_buffers + buf])
+
+  def load_q(self, i):
+    """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
+    coordinates, its query rows and the tile. The next item's buffer held the previous item's output, whose
+    store ``finish`` saw read."""
+    p, refs, wg = self.p, self.refs, self.wg
+    bi, hi, pair, forwards, q_last = self.c.item(i)
+    buf = self.q_buffer(i)
+    if p.q_buffers == 1:
+      self.issue_q(i)
+    plgpu.barrier_wait(refs.q_loaded.at[wg * p.q_buffers + buf])
+    if p.q_buffers > 1:
+      pl.when(i + 1 < self.c.items.count)(lambda: self.issue_q(i + 1))
+    return bi, hi, pair, forwards, q_last, pl.ds(pair * p.rows + wg * p.bq, p.bq), refs.qo_smem.at[wg, buf]
+
+  # ---------------------------------------------------------------- one tile
+  def online_softmax(self, qk, m, l, mask_from=None):
+    """``softmax_step`` of the raw scores, ``P`` in the inputs' dtype."""
+    m_new, l, alpha, p = softmax_step(qk, m, l, self.p.scale_log2, mask_from)
+    return m_new, l, alpha, p.astype(self.p.dtype)
+
+  def arrived(self, loaded, j):
+    """The slot of the item's tile ``j`` (after ``loaded``), once its K tile has landed."""
+    slot = lax.rem(loaded + j, self.p.slots)
+    plgpu.barrier_wait(self.refs.k_loaded.at[slot])
+    return slot
+
+  def update(self, carry, slot, q_smem, mask_from=None):
+    """One visible (``mask_from`` None) or partial tile: the scores, the online softmax, ``acc += P V``."""
+    p, refs = self.p, self.refs
+    acc, m, l = carry
+
+    def scores(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, refs.k_smem.at[slot].transpose((1, 0)))
+      self.meet()  # the other consumer's softmax runs while this wgmma does
+      plgpu.wgmma_wait(0)
+      return acc_ref[...]
+
+    qk = pl.run_scoped(scores, plgpu.ACC((p.bq, p.bkv), jnp.float32))
+    plgpu.barrier_arrive(refs.k_consumed.at[slot])
+    m_new, l, alpha, p16 = self.online_softmax(qk, m, l, mask_from)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    # The softmax is done before this consumer announces it, not sunk behind the barriers
+    acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
+    plgpu.barrier_arrive(refs.schedule)  # softmax done
+    plgpu.barrier_wait(refs.v_loaded.at[slot])
+    plgpu.barrier_wait(refs.schedule)  # the tensor cores are ours
+
+    if p.interpret:  # the interpreter's wgmma takes A from SMEM only: P V as a plain dot
+      acc = acc + jnp.dot(p16, refs.v_smem.at[slot][...], preferred_element_type=jnp.float32)
+    else:
+      def weighted(acc_ref):
+        plgpu.wgmma(acc_ref, p16, refs.v_smem.at[slot])
+        plgpu.wgmma_wait(0)
+      acc = pl.run_state(weighted)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(refs.v_consumed.at[slot])
+    return acc, m_new, l
+
+  def hidden(self, carry, slot):
+    """A hidden tile: no math, the same meetings, waits and releases as ``update``'s."""
+    refs = self.refs
+    self.meet()
+    plgpu.barrier_arrive(refs.k_consumed.at[slot])
+    plgpu.barrier_arrive(refs.schedule)
+    plgpu.barrier_wait(refs.v_loaded.at[slot])
+    plgpu.barrier_wait(refs.schedule)
+    plgpu.barrier_arrive(refs.v_consumed.at[slot])
+    return carry
+
+  # ---------------------------------------------------------------- one item
+  def item(self, i, loaded):
+    """Item ``i`` (its tiles after the ``loaded`` this CTA took before): every ring step's runs, then the
+    epilogue; returns the new count."""
+    p = self.p
+    bi, hi, pair, forwards, q_last, q_rows, q_smem = self.load_q(i)
+    q_first = p.order.first(self.c.ring.dev, pair * p.rows + self.wg * p.bq) if p.causal else None
+    step = functools.partial(self.step, i, forwards, q_last, q_first, q_smem)
+    loaded, carry = self.c.ring.over_steps(step, (loaded, initial_state(p.bq, p.d)))
+    self.store(carry, i, bi, hi, q_rows, q_smem)
+    return loaded
+
+  def step(self, i, forwards, q_last, q_first, q_smem, s, state):
+    """Ring step ``s`` of item ``i``: each run's tiles, as many as the memory warpgroup loads
+    (``needed_tiles``), by class (``visible_tiles``)."""
+    p, ring_ = self.p, self.c.ring
+    loaded, carry = state
+    _, _, source = ring_.sources(s)
+    forwarding = ring_.forwarding(forwards, s)
+    for start in p.starts:
+      count = (self.c.items.span(i)[1] if p.split
+               else needed_tiles(p.order, p.run, p.bkv, source, start, q_last, forwarding, p.causal))
+      offset = q_first - p.order.first(source, start) if p.causal else None
+      arrived = functools.partial(self.arrived, loaded)
+      visible = lambda j, carry: self.update(carry, arrived(j), q_smem)
+      partial = lambda j, carry, offset=offset: self.update(carry, arrived(j), q_smem, mask_from=j * p.bkv - offset)
+      hide = lambda j, carry: self.hidden(carry, arrived(j))
+      if not p.causal:
+        carry = lax.fori_loop(0, count, visible, carry)
+      else:
+        n_visible, n_shown = visible_tiles(offset, count, p.bq, p.bkv)
+        carry = lax.fori_loop(0, n_visible, visible, carry)
+        carry = lax.fori_loop(n_visible, n_shown, partial, carry)
+        carry = lax.fori_loop(n_shown, count, hide, carry)
+      loaded = loaded + count
+    return loaded, carry
+
+  def store(self, carry, i, bi, hi, q_rows, q_smem):
+    """The epilogue: item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its
+    slot."""
+    refs = self.refs
+    write = functools.partial(finish, carry, q_smem, self.lse_row)
+    if not self.p.split:
+      return write(refs.out.at[bi, q_rows, hi], refs.lse.at[bi, hi, q_rows])
+    whole, part, own = i < self.p.split.full, i - self.p.split.full, pl.ds(self.wg * self.p.bq, self.p.bq)
+    pl.when(whole)(lambda: write(refs.out.at[bi, q_rows, hi], refs.lse.at[bi, hi, q_rows]))
+    pl.when(~whole)(lambda: write(refs.part_o.at[self.c.cta, part, own], refs.part_lse.at[self.c.cta, part, own]))
+
+  # ---------------------------------------------------------------- pipelined (one device without a mask)
+  def weigh(self, acc_ref, p16, slot):
+    """``acc += P V``, issued (the interpreter's: a plain dot on SMEM)."""
+    if self.p.interpret:
+      acc_ref[...] = acc_ref[...] + jnp.dot(p16, self.refs.v_smem.at[slot][...], preferred_element_type=jnp.float32)
+    else:
+      plgpu.wgmma(acc_ref, p16, self.refs.v_smem.at[slot])
+
+  def scores_then(self, q_smem, slot, behind=None):
+    """``Q K^T`` of the slot's tile, then ``behind()``'s wgmma; returns the scores once theirs retired."""
+    refs = self.refs
+
+    def issue(s_ref):
+      self.take_turn()
+      plgpu.wgmma(s_ref, q_smem, refs.k_smem.at[slot].transpose((1, 0)))
+      if behind is not None:
+        behind()
+      self.give_turn()  # the other consumer's wgmmas queue behind these, its softmax ran meanwhile
+      return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if behind is None else 1)
+    qk = pl.run_scoped(issue, plgpu.ACC((self.p.bq, self.p.bkv), jnp.float32))
+    plgpu.barrier_arrive(refs.k_consumed.at[slot])
+    return qk
+
+  def pipelined_item(self, i, loaded):
+    """``item`` with tile ``t``'s softmax overlapping tile ``t - 1``'s ``P V`` (non-causal: every tile of every
+    step, ``tiles`` in all, or a split tail's part); the consumers take turns issuing their wgmmas."""
+    p, refs = self.p, self.refs
+    bi, hi, _, _, _, q_rows, q_smem = self.load_q(i)
+    tiles = self.c.items.span(i)[1] if p.split else p.n_dev * (p.s_loc // p.bkv)
+    slot_of = lambda t: lax.rem(loaded + t, p.slots)
+
+    def attend(acc_ref):
+      _, m, l = initial_state(p.bq, p.d)
+      plgpu.barrier_wait(refs.k_loaded.at[slot_of(0)])
+      m, l, _, p16 = self.online_softmax(self.scores_then(q_smem, slot_of(0)), m, l)
+
+      def tile(t, carry):
+        m, l, p16 = carry
+        plgpu.barrier_wait(refs.k_loaded.at[slot_of(t)])
+        plgpu.barrier_wait(refs.v_loaded.at[slot_of(t - 1)])
+        qk = self.scores_then(q_smem, slot_of(t), behind=lambda: self.weigh(acc_ref, p16, slot_of(t - 1)))
+        m, l, alpha, p16 = self.online_softmax(qk, m, l)
+        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (p.bq, p.d), [0])  # reading waits for P V
+        plgpu.barrier_arrive(refs.v_consumed.at[slot_of(t - 1)])
+        return m, l, p16
+
+      m, l, p16 = lax.fori_loop(1, tiles, tile, (m, l, p16))
+      plgpu.barrier_wait(refs.v_loaded.at[slot_of(tiles - 1)])
+      self.take_turn()
+      self.weigh(acc_ref, p16, slot_of(tiles - 1))
+      self.give_turn()
+      acc = acc_ref[...]
+      plgpu.barrier_arrive(refs.v_consumed.at[slot_of(tiles - 1)])
+      self.store((acc, m, l), i, bi, hi, q_rows, q_smem)
+
+    zeros = initial_state(p.bq, p.d)[0]
+    if p.interpret:  # the interpreter has no stores into wgmma accumulators: the accumulator lives in SMEM
+      refs.acc_smem.at[self.wg][...] = zeros
+      attend(refs.acc_smem.at[self.wg])
+    else:
+      pl.run_state(attend)(plgpu.ACC.init(zeros))
+    return loaded + tiles
+
+
+def _merge_parts(split: SplitTail, out, lse, part_o, part_lse, **items):
   """``out [b, s, h, d]`` and ``lse [b, h, s]`` with the last round's items merged from their parts."""
   parts = split.parts()
   width = max(map(len, parts.values()))
@@ -1046,15 +897,13 @@ class WsRingConfig:
   """``block_q`` rows per consumer warpgroup (a work item is two), ``block_kv`` keys per tile, K/V slots; and
   ``backward``, the local kernel whose backward blocks run the dual programs (None: cuDNN's where the devices have
   it, ``schedules.dual.backward_schedule``; ``"ws_attention"``: ours, ``kernels.attention.ws_backward``, dq, dk
-  and dv in one pass: the training step on one kernel family); ``balanced``, causal items heaviest first
-  (``Pipeline.balanced``; False: round-robin, the order before 2026-11-28, which benchmarks time beside it)."""
+  and dv in one pass: the training step on one kernel family)."""
 
   OPEN = True
   block_q: int = param(64)
   block_kv: int = param(128)
   max_concurrent_steps: int = param(2)
   backward: str | None = param(None, "ws_attention")
-  balanced: bool = param(True)
 
 
 def _problem(p, config: WsRingConfig) -> str | None:
@@ -1067,21 +916,19 @@ def _problem(p, config: WsRingConfig) -> str | None:
     return reason
   if config.backward not in BACKWARDS:
     return f"backward={config.backward!r} is not one of {list(BACKWARDS)}"
-  if not isinstance(config.balanced, bool):
-    return f"balanced={config.balanced!r} must be True or False"
   if config.backward is not None:
     backward = BackwardBlocks()
-    reason = backward.problem(p.local_shape()[4], p.itemsize) or fra.rows_problem(
+    reason = backward.problem(p.local_shape()[4], p.itemsize) or ring.rows_problem(
         p, {"the backward's query tile": backward.block_q, "the backward's key pair": 2 * backward.block_kv})
     if reason:
       return f"backward={config.backward!r}: {reason}"
-  return fra.rows_problem(p, {"2 x block_q": 2 * config.block_q, "block_kv": config.block_kv})
+  return ring.rows_problem(p, {"2 x block_q": 2 * config.block_q, "block_kv": config.block_kv})
 
 
 def _make(p, config: WsRingConfig, interpret: bool):
-  blocks = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("backward", "balanced")}
-  return fra.per_device(fused_ring_attention_ws, p, lambda: INTERPRET_CTAS_FUSED if interpret else None,
-                        interpret=interpret, pipeline=Pipeline(balanced=config.balanced), **blocks)
+  blocks = {k: v for k, v in dataclasses.asdict(config).items() if k != "backward"}
+  return ring.per_device(fused_ring_attention_ws, p, lambda: fused_common.INTERPRET_CTAS if interpret else None,
+                         interpret=interpret, **blocks)
 
 
 FUSED_RING_ATTENTION_WS = FusedKernel(
