@@ -41,15 +41,14 @@ GRAD_TOL = 2e-2  # bf16 inputs: gradients' relative norm error
 
 # (b, s_q, s_kv, h, kv, d, causal, query chunks): one CTA per item, b * h * s_kv / 128 items (one a chunk of them);
 # grouped K/V sums its heads' dk and dv; MHA stores them (causal: one copy of the consumers' code, dq sent at once;
-# without a mask the dq deferred to the next step's fence). Chunks whose ends cut a causal key pair; chunks
-# without a mask.
-KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, None),
-                (1, 256, 256, 4, 2, 64, True, None),
-                (2, 128, 384, 2, 1, 128, False, None),  # MQA, more keys than queries
-                (1, 384, 384, 4, 4, 64, True, None),  # MHA
-                (1, 128, 256, 2, 2, 64, False, None),  # MHA
-                (1, 256, 256, 4, 2, 128, False, 2),
-                (1, 256, 256, 4, 2, 64, True, 3)]
+# without a mask the dq deferred to the next step's fence); head dimensions 64 (each consumer all of dq's columns)
+# and 128 (half each). Chunks whose ends cut a causal key pair; chunks without a mask.
+KERNEL_CASES = [(1, 256, 256, 2, 1, 64, True, None),
+                (1, 128, 384, 2, 1, 128, False, None),  # more keys than queries
+                (1, 256, 256, 2, 2, 64, True, None),  # MHA
+                (2, 128, 256, 2, 2, 64, False, None),  # MHA
+                (1, 256, 256, 2, 1, 128, False, 2),
+                (1, 256, 256, 2, 1, 64, True, 3)]
 
 
 @pytest.mark.parametrize("b,s,skv,h,kv,d,causal,chunks", KERNEL_CASES)
@@ -216,7 +215,7 @@ def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside, chunks,
   plan = ws_backward.chunk_plan
   monkeypatch.setattr(ws_backward, "chunk_plan", lambda nq, n, *a: planned.append(n) or plan(nq, n, *a))
   mesh = _one_device(axis_type)
-  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(1, 2, 1, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
   with registry.interpret_mode(), (jax.set_mesh(mesh) if inside else contextlib.nullcontext()):
     s = jm.Schedule(prog, mesh).patch("ws_attention")
     assert dual.backward_schedule(s).kernel == "ws_attention"  # an own backward: not cuDNN's
@@ -226,7 +225,7 @@ def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside, chunks,
 
 def test_fused_ring_attention_with_our_backward():
   mesh = _one_device(AxisType.Explicit)
-  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(1, 2, 1, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
   with registry.interpret_mode():
     ring = jm.library(prog, mesh)["ring"]
     s = ring.copy().lower_with("fused_ring_attention_ws", backward="ws_attention")

@@ -85,9 +85,11 @@ def _lower(m, k, n, devices=8, **kwargs):
   return lower_for_gpus(f, spec((m, k), P("x", None)), spec((k, n), P(None, "x")), mesh=mesh)
 
 
-@pytest.mark.parametrize("tiles,chunk_rows", [(Tiles(), None), (Tiles(64, 256, 64, 4), 128),
-                                              (Tiles(256, 64, 64, 2), None)], ids=["128x128", "64x256", "256x64"])
-@pytest.mark.parametrize("shape", [(8 * 512, 1024, 8 * 256), (8 * 200, 1000, 8 * 75)], ids=["tiled", "ragged"])
+# Each tile variant once, each shape at least once.
+@pytest.mark.parametrize("shape,tiles,chunk_rows", [((8 * 512, 1024, 8 * 256), Tiles(), None),
+                                                    ((8 * 200, 1000, 8 * 75), Tiles(64, 256, 64, 4), 128),
+                                                    ((8 * 512, 1024, 8 * 256), Tiles(256, 64, 64, 2), None)],
+                         ids=["tiled-128x128", "ragged-64x256", "tiled-256x64"])
 def test_the_ring_lowers_for_eight_h100s(shape, tiles, chunk_rows):
   """Communication CTAs (TMA through SMEM into the peer, per-chunk semaphores) and compute CTAs lower to one
   Mosaic GPU kernel; lowering for an abstract H100 checks layouts and shared memory, it is no CUDA compile."""

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, pairwise, rel_err
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
@@ -104,11 +104,12 @@ def test_infeasible_matmul_variants_are_refused(interpreted_gemm):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_matmul_interpret_every_variant(dtype):
-  """Every feasible variant (bf16; the default in fp16) on a shape with several tiles along each axis."""
-  a, b = _normal((256, 512), dtype), _normal((512, 512), dtype)
+def test_matmul_interpret_pairwise_variants(dtype):
+  """Feasible variants covering every pair of tile choices (bf16; the default in fp16) on a shape with several
+  tiles along each axis."""
+  a, b = _normal((256, 256), dtype), _normal((256, 512), dtype)
   want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-  for tiles in _feasible_variants() if dtype == jnp.bfloat16 else [Tiles()]:
+  for tiles in pairwise(_feasible_variants()) if dtype == jnp.bfloat16 else [Tiles()]:
     got = jax.jit(functools.partial(mm.mosaic_gemm, tiles=tiles, interpret=True))(a, b)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     assert rel_err(got, want) < 1e-5, tiles
@@ -190,13 +191,14 @@ def cuda_runtime(monkeypatch):
 
 
 def test_matmul_variants_lower():
+  """Both GEMM kernels' variants, every pair of tile choices (feasible ones), lower for an H100."""
   s = jax.ShapeDtypeStruct
   a, b = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16)
-  for tiles in _feasible_variants():
+  for tiles in pairwise(_feasible_variants()):
     assert mosaic_kernels(_lower(functools.partial(mm.mosaic_gemm, tiles=tiles), a, b)) == 1, tiles
-  for choice in registry.kernel("jax_mosaic_matmul").variants():
-    params = dataclasses.asdict(choice.config)
-    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, choice
+  for config in pairwise([choice.config for choice in registry.kernel("jax_mosaic_matmul").variants()]):
+    params = dataclasses.asdict(config)
+    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, config
 
 
 def test_matmul_gradients_lower_to_three_kernels():
@@ -217,17 +219,18 @@ def _spec(*shape, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_attention_shared_memory_estimates(cuda_runtime, d):
-  """Where the estimate admits a configuration it lowers; where it refuses, lowering runs out of SMEM."""
+  """Where the estimate admits a configuration it lowers; where it refuses, lowering runs out of SMEM (every pair
+  of each kernel's choices)."""
   am = ma.attention_mgpu
   q, k, lse = _spec(1, 512, 2, 2, d), _spec(1, 512, 2, d), _spec(1, 512, 2, 2, dtype=jnp.float32)
-  for choice in registry.kernel("mosaic_attention").variants():
-    p = dataclasses.asdict(choice.config)
+  for config in pairwise([choice.config for choice in registry.kernel("mosaic_attention").variants()]):
+    p = dataclasses.asdict(config)
     config = ma._forward_config(512, 512, d, p)
     raw = am.TuningConfig(block_q=p["block_q"], block_kv=p["block_kv"], max_concurrent_steps=p["max_concurrent_steps"])
     _assert_lowers_iff(config is not None, lambda *x: ma.forward(*x, raw), q, k, k)
   for part in ("dq", "dkv"):
-    for choice in registry.kernel(f"mosaic_attention_{part}").variants():
-      p = dataclasses.asdict(choice.config)
+    for kernel_config in pairwise([choice.config for choice in registry.kernel(f"mosaic_attention_{part}").variants()]):
+      p = dataclasses.asdict(kernel_config)
       config = ma._backward_config(512, 512, d, part, p)
       if config is None:  # every warpgroup count was refused: check the last one tried (one)
         blocks = ma._backward_blocks(part, p)
@@ -353,23 +356,26 @@ def _assert_gradients(schedule, tol=3e-2):
 
 
 def _library(prog, strategy):
-  """A library schedule; ``context_parallel_tiled``: context parallel, keys in serial blocks of the queries' size."""
-  lib = jm.library(prog, make_mesh("8"))
+  """A library schedule over 4 devices (zigzag: 8 chunks, of two of the kernel's query blocks at 1024 positions);
+  ``context_parallel_tiled``: context parallel, keys in serial blocks of the queries' size."""
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+  lib = jm.library(prog, mesh)
   if strategy == "context_parallel_tiled":
-    return lib["context_parallel"].tile("j", 8)
+    return lib["context_parallel"].tile("j", 4)
   return lib[strategy]
 
 
-DISPATCH_CASES = ([("ring", causal, heads) for causal in (False, True) for heads in sorted(HEADS)]
-                  + [(strategy, causal, "gqa") for strategy in ("context_parallel", "context_parallel_tiled")
-                     for causal in (False, True)]
-                  + [("ring_zigzag", True, "gqa")])  # zigzag order is for causal attention
+# Each head layout with and without a mask on the ring (pairwise), both context parallels (causal context parallel
+# runs only the body), zigzag order (for causal attention).
+DISPATCH_CASES = [("ring", False, "mha"), ("ring", True, "gqa"), ("ring", False, "mqa"), ("ring", True, "mqa"),
+                  ("context_parallel", True, "gqa"), ("context_parallel_tiled", False, "gqa"),
+                  ("context_parallel_tiled", True, "gqa"), ("ring_zigzag", True, "gqa")]
 
 
 @pytest.mark.parametrize("strategy, causal, heads", DISPATCH_CASES)
 def test_library_dispatch(standins, strategy, causal, heads):
   """Values, and which blocks reach the kernel (the causal kernel only for equal, aligned blocks)."""
-  prog = _attention(heads, n=2048 if strategy == "ring_zigzag" else 1024, causal=causal)
+  prog = _attention(heads, causal=causal)
   _assert_forward(_library(prog, strategy).patch("mosaic_attention"))
   # Causal context parallel: a query block against all keys is never wholly visible: all of it is the body's.
   assert bool(standins) != (causal and strategy == "context_parallel")
@@ -388,21 +394,20 @@ def test_uneven_blocks_use_every_path(standins, causal):
 
 def test_blocks_off_the_kernel_fall_back(standins):
   """Padded keys, and blocks shorter than two query blocks of the kernel, use the program's body."""
-  _assert_forward(jm.library(_attention(n=1000), make_mesh("8"))["ring"].patch("mosaic_attention"))
-  _assert_forward(jm.library(_attention(n=512), make_mesh("8"))["ring"].patch("mosaic_attention", block_q=128))
+  _assert_forward(_library(_attention(n=1000), "ring").patch("mosaic_attention"))
+  _assert_forward(_library(_attention(n=512), "ring").patch("mosaic_attention", block_q=128))
   assert not standins
 
 
 def test_head_dim_off_the_kernel_falls_back(standins):
-  _assert_forward(jm.library(_attention(d=80), make_mesh("8"))["ring"].patch("mosaic_attention"))
+  _assert_forward(_library(_attention(d=80), "ring").patch("mosaic_attention"))
   assert not standins
 
 
-@pytest.mark.parametrize("strategy, causal", [("ring", False), ("ring", True), ("ring_zigzag", True),
-                                              ("context_parallel_tiled", False), ("context_parallel_tiled", True)])
+@pytest.mark.parametrize("strategy, causal", [("ring", False), ("ring_zigzag", True), ("context_parallel_tiled", True)])
 def test_gradients_through_the_backward_kernels(standins, strategy, causal):
   from jaxmercury.schedules.dual import attention_duals
-  prog = _attention(n=2048 if strategy == "ring_zigzag" else 1024, causal=causal)
+  prog = _attention(causal=causal)
   s = _library(prog, strategy).patch("mosaic_attention")
   _, dq, dkv = attention_duals(s)
   assert (dq.kernel, dkv.kernel) == ("mosaic_attention_dq", "mosaic_attention_dkv")
@@ -410,13 +415,13 @@ def test_gradients_through_the_backward_kernels(standins, strategy, causal):
   assert any(c.has_backward_blocks for c in standins)
 
 
-@pytest.mark.parametrize("strategy, causal", [("ring", True), ("ring_zigzag", True), ("context_parallel", False)])
+@pytest.mark.parametrize("strategy, causal", [("ring_zigzag", True), ("context_parallel", False)])
 def test_gradients_run_cudnns_backward_where_the_devices_have_it(standins, cpu_cudnn, strategy, causal):
   """With cuDNN offered, a Mosaic-patched schedule's backward runs cuDNN's backward blocks on the same nest
   (``dual.backward_schedule``), fed by the Mosaic forward's output and log-sum-exp; JAX's Mosaic dq and dk-dv
   kernels do not run."""
   from jaxmercury.schedules.dual import attention_duals, backward_schedule
-  prog = _attention(n=2048, causal=causal)
+  prog = _attention(causal=causal)
   params = {} if strategy == "ring_zigzag" else {"block_q": 128}  # a block holds two of the kernel's query blocks
   s = _library(prog, strategy).patch("mosaic_attention", **params)
   b = backward_schedule(s)
