@@ -10,9 +10,12 @@
 #                    tests-* stages below split it
 #   tests-gemm       the fused GEMM kernels (every tile variant, 1 GPU and all GPUs)
 #   tests-attention  the fused ring attention, causal and not
-#   tests-attention-ws  the warp-specialized fused ring attention, its pipelined consumers too
-#   tests-ws-backward  our one-pass attention backward kernel (every BackwardBlocks variant), ws_attention, and the
-#                    fused ring attention with our backward on every GPU
+#   tests-attention-ws  the warp-specialized fused ring attention: every block configuration, causal and not, one
+#                    GPU's orders (pipelined consumers, split tails, folded rounds) and the ring
+#   tests-ws-backward  our one-pass attention backward kernel (the queries whole and in chunks), ws_attention, and
+#                    the fused ring attention with our backward on every GPU
+#   tests-ws         one GPU, one command (under 10 minutes on an H200): the warp-specialized kernels, forward and
+#                    backward, at every path their defaults take, and their schedules' training steps
 #   tests-lowering   every fused lowering under its schedules (outputs, gradients, tuner)
 #   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients; the plain programs
 #                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
@@ -25,11 +28,9 @@
 #   fused-training   training steps of the fused ring attentions, GQA S 16K-32K, causal and not
 #   fused-training-sustained-32K fused-training-sustained-64K  the same at one length, timed in sustained blocks
 #                    (--sustain_s 1), each fused kernel also with our backward (configured backward="ws_attention")
-#   fused-causal-order  the warp-specialized ring attention, causal GQA S 16K-64K, its items heaviest first (the
-#                    default) and round-robin (balanced=False), sustained blocks; -training: training steps at S32K
 #   fused-noncausal  the warp-specialized ring attention without a mask, MHA and GQA S 16K-64K, sustained blocks;
 #                    -training: training steps, S 16K-32K (with cuDNN's backward blocks and with ours)
-#   fused-training-trace  the training steps of fused-causal-order-training (defaults only), then each one's
+#   fused-training-trace  training steps of the warp-specialized ring attention, causal GQA S32K, then each one's
 #                    kernels on the first GPU in 5 traced rounds (--trace_rounds): where the zigzag ring's step loses
 #                    its time against Ulysses'
 #   training         training steps: jaxmercury tuned for them against every baseline
@@ -59,33 +60,12 @@
 #   moe-gemm         only the grouped GEMMs of stage moe (ragged_dot and the Mosaic grouped GEMM side by side)
 #   tests-moe        tests/gpu/test_grouped_gemm.py (the Mosaic grouped GEMM against ragged_dot; in a MoE schedule)
 #   ws-backward      one GPU: our one-pass attention backward kernel against cuDNN's flash backward, B1 H32 D128
-#                    S 4K-32K (benchmarks.ws_local --backward), and the training steps of the fused ring attention
+#                    S 4K-64K (benchmarks.ws_local --backward), and the training steps of the fused ring attention
 #                    with cuDNN's backward and with ours at S 16K 32K GQA (its GPU tests: tests-ws-backward)
-#   ws-chunks        one GPU: our backward with the queries whole, at its default chunks and in 2 and 8 chunks, and
-#                    the training steps, B1 H32 D128 S 32K 64K (benchmarks.ws_local --backward --query_chunks)
-#   ws-profile       one GPU: ptxas's registers and spills for each of our backward's PROFILE_VARIANTS (compiled at
-#                    S1K, causal and not), then Nsight Compute on cuDNN's backward and ours at S16K KV32
-#                    (PROFILE_ARGS, e.g. "--causal"): report, details page, the stall summary (benchmarks.ncu_source)
-#   ws-kernels       one GPU: each kernel's time in one training step of cuDNN's attention and of the fused ring
-#                    attention with cuDNN's backward and ours (Nsight Compute's durations, benchmarks.ncu_kernels),
-#                    KERNELS_ARGS (default "--seq 32K --kv 8 --causal")
-#   ws-trace         one GPU: the same steps timed back to back in rotating rounds, each kernel's time inside the loop
-#                    (benchmarks.ws_trace, jax.profiler's trace), S32K KV 8 and 32 causal, S64K KV8 (TRACE_ARGS: one case)
-#   ws-trace-backward  one GPU: the backward alone the same way (ws_trace --backward), cuDNN's and ours by default,
-#                    whole and in 8 chunks, S32K KV 8 and 32 causal, S64K KV8 causal (TRACE_ARGS: one case)
-#   ws-bands         one GPU: the forward's causal items in bands of 1, 8 and 32 query blocks beside the default
-#                    (benchmarks.ws_local --steps band1 band8 band32), S 4K 16K 64K, KV 32 and 8
-#   ws-forward-counters  one GPU: Nsight Compute's counters (DRAM, L2, warp stalls, clocks) of cuDNN's forward and
-#                    ours (FORWARD_STEPS, default "default") in one call each, S64K KV 32 and 8, causal and not
-#                    (benchmarks.ws_profile --forward): where a forward's cycles or DRAM bytes go
-#   ws-noncausal-blocks  one GPU: the forward without a mask at S64K in other K/V blocks (kv64x3, kv64x4), with
-#                    the consumers not pipelined (split_tail), and in the orders round_robin and heads_in_turn
-#                    (Pipeline) beside the default, sustained blocks, KV 32 and 8
 #   ws-sustained     one GPU: the training steps timed in sustained blocks (ws_local --training --sustain_s 1.5),
-#                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS), then our backward's clock and power beside cuDNN's
-#                    at S32K KV8 causal, items of one query head and of whole groups (benchmarks.ws_power)
+#                    B1 H32 D128 S 16K and 32K (SUSTAINED_SEQS)
 #   ws-matrix        one GPU: issue 30's forward cases at the kernel's defaults against cuDNN's, sustained blocks
-#                    (ws_local --causal both --steps default --sustain_s 1.5 --iters 3): B1 H32 D128 S 4K-64K, KV 32
+#                    (ws_local --causal both --sustain_s 1.5 --iters 3): B1 H32 D128 S 4K-64K, KV 32
 #                    and 8, causal and not (about 350 s on an H200)
 #   ws-matrix-training  one GPU: the training step on our kernels end to end (--training_steps ws_own) against
 #                    cuDNN's, the same way, S 16K-64K causal and not (about 290 s on an H200)
@@ -130,6 +110,8 @@ for stage in "$@"; do
     tests-attention) tests "$stage" 540 tests/gpu/test_fused_ring_attention.py ;;
     tests-attention-ws) tests "$stage" 540 tests/gpu/test_fused_ring_attention_ws.py ;;
     tests-ws-backward) tests "$stage" 480 tests/gpu/test_ws_attention.py ;;
+    tests-ws) tests "$stage" 570 tests/gpu/test_ws_attention.py tests/gpu/test_fused_ring_attention_ws.py \
+        -k "not every_gpu or smallest_grid or one_warpgroup or cudnn or head_dimension" ;;
     tests-lowering) tests "$stage" 540 tests/gpu/test_fused_lowering.py ;;
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
@@ -140,12 +122,6 @@ for stage in "$@"; do
     fused-attention) suite "$stage" 570 --suite fused --ops attention --causal no ;;
     fused-causal) suite "$stage" 570 --suite fused --ops attention --causal yes --variants GQA --seqs 32K ;;
     fused-training) suite "$stage" 570 --suite fused --training --ops attention --variants GQA ;;
-    fused-causal-order) suite "$stage" 430 --suite fused --ops attention --causal yes --variants GQA \
-        --seqs 16K 32K 64K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
-        --sustain_s 1 --iters 3 ;;
-    fused-causal-order-training) suite "$stage" 450 --suite fused --training --ops attention --causal yes \
-        --variants GQA --seqs 32K --fused_kernels fused_ring_attention_ws --fused_params '{"balanced": false}' \
-        --sustain_s 1 --iters 3 ;;
     fused-noncausal) suite "$stage" 290 --suite fused --ops attention --causal no --seqs 16K 32K 64K \
         --fused_kernels fused_ring_attention_ws --sustain_s 1 --iters 3 ;;
     fused-noncausal-training) suite "$stage" 420 --suite fused --training --ops attention --causal no \
@@ -201,85 +177,10 @@ for stage in "$@"; do
     moe-gemm) suite "$stage" 570 --suite moe --moe_kinds grouped_gemm ;;
     tests-moe) tests "$stage" 540 tests/gpu/test_grouped_gemm.py ;;
     ws-backward)
-      local_suite "$stage" 200 --backward --backward_steps ws_persistent ws_immediate_dq ws_default --seqs 4K 8K 16K 32K
+      local_suite "$stage" 200 --backward --seqs 4K 8K 16K 32K 64K
       local_suite "$stage-training" 120 --training --seqs 16K 32K --kv 8 ;;
-    ws-chunks)
-      for part in backward training; do
-        args=(--backward --backward_steps ws_whole ws_default --query_chunks 2 8)
-        [ $part = training ] && args=(--training)
-        timeout "${STAGE_LIMIT:-280}" python3 -m benchmarks.ws_local --out "$W/$stage-$part.json" \
-          --time_budget $((${STAGE_LIMIT:-280} - 30)) --seqs 32K 64K "${args[@]}" > "$W/$stage-$part.log" 2>&1
-        echo "$stage-$part rc=$?" | tee -a "$W/stages.txt"
-      done ;;
-    ws-profile)
-      variants=${PROFILE_VARIANTS:-ws_shared ws_default ws_one_step ws_one_step_specialized}
-      for causal in "" --causal; do  # ptxas -v of each kernel as it compiles
-        MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 -m benchmarks.ws_profile --seq 1K --kv 8 $causal --variants $variants \
-          > "$W/$stage-ptxas$causal.log" 2>&1
-        echo "$stage-ptxas$causal rc=$?" | tee -a "$W/stages.txt"
-      done
-      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-      XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$ncu" --target-processes all \
-        -k 'regex:attention_backward_ws|bprop' --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section SourceCounters \
-        --section LaunchStats -o "$W/$stage" python3 -m benchmarks.ws_profile --seq 16K --kv 32 --variants $variants \
-        ${PROFILE_ARGS:-} > "$W/$stage.log" 2>&1
-      echo "$stage rc=$?" | tee -a "$W/stages.txt"
-      "$ncu" -i "$W/$stage.ncu-rep" --page details > "$W/$stage-details.txt" 2>&1
-      "$ncu" -i "$W/$stage.ncu-rep" --page source --csv --print-source sass > "$W/$stage-source.csv" 2>&1
-      for kernel in bprop attention_backward_ws; do
-        python3 -m benchmarks.ncu_source "$W/$stage-source.csv" "$kernel" >> "$W/$stage-stalls.txt" 2>&1
-      done ;;
-    ws-kernels)
-      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-      for step in cudnn ws ws_own; do  # one step per process: every kernel it launches is that step's
-        timeout "${STAGE_LIMIT:-200}" "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum \
-          -o "$W/$stage-$step" python3 -m benchmarks.ws_profile --training --step "$step" --reps 1 \
-          ${KERNELS_ARGS:---seq 32K --kv 8 --causal} > "$W/$stage-$step.log" 2>&1
-        echo "$stage-$step rc=$?" | tee -a "$W/stages.txt"
-        "$ncu" -i "$W/$stage-$step.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum > "$W/$stage-$step.csv" 2>&1
-        python3 -m benchmarks.ncu_kernels "$W/$stage-$step.csv" --calls 2 > "$W/$stage-$step.txt" 2>&1
-      done ;;
-    ws-trace)
-      cases=("--seq 32K --kv 8 --causal" "--seq 32K --kv 32 --causal" "--seq 64K --kv 8 --rounds 5")
-      [ -n "${TRACE_ARGS:-}" ] && cases=("$TRACE_ARGS")
-      for case in "${cases[@]}"; do
-        name=$stage-$(echo "$case" | tr -d ' -')
-        timeout "${STAGE_LIMIT:-150}" python3 -m benchmarks.ws_trace $case --steps cudnn ws ws_own cudnn_blocks \
-          --out "$W/$name.json" > "$W/$name.log" 2>&1
-        echo "$name rc=$?" | tee -a "$W/stages.txt"
-      done ;;
-    ws-trace-backward)
-      cases=("--seq 32K --kv 8 --causal" "--seq 32K --kv 32 --causal" "--seq 64K --kv 8 --causal")
-      [ -n "${TRACE_ARGS:-}" ] && cases=("$TRACE_ARGS")
-      for case in "${cases[@]}"; do
-        name=$stage-$(echo "$case" | tr -d ' -')
-        timeout "${STAGE_LIMIT:-120}" python3 -m benchmarks.ws_trace --backward $case --rounds 15 \
-          --variants ws_default ws_whole --query_chunks 8 --out "$W/$name.json" > "$W/$name.log" 2>&1
-        echo "$name rc=$?" | tee -a "$W/stages.txt"
-      done ;;
-    ws-bands) local_suite "$stage" 400 --causal yes --kv 32 8 --seqs 4K 16K 64K --steps default band1 band8 band32 \
-        --sustain_s 1.5 --iters 3 ;;
-    ws-sustained)
-      local_suite "$stage" 420 --training --sustain_s 1.5 --iters 3 --seqs ${SUSTAINED_SEQS:-16K 32K}
-      timeout 150 python3 -m benchmarks.ws_power --seq 32K --kv 8 --causal --seconds 3 \
-        --variants ws_default ws_grouped --out "$W/$stage-power.json" > "$W/$stage-power.log" 2>&1
-      echo "$stage-power rc=$?" | tee -a "$W/stages.txt" ;;
-    ws-forward-counters)
-      ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-      for case in "--kv 32" "--kv 8" "--kv 32 --causal" "--kv 8 --causal"; do
-        name=$stage-$(echo "$case" | tr -d ' -')
-        XLA_FLAGS=--xla_gpu_autotune_level=0 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${STAGE_LIMIT:-120}" "$ncu" \
-          --target-processes all --clock-control none -k 'regex:fused_ring_attention_ws|fprop' --section SpeedOfLight \
-          --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats -o "$W/$name" \
-          python3 -m benchmarks.ws_profile --forward --seq 64K $case --steps ${FORWARD_STEPS:-default} --reps 1 \
-          > "$W/$name.log" 2>&1
-        echo "$name rc=$?" | tee -a "$W/stages.txt"
-        "$ncu" -i "$W/$name.ncu-rep" --page details > "$W/$name-details.txt" 2>&1
-      done ;;
-    ws-noncausal-blocks) local_suite "$stage" 420 --causal no --kv 32 8 --seqs 64K \
-        --steps default kv64x3 kv64x4 split_tail round_robin heads_in_turn --sustain_s 1.5 --iters 3 ;;
-    ws-matrix) local_suite "$stage" 570 --causal both --kv 32 8 --seqs 4K 8K 16K 32K 64K --steps default \
+    ws-sustained) local_suite "$stage" 420 --training --sustain_s 1.5 --iters 3 --seqs ${SUSTAINED_SEQS:-16K 32K} ;;
+    ws-matrix) local_suite "$stage" 570 --causal both --kv 32 8 --seqs 4K 8K 16K 32K 64K \
         --sustain_s 1.5 --iters 3 ;;
     ws-matrix-training) local_suite "$stage" 480 --training --training_steps ws_own --causal both --kv 32 8 \
         --seqs 16K 32K 64K --sustain_s 1.5 --iters 3 ;;

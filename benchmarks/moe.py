@@ -13,7 +13,7 @@ Cases, at Mixtral-8x7B layer sizes (d_model 4096, d_ff 14336, 8 experts, top-2, 
 * ``grouped_gemm``: the two grouped GEMM shapes of the routed rows (``[tokens * top_k, d] @ [experts, d, f]``, the
   gate / up projection, and ``[tokens * top_k, f] @ [experts, f, d]``, the down projection), rows sorted by
   expert, group sizes from a top-2 routing of random tokens: ``jax.lax.ragged_dot`` and the Pallas Mosaic GPU
-  grouped GEMM (``kernels.mosaic_grouped_gemm``, what ``dispatch(gemm="mosaic_grouped_gemm")`` runs), side by
+  grouped GEMM (``kernels.moe.grouped_gemm``, what ``dispatch(gemm="mosaic_grouped_gemm")`` runs), side by
   side, against the capacity-padded batched einsum (rows scattered into ``[experts, largest group, d]``); forward
   and forward + backward (``dx`` and ``dw``), every output checked against the einsum. Each record has its
   TFLOP/s and ``ratio_to_ragged_dot`` (ragged_dot's time over its own: above 1, faster than ragged_dot). The
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
 from benchmarks import harness, operators
-from jaxmercury.kernels import mosaic_grouped_gemm as mgg
+from jaxmercury.kernels.moe import grouped_gemm as mgg
 from jaxmercury.tuner import measure
 from models.mixtral import einsum_moe
 

@@ -51,7 +51,7 @@ def fused_params(text: str) -> dict:
   except json.JSONDecodeError as e:
     raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
   if not isinstance(value, dict) or not value:
-    raise argparse.ArgumentTypeError(f"a JSON object of configuration fields expected, e.g. '{{\"balanced\": false}}'"
+    raise argparse.ArgumentTypeError(f"a JSON object of configuration fields expected, e.g. '{{\"block_kv\": 64}}'"
                                      f", got {text!r}")
   return value
 
@@ -106,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   g.add_argument("--fused_kernels", nargs="+", metavar="NAME", help="fused: only these fused kernels")
   g.add_argument("--fused_params", nargs="+", type=fused_params, metavar="JSON",
                  help='fused: also time each fused kernel whose configuration has these fields at them, e.g. '
-                      '\'{"balanced": false}\' (a JSON object per set)')
+                      '\'{"block_kv": 64}\' (a JSON object per set)')
   g.add_argument("--configs", action="store_true", help="kernels: every configuration of every kernel")
   g.add_argument("--moe_kinds", nargs="+", choices=("grouped_gemm", "layer"), help="moe: which cases (default both): "
                  "the grouped GEMMs side by side, the MoE layer")

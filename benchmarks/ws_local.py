@@ -1,19 +1,17 @@
-"""The warp-specialized fused ring attention on one GPU against cuDNN, each change to its pipeline beside the last.
+"""The warp-specialized attention kernels on one GPU against cuDNN's: forward, backward and the training step.
 
     python -m benchmarks.ws_local --out ws_local.json [--seqs 4K 16K] [--kv 32 8] [--causal both] [--training]
 
 For each case (B1 H32 D128 bf16 by default), in one process on the same inputs, interleaved rounds
-(``tuner.measure.rounds``): ``jax.nn.dot_product_attention(implementation="cudnn")`` and the kernel
-(``kernels.fused_ring_attention_ws``, a one-device ring) under each ``Pipeline`` from the kernel as first written
-(``BEFORE``) to the default, one change at a time (non-causal cases: the changes that apply to them). Outputs are
-checked against cuDNN's. ``--training`` times forward and backward instead: ``jax.vjp`` of cuDNN's attention
-against the ring schedule lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is
-the one jaxmercury runs for it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass
-backward kernel (``kernels.attention_backward_ws``). ``--backward`` times the backward alone, both from the same
-output and log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours in each of
-``BACKWARD_STEPS`` (its configurations, ``BackwardBlocks``) and at the ``--query_chunks`` counts, gradients checked
-against cuDNN's. TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
-``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernel in Mosaic GPU interpret mode.
+(``tuner.measure.rounds``): ``jax.nn.dot_product_attention(implementation="cudnn")`` and the fused ring attention
+kernel (``kernels.attention.ws_forward``, a one-device ring) at its defaults, outputs checked against cuDNN's.
+``--training`` times forward and backward instead: ``jax.vjp`` of cuDNN's attention against the ring schedule
+lowered with the kernel (``lower_with("fused_ring_attention_ws")``), whose backward is the one jaxmercury runs for
+it (cuDNN's flash backward), and with ``backward="ws_attention"``, our one-pass backward kernel
+(``kernels.attention.ws_backward``). ``--backward`` times the backward alone, both from the same output and
+log-sum-exp (the kernel's forward's): cuDNN's flash backward against ours, gradients checked against cuDNN's.
+TFLOP/s count a causal mask's visible half; the backward counts as 2.5 forwards.
+``--smoke`` runs a small case on the CPU: XLA's attention for cuDNN, the kernels in Mosaic GPU interpret mode.
 ``--sustain_s`` times each contestant in blocks of back-to-back runs instead of single runs: a GPU at its power
 cap clocks by the power drawn, so single runs in rotation share one clock and hide what a contestant's own draw
 does to it; a block runs at the clock the contestant allows alone, as a training loop of it does (each records
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -37,96 +34,11 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from benchmarks import cases, harness
 from jaxmercury._cpu_flags import cpu_flags
-from jaxmercury.kernels import config, registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks
-from jaxmercury.kernels.cudnn_attention import cudnn_backward
-from jaxmercury.kernels.fused_ring_attention_ws import BEFORE, Pipeline, fused_ring_attention_ws
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.attention import ws as ws_attention
+from jaxmercury.kernels.attention.cudnn import cudnn_backward
+from jaxmercury.kernels.attention.ws_forward import fused_ring_attention_ws
 from jaxmercury.tuner import measure
-
-ROUND_ROBIN = dict(heads_in_turn=False, alternate_keys=False)  # one device without a mask: the order before 2026-11-28
-# One change at a time, in the order they were made; each name is the kernel's arguments up to and including its
-# change (``pipelined``: the consumers' intra-warpgroup pipelining, taking turns; non-causal only).
-STEPS = {"before": dict(pipeline=BEFORE),
-         "causal_loops": dict(pipeline=Pipeline(causal_loops=True, balanced=False, prefetch_q=False, **ROUND_ROBIN)),
-         "balanced": dict(pipeline=Pipeline(causal_loops=True, balanced=True, prefetch_q=False, folded=False,
-                                            **ROUND_ROBIN)),
-         "prefetch_q": dict(pipeline=Pipeline(split_tail=False, folded=False, **ROUND_ROBIN)),
-         "split_tail": dict(pipeline=Pipeline(**ROUND_ROBIN), pipelined=False),
-         "pipelined": dict(pipeline=Pipeline(**ROUND_ROBIN), pipelined=True),
-         "default": dict(),  # the kernel's defaults: split tail and pipelined consumers where they measured faster
-         # Other blocks at the default pipeline (the GPU tests' CONFIGS), asked for by name (--steps)
-         "kv64x3": dict(block_kv=64, max_concurrent_steps=3),
-         "kv64x4": dict(block_kv=64, max_concurrent_steps=4),
-         # The balanced order in other bands (``Pipeline.band``; by default ``_band``'s choice), by name only
-         "band1": dict(pipeline=Pipeline(band=1)),
-         "band8": dict(pipeline=Pipeline(band=8)),
-         "band16": dict(pipeline=Pipeline(band=16)),
-         "band32": dict(pipeline=Pipeline(band=32)),
-         "band64": dict(pipeline=Pipeline(band=64)),
-         "band128": dict(pipeline=Pipeline(band=128)),
-         # The balanced order in bands where it folds (``Pipeline.folded=False``: the default before 2026-11-28),
-         # and in folded rounds (the default since), by name only
-         "unfolded": dict(pipeline=Pipeline(folded=False)),
-         "folded": dict(pipeline=Pipeline(folded=True)),
-         # One device without a mask: the round-robin order (one item per K/V head first; the default until
-         # 2026-11-28), items head after head from the first, then also odd items' keys read last to first (the
-         # default since), by name only
-         "round_robin": dict(pipeline=Pipeline(**ROUND_ROBIN)),
-         "heads_in_turn": dict(pipeline=Pipeline(heads_in_turn=True, alternate_keys=False)),
-         "alternate_keys": dict(pipeline=Pipeline(heads_in_turn=True, alternate_keys=True))}
-BLOCK_STEPS = ("kv64x3", "kv64x4")
-ORDER_STEPS = ("round_robin", "heads_in_turn", "alternate_keys")  # non-causal only
-BAND_STEPS = ("band1", "band8", "band16", "band32", "band64", "band128", "unfolded", "folded")  # causal only
-GROUPED = {"heads_per_item": None}  # items of a K/V head's whole group: the default before one query head per item
-
-
-# The backward kernel's variants (``--backward``): as first written, then each change (``BackwardBlocks``). Each
-# name keeps the defaults of its day (``_as_of``: a persistent grid, dq sent in its own step, items of whole
-# groups), so that it still means the kernel measured under it. Those with the auto order ran at S <= 32K, where its
-# causal pairs stand.
-def _as_of(**changes) -> BackwardBlocks:
-  return BackwardBlocks(**{"persistent": True, "deferred_dq": False, **GROUPED} | changes)
-
-
-BACKWARD_STEPS = {"ws_serial": _as_of(waits="serial", order="pairs", registers=232),
-                  "ws_paired": _as_of(waits="paired", order="pairs", registers=232),
-                  "ws_overlapped": _as_of(waits="overlapped", order="pairs", registers=232),
-                  "ws_heads": _as_of(waits="overlapped", order="heads", registers=232),
-                  "ws_serial_heads": _as_of(waits="serial", order="heads", registers=232),
-                  "ws_regs232": _as_of(registers=232),  # the default before the wider register split
-                  "ws_early": _as_of(early_loads=True, registers=232),
-                  "ws_early_regs240": _as_of(early_loads=True),
-                  "ws_paired_regs240": _as_of(waits="paired"),
-                  "ws_specialized": _as_of(specialized=True),
-                  "ws_shared": _as_of(specialized=False),  # the default before specialized consumers
-                  "ws_one_step": _as_of(one_step=True),
-                  "ws_one_step_specialized": _as_of(one_step=True, specialized=True),
-                  "ws_persistent": _as_of(),  # the default before a CTA per item
-                  "ws_items": _as_of(persistent=False, order="heads"),  # a CTA per item, heads in turn
-                  "ws_items_pairs": _as_of(persistent=False, order="pairs"),
-                  "ws_items_one_step": _as_of(persistent=False, order="heads", one_step=True, specialized=True),
-                  "ws_items_specialized": _as_of(persistent=False, specialized=True),
-                  "ws_immediate_dq": _as_of(persistent=False),  # the default before deferred dq
-                  "ws_deferred_dq": BackwardBlocks(deferred_dq=True, **GROUPED),
-                  "ws_whole": BackwardBlocks(query_chunks=1, **GROUPED),  # the default before query chunks
-                  "ws_grouped": BackwardBlocks(**GROUPED),  # the default before one query head per item (KV < H)
-                  # one query head per item (under a causal mask its runs of 6635e48-079c333 had 8 query chunks)
-                  "ws_split_heads": BackwardBlocks(heads_per_item=1, order="heads"),
-                  "ws_split_heads_whole": BackwardBlocks(heads_per_item=1, query_chunks=1, order="pairs"),
-                  "ws_split_whole_heads": BackwardBlocks(heads_per_item=1, query_chunks=1, order="heads"),
-                  "ws_whole_heads": BackwardBlocks(query_chunks=1, order="heads", **GROUPED),
-                  "ws_pairs": BackwardBlocks(order="pairs"),  # one query head per item, pairs of every head
-                  "ws_default": BackwardBlocks()}  # overlapped, 240 registers, a CTA per item, one query head per
-                                                   # item, heads in turn; without a mask specialized, dq deferred,
-                                                   # query chunks from S64K; under a causal mask the whole queries
-CAUSAL_STEPS = ("before", "causal_loops", "balanced", "prefetch_q", "default", *BLOCK_STEPS, *BAND_STEPS)
-NON_CAUSAL_STEPS = ("before", "prefetch_q", "split_tail", "pipelined", "default", *BLOCK_STEPS,
-                    *ORDER_STEPS)  # loops, snake: causal
-
-
-def chunk_steps(counts) -> dict:
-  """``--query_chunks``' contestants: ``{"q{n}": BackwardBlocks(query_chunks=n)}`` per count ``n``."""
-  return {f"q{n}": BackwardBlocks(query_chunks=n) for n in counts}
 
 
 def smoke_flags():
@@ -140,9 +52,9 @@ def seq_length(text: str) -> int:
   return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
 
 
-def kernel_forward(mesh, causal: bool, smoke: bool, **params):
-  """The kernel's forward at ``params`` on a one-device ``mesh``, jitted: ``(q, k, v) -> out``."""
-  kernel = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=causal, interpret=smoke, **params)
+def kernel_forward(mesh, causal: bool, smoke: bool):
+  """The kernel's forward at its defaults on a one-device ``mesh``, jitted: ``(q, k, v) -> out``."""
+  kernel = lambda q, k, v: fused_ring_attention_ws(q, k, v, "x", causal=causal, interpret=smoke)
   return jax.jit(jax.shard_map(lambda q, k, v: kernel(q, k, v)[0], mesh=mesh, in_specs=(P(),) * 3, out_specs=P(),
                                check_vma=False))
 
@@ -210,9 +122,9 @@ def cudnn_backward_of(causal: bool, smoke: bool):
   return jax.jit(lambda *a: cudnn_backward(*a, causal))
 
 
-def ws_backward_of(causal: bool, smoke: bool, blocks: BackwardBlocks):
-  """The same signature, jitted: our one-pass backward with ``blocks`` (``smoke``: in interpret mode)."""
-  return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke, blocks=blocks))
+def ws_backward_of(causal: bool, smoke: bool):
+  """The same signature, jitted: our one-pass backward (``smoke``: in interpret mode)."""
+  return jax.jit(lambda *a: ws_attention.whole(*a, causal, interpret=smoke))
 
 
 def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict:
@@ -239,26 +151,15 @@ def run_case(args, mesh, s: int, kv: int, causal: bool, deadline: float) -> dict
   elif args.backward:
     inputs = backward_inputs(inputs, keys[3], causal, args.smoke)
     contestants = [harness.Contestant("cudnn", "baseline", lambda: cudnn_backward_of(causal, args.smoke),
-                                      "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)")]
-    named = {n: BACKWARD_STEPS[n] for n in args.backward_steps}
-    for name, blocks in (named | chunk_steps(args.query_chunks)).items():
-      default = " (the default)" if blocks == ws_attention.BACKWARD else ""
-      contestants.append(harness.Contestant(
-          name, "jaxmercury", lambda x=blocks: ws_backward_of(causal, args.smoke, x),
-          f"kernels.attention_backward_ws, {config.changed(blocks) or 'its defaults'}{default}: dq, dk, dv in one "
-          "pass (ws_attention.whole)", record={"blocks": dataclasses.asdict(blocks)}))
+                                      "cuDNN's flash backward (the one jax.nn.dot_product_attention's vjp runs)"),
+                   harness.Contestant("ws", "jaxmercury", lambda: ws_backward_of(causal, args.smoke),
+                                      "kernels.attention.ws_backward at its defaults: dq, dk, dv in one pass "
+                                      "(ws_attention.whole)")]
     tolerance = measure.gradient_tolerance(jnp.bfloat16)
   else:
-    steps = CAUSAL_STEPS if causal else NON_CAUSAL_STEPS
-    contestants = [harness.Contestant("cudnn", "baseline", lambda: jax.jit(cudnn), label)]
-    for name in (n for n in steps if n in args.steps):
-      params = STEPS[name]
-      contestants.append(harness.Contestant(
-          name, "jaxmercury", lambda p=params: kernel_forward(mesh, causal, args.smoke, **p),
-          f"fused_ring_attention_ws, {params}",
-          record={"pipeline": dataclasses.asdict(params.get("pipeline", Pipeline())),
-                  "pipelined": params.get("pipelined"),
-                  "blocks": {k: params[k] for k in ("block_kv", "max_concurrent_steps") if k in params}}))
+    contestants = [harness.Contestant("cudnn", "baseline", lambda: jax.jit(cudnn), label),
+                   harness.Contestant("ws", "jaxmercury", lambda: kernel_forward(mesh, causal, args.smoke),
+                                      "fused_ring_attention_ws at its defaults, a one-device ring")]
     tolerance = harness.BF16_TOLERANCE
   seq = f"{s // 1024}K" if s >= 1024 else str(s)
   mode = " training" if args.training else " backward" if args.backward else ""
@@ -298,15 +199,10 @@ def main(argv=None):
   parser.add_argument("--seqs", nargs="+", default=["4K", "8K", "16K", "32K", "64K"])
   parser.add_argument("--kv", nargs="+", type=int, default=[32, 8])
   parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-  by_name_only = BLOCK_STEPS + BAND_STEPS + ORDER_STEPS
-  parser.add_argument("--steps", nargs="+", default=[n for n in STEPS if n not in by_name_only], choices=list(STEPS))
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--training_steps", nargs="+", default=list(TRAINING_STEPS[1:]), choices=TRAINING_STEPS[1:],
                       help="with --training, these contestants beside cuDNN's (default: all)")
   parser.add_argument("--backward", action="store_true", help="the backward alone: cuDNN's against our kernel")
-  parser.add_argument("--backward_steps", nargs="+", default=list(BACKWARD_STEPS), choices=list(BACKWARD_STEPS))
-  parser.add_argument("--query_chunks", nargs="+", type=int, default=[],
-                      help="with --backward, also our backward at these query chunk counts (contestants q{n})")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head_dim", type=int, default=128)

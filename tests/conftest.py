@@ -76,6 +76,21 @@ def assert_matches(schedule, inputs=None, reference=None):
   assert err < tolerance(prog.writes.dtype), f"rel err {err:.2e}\n{schedule}"
 
 
+def pairwise(configs, fields=None) -> list:
+  """The fewest of ``configs`` (dataclass instances, in order) that a greedy pick finds to cover every pair of two
+  fields' values that some config has (and so every value): what a test of a kernel's interacting options runs,
+  rather than their full product, each run being a whole kernel in the interpreter."""
+  import dataclasses
+  values = lambda c: [(f, getattr(c, f)) for f in fields or [x.name for x in dataclasses.fields(c)]]
+  pairs = lambda c: {(a, b) for i, a in enumerate(values(c)) for b in values(c)[i + 1:]} | {(a,) for a in values(c)}
+  wanted, chosen = set().union(*map(pairs, configs)), []
+  while wanted:
+    best = max(configs, key=lambda c: len(pairs(c) & wanted))
+    chosen.append(best)
+    wanted -= pairs(best)
+  return chosen
+
+
 # ------------------------------------------------------------------ lowering for GPUs that are not here
 H100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
@@ -165,7 +180,8 @@ one, called in cuDNN's layouts (``Plain.layout``).
   """
   import dataclasses
 
-  from jaxmercury.kernels import cudnn_attention, registry
+  from jaxmercury.kernels import registry
+  from jaxmercury.kernels.attention import cudnn as cudnn_attention
   from jaxmercury.programs import plain
   ran = []
 

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.ir import orders
-from jaxmercury.kernels.fused_ring_attention import SequenceOrder, positions, reference
+from jaxmercury.kernels.attention.ring import SequenceOrder, positions, reference
 
 SEQ = P(None, "x")
 SPECS = dict(in_specs=(SEQ,) * 3, out_specs=(SEQ, P(None, None, "x")), check_vma=False)

@@ -1,14 +1,15 @@
 """Our one-pass attention backward kernel and ``ws_attention`` without a GPU.
 
-The kernel (``kernels.attention_backward_ws``) runs in Mosaic GPU interpret mode on one device against the float32
-derivative of plain attention, with a CTA per item and on persistent grids whose last round of items is whole,
-part-filled in an even round and part-filled in an odd one (the snake order hands an odd round's items to the last
-CTAs); its input checks; its lowering for abstract H100s. ``ws_attention`` (our forward and our backward as a local
-kernel) on blocks at traced ring offsets against the programs' own bodies, in one-device schedules and a fused ring
-attention configured with ``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the
-interpreter cannot run: it keeps one state for all devices) with its kernels stood in by XLA, which shows the ring's
-dk-dv partials travel right. The tuner offers our backward in training tunes, on GPUs too, and leaves a kernel
-marked unverified out there.
+The kernel (``kernels.attention.ws_backward``) runs in Mosaic GPU interpret mode on one device against the float32
+derivative of plain attention: with and without a mask, grouped K/V (each query head an item, dk and dv added
+across them) and not, head dimensions 64 and 128, the queries whole and in chunks; its input checks; its lowering
+for abstract H100s (the overlapped waits and the consumers' copies per warpgroup that the interpreter does not
+run). ``ws_attention`` (our forward and our backward as a local kernel) on blocks at traced ring offsets against
+the programs' own bodies, in one-device schedules and a fused ring attention configured with
+``backward="ws_attention"``, forward and gradients; on the 8-device mesh (where the interpreter cannot run: it
+keeps one state for all devices) with its kernels stood in by XLA, which shows the ring's dk-dv partials travel
+right. The tuner offers our backward in training tunes, on GPUs too, and leaves a kernel marked unverified out
+there.
 """
 
 import contextlib
@@ -26,15 +27,10 @@ from test_training import _check_grads
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import attention_backward_ws as attention_backward_ws_module
-from jaxmercury.kernels import registry, ws_attention
-from jaxmercury.kernels.attention_backward_ws import (
-  WAITS,
-  BackwardBlocks,
-  attention_backward_ws,
-  auto_chunks,
-  auto_order,
-)
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.attention import ws as ws_attention
+from jaxmercury.kernels.attention import ws_backward
+from jaxmercury.kernels.attention.ws_backward import BackwardBlocks, attention_backward_ws, auto_chunks
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.programs.attention import attention_block
 from jaxmercury.schedules import dual
@@ -43,91 +39,46 @@ from jaxmercury.tuner import autotuner
 GRAD_TOL = 2e-2  # bf16 inputs: gradients' relative norm error
 
 
-# (b, s_q, s_kv, h, kv, d, causal, CTAs): items b * kv * s_kv / 128 over the CTAs
-KERNEL_CASES = [(1, 256, 256, 4, 2, 128, False, 3),   # 4 items, 3 CTAs: one whole round, the odd last part-filled
-                (1, 256, 256, 4, 2, 64, True, 3),
-                (2, 128, 384, 2, 1, 128, False, 2),   # MQA, more keys than queries: 6 items, 3 whole rounds
-                (1, 384, 384, 4, 4, 64, True, 5)]     # MHA: 12 items, 5 CTAs: the even last round part-filled
+# (b, s_q, s_kv, h, kv, d, causal, query chunks): one CTA per item, b * h * s_kv / 128 items (one a chunk of them);
+# grouped K/V sums its heads' dk and dv; MHA stores them (causal: one copy of the consumers' code, dq sent at once;
+# without a mask the dq deferred to the next step's fence); head dimensions 64 (each consumer all of dq's columns)
+# and 128 (half each). Chunks whose ends cut a causal key pair; chunks without a mask.
+KERNEL_CASES = [(1, 256, 256, 2, 1, 64, True, None),
+                (1, 128, 384, 2, 1, 128, False, None),  # more keys than queries
+                (1, 256, 256, 2, 2, 64, True, None),  # MHA
+                (2, 128, 256, 2, 2, 64, False, None),  # MHA
+                (1, 256, 256, 2, 1, 128, False, 2),
+                (1, 256, 256, 2, 1, 64, True, 3)]
 
 
-# each case as first written; three with the paired waits (interpret mode runs overlapped as paired) and the heads
-# side by side order (two batches among them); two with the rows read early and the narrower register split; two
-# with a copy of the code per consumer and one copy of the step (d 64 and 128, causal and not); all of them on a
-# persistent grid of ctas CTAs but two, with a CTA per item (the default); three with dq sent after the next step's
-# fence (d 64 and 128, several items per CTA, causal and not); one causal case whose auto order is heads in turn;
-# three with the queries in chunks, dk and dv added across them: causal chunks whose ends cut a key pair, more keys
-# than queries, both orders and grids. Grouped K/V runs one query head per item by default (dk and dv added across
-# them); three with a K/V head's whole group per item (causal and not) or 4 query heads per K/V head in parts of 2
-EARLY = dict(waits="paired", early_loads=True, registers=232)
-SPECIALIZED = dict(waits="paired", specialized=True, one_step=True)
-VARIANT_CASES = ([(*case, dict(waits="serial", order="pairs")) for case in KERNEL_CASES]
-                 + [(*case, dict(waits="paired", order="heads")) for case in KERNEL_CASES[1:]]
-                 + [(*case, EARLY) for case in KERNEL_CASES[::3]]
-                 + [(*case, SPECIALIZED) for case in KERNEL_CASES[:2]]
-                 + [(*case, dict(waits="paired", persistent=False)) for case in KERNEL_CASES[2:]]
-                 + [(*case, dict(waits="paired", deferred_dq=True)) for case in KERNEL_CASES[1:3]]
-                 + [(*KERNEL_CASES[0], dict(waits="serial", deferred_dq=True))]
-                 + [(*KERNEL_CASES[1][:7], 1, dict(waits="paired"))]  # causal, 2 pairs a head, 2 heads, 1 CTA: heads
-                 + [(*KERNEL_CASES[0], dict(waits="paired", query_chunks=2)),
-                    (*KERNEL_CASES[1], dict(waits="paired", query_chunks=3, order="pairs", persistent=False)),
-                    (*KERNEL_CASES[2], dict(waits="serial", query_chunks=2, deferred_dq=True))]
-                 + [(*KERNEL_CASES[0], dict(waits="paired", heads_per_item=None)),
-                    (*KERNEL_CASES[1], dict(waits="paired", heads_per_item=None, persistent=False)),
-                    (1, 256, 256, 8, 2, 64, True, 3, dict(waits="paired", heads_per_item=2))])
-
-
-@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,ctas,changes", VARIANT_CASES)
-def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, ctas, changes):
+@pytest.mark.parametrize("b,s,skv,h,kv,d,causal,chunks", KERNEL_CASES)
+def test_kernel_matches_float32(b, s, skv, h, kv, d, causal, chunks):
   args, want = backward_problem(b, s, skv, h, kv, d, causal)
-  blocks = BackwardBlocks(**{"persistent": True} | changes)  # ctas CTAs, unless a change says one per item
-  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks,
-                                                 num_ctas=ctas if blocks.persistent else None, interpret=True))(*args)
+  blocks = BackwardBlocks(query_chunks=chunks)
+  got = jax.jit(lambda *a: attention_backward_ws(*a, causal=causal, blocks=blocks, interpret=True))(*args)
   for name, g, w, dtype in zip(("dq", "dk", "dv"), got, want, (jnp.float32, jnp.bfloat16, jnp.bfloat16)):
     assert g.shape == w.shape and g.dtype == dtype
     err = rel_err(g, w)
     assert err < GRAD_TOL, f"{name}: rel err {err:.3e}"
 
 
-def test_the_auto_order_goes_by_the_mask_the_key_pairs_and_the_heads():
-  """Heads in turn without a mask, in chunks, or with items of one query head; for items of whole groups under a
-  causal mask from twice as many key pairs a lane as SMs (S 64K and longer on an H100's 132) where pairs would
-  run fewer than 8 CTAs a lane, else pairs of every lane."""
-  assert auto_order(False, 2, 8, 132, item_heads=4) == "heads"
-  assert [auto_order(True, s // 128, 32, 132) for s in (4096, 8192, 32768)] == ["heads"] * 3  # one head an item
-  grouped = functools.partial(auto_order, item_heads=4)
-  assert [grouped(True, s // 128, 32, 132) for s in (8192, 32768, 65536, 131072)] == ["pairs", "pairs", "heads",
-                                                                                       "heads"]
-  assert grouped(True, 512, 8, 132) == grouped(True, 512, 16, 132) == "pairs"
-  assert grouped(True, 512, 17, 132) == "heads"
-  assert grouped(True, 263, 32, 132) == "pairs" and grouped(True, 264, 32, 132) == "heads"
-  assert grouped(True, 256, 32, 132, chunks=8) == "heads"  # in chunks: heads in turn
-
-
-def test_the_auto_chunks_go_by_the_length_the_mask_and_the_group():
-  """Without a mask chunks of at most 32K queries, grouped or not; under a causal mask none where an item holds one
-  query head, 8 from 64K queries on where it holds several."""
-  for group in (1, 4):
-    assert [auto_chunks(s, False, group) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
+def test_the_auto_chunks_go_by_the_length_and_the_mask():
+  """Without a mask chunks of at most 32K queries; under a causal mask none."""
+  assert [auto_chunks(s, False) for s in (4096, 32768, 32832, 65536, 131072)] == [1, 1, 2, 2, 4]
   assert [auto_chunks(s, True) for s in (16384, 32768, 65536, 131072)] == [1, 1, 1, 1]
-  assert [auto_chunks(s, True, 4) for s in (32768, 65472, 65536, 131072)] == [1, 1, 8, 8]
-  assert BackwardBlocks().chunks(65536, True, 4) == 1 and BackwardBlocks(query_chunks=2).chunks(65536, True, 4) == 2
-  assert BackwardBlocks(heads_per_item=None).chunks(65536, True, 4) == 8  # items of the whole group
 
 
-def test_the_sums_go_by_the_chunks_and_the_heads_an_item_runs():
-  """dk and dv are float32 sums where several items add into a K/V head's: queries in chunks, or fewer of its query
-  heads per item than the group."""
+def test_the_sums_go_by_the_chunks_and_the_group():
+  """dk and dv are summed where the queries go in chunks or a K/V head has several query heads (an item each)."""
+  assert BackwardBlocks().chunks(65536, True) == 1 and BackwardBlocks(query_chunks=2).chunks(65536, True) == 2
+  assert BackwardBlocks().chunks(65536, False) == 2
   assert BackwardBlocks().summed(16384, True, 4) and not BackwardBlocks().summed(16384, True, 1)
   assert BackwardBlocks(query_chunks=2).summed(16384, True, 1)
-  assert BackwardBlocks(heads_per_item=2).summed(16384, True, 4)
-  assert not BackwardBlocks(heads_per_item=4).summed(16384, True, 4)
-  assert not BackwardBlocks(heads_per_item=None).summed(16384, True, 4)
-  assert BackwardBlocks(heads_per_item=2).heads(4) == 2 and BackwardBlocks(heads_per_item=None).heads(4) == 4
 
 
 @pytest.mark.parametrize("s,kv,causal,summed", [(65536, 8, False, True), (32768, 8, False, False),
-                                                 (32768, 2, False, True), (32768, 8, True, False),
-                                                 (65536, 8, True, False), (16384, 2, True, True)])
+                                                 (32768, 2, False, True), (65536, 8, True, False),
+                                                 (16384, 2, True, True)])
 def test_the_backward_workspace_counts_the_sums(s, kv, causal, summed):
   """Where the queries go in chunks (by the length and the mask) or a K/V head's query heads over several items
   (grouped K/V), the backward's workspace holds float32 dk and dv sums beside dq's."""
@@ -158,44 +109,32 @@ def test_rows_without_keys_have_no_gradient():
     (dict(skv=256, causal=True), "causal takes queries and keys at the same positions"),
     (dict(s=160), "s_q=160 must be a multiple of block_q=64 and s_kv=128 of 2 \\* block_kv = 128"),
     (dict(lse=(1, 2, 64)), "lse must be \\[b, h, s_q\\]"),
-    (dict(num_ctas=0, persistent=True), "num_ctas=0 must be a positive int"),
-    (dict(num_ctas=4), "num_ctas=4 sizes a persistent grid, but blocks.persistent is False"),
-    (dict(waits="eager"), "waits='eager' must be one of \\['serial', 'paired', 'overlapped'\\]"),
-    (dict(order="rows"), "order='rows' must be one of \\['auto', 'pairs', 'heads'\\]"),
-    (dict(registers=248), "registers=248 must be one of \\[240, 232\\]"),
-    (dict(specialized="yes"), "specialized='yes' must be None \\(by the mask\\), True or False"),
-    (dict(persistent=None), "persistent=None must be True \\(one CTA per SM\\) or False \\(one CTA per item\\)"),
-    (dict(deferred_dq="no"), "deferred_dq='no' must be None \\(by the mask\\), True or False"),
+    (dict(block_q=128), "block_q=128 and block_kv=64 must be 64"),
+    (dict(max_concurrent_steps=1), "max_concurrent_steps=1 must be at least 2"),
     (dict(query_chunks=0), "query_chunks=0 must be None \\(auto_chunks\\) or a positive int"),
-    (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows"),
-    (dict(heads_per_item=0), "heads_per_item=0 must be None \\(the whole group\\) or a positive int"),
-    (dict(heads_per_item=3), "heads_per_item=3 must divide the 2 query heads per K/V head \\(h=2, kv=1\\)"),
-    (dict(heads_per_item=True), "heads_per_item=True must be None \\(the whole group\\) or a positive int")])
+    (dict(query_chunks=3), "query_chunks=3 is more than the 2 query tiles of 64 rows")])
 def test_bad_inputs_are_named(change, message):
   fields = {f.name for f in dataclasses.fields(BackwardBlocks)}
-  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None, num_ctas=None) | change
+  p = dict(s=128, skv=128, d=64, dtype=jnp.bfloat16, causal=False, lse=None) | change
   blocks = BackwardBlocks(**{name: value for name, value in p.items() if name in fields})
   s = jax.ShapeDtypeStruct
   q = s((1, p["s"], 2, p["d"]), p["dtype"])
   k = s((1, p["skv"], 1, p["d"]), p["dtype"])
   lse = s(p["lse"] or (1, 2, p["s"]), jnp.float32)
   with pytest.raises(PreconditionError, match=message):
-    jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], num_ctas=p["num_ctas"], blocks=blocks,
-                                     interpret=True), q, k, k, q, q, lse)
+    jax.eval_shape(functools.partial(attention_backward_ws, causal=p["causal"], blocks=blocks, interpret=True),
+                   q, k, k, q, q, lse)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("blocks", [BackwardBlocks(waits=w) for w in WAITS]
-                         + [BackwardBlocks(**EARLY), BackwardBlocks(specialized=True, one_step=True),
-                            BackwardBlocks(persistent=True), BackwardBlocks(deferred_dq=True),
-                            BackwardBlocks(query_chunks=3), BackwardBlocks(query_chunks=2, persistent=True),
-                            BackwardBlocks(heads_per_item=None), BackwardBlocks(heads_per_item=2)])
-def test_lowers_for_hopper(d, causal, blocks):
+# Pairwise: each head dimension with and without a mask, grouped K/V (summed) and MHA (stored), and the queries in
+# chunks (summed) without a mask.
+@pytest.mark.parametrize("d,causal,kv,chunks", [(64, True, 2, None), (128, False, 2, None), (64, False, 8, None),
+                                                (128, True, 8, None), (128, False, 8, 3)])
+def test_lowers_for_hopper(d, causal, kv, chunks):
   """Mosaic GPU's own passes (layouts, barriers, shared memory) accept the kernel for an H100: one kernel."""
   s = jax.ShapeDtypeStruct
-  q, k, lse = s((1, 512, 8, d), jnp.bfloat16), s((1, 512, 2, d), jnp.bfloat16), s((1, 8, 512), jnp.float32)
-  run = functools.partial(attention_backward_ws, causal=causal, blocks=blocks)
+  q, k, lse = s((1, 512, 8, d), jnp.bfloat16), s((1, 512, kv, d), jnp.bfloat16), s((1, 8, 512), jnp.float32)
+  run = functools.partial(attention_backward_ws, causal=causal, blocks=BackwardBlocks(query_chunks=chunks))
   text = lower_for_gpus(run, q, k, k, q, q, lse, mesh=h100_mesh(1))
   assert mosaic_kernels(text) == 1
 
@@ -264,37 +203,29 @@ def _one_device(axis_type):
   return jax.make_mesh((1,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("causal,axis_type,inside", [(True, AxisType.Explicit, True), (False, AxisType.Auto, False)])
-def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside):
-  """One device: our forward, and our backward as one call for the device's whole attention (``whole``)."""
+@pytest.mark.parametrize("causal,axis_type,inside,chunks", [(True, AxisType.Explicit, True, 2),
+                                                          (False, AxisType.Auto, False, 1)])
+def test_local_schedule_trains_on_our_kernels(causal, axis_type, inside, chunks, monkeypatch):
+  """One device: our forward, and our backward as one call for the device's whole attention (``whole``), on
+  Explicit axes inside ``jax.set_mesh`` with the backward's automatic chunks set to 2 at this length (chunks of 128
+  queries, dk and dv summed across them), and on Auto axes outside with the queries whole."""
+  monkeypatch.setattr(ws_backward, "auto_chunks", lambda s_q, causal: chunks)
+  assert BackwardBlocks().chunks(256, causal) == chunks
+  planned = []  # the chunk counts the kernel was traced with
+  plan = ws_backward.chunk_plan
+  monkeypatch.setattr(ws_backward, "chunk_plan", lambda nq, n, *a: planned.append(n) or plan(nq, n, *a))
   mesh = _one_device(axis_type)
-  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(1, 2, 1, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
   with registry.interpret_mode(), (jax.set_mesh(mesh) if inside else contextlib.nullcontext()):
     s = jm.Schedule(prog, mesh).patch("ws_attention")
     assert dual.backward_schedule(s).kernel == "ws_attention"  # an own backward: not cuDNN's
     _check_grads(s)
-
-
-@pytest.mark.parametrize("causal,axis_type,inside", [(True, AxisType.Explicit, True), (False, AxisType.Auto, False)])
-def test_local_schedule_trains_on_our_backward_in_query_chunks(causal, axis_type, inside, monkeypatch):
-  """The same with the backward's automatic chunks set to 2 at this length (chunks of 128 queries), dk and dv
-  summed across them, on Explicit axes inside ``jax.set_mesh`` and Auto axes outside."""
-  monkeypatch.setattr(attention_backward_ws_module, "auto_chunks", lambda s_q, causal, group=1: 2)
-  assert BackwardBlocks().chunks(256, causal, 2) == 2
-  planned = []  # the chunk counts the kernel was traced with
-  plan = attention_backward_ws_module._chunk_plan
-  monkeypatch.setattr(attention_backward_ws_module, "_chunk_plan", lambda nq, chunks, *a: planned.append(chunks)
-                      or plan(nq, chunks, *a))
-  mesh = _one_device(axis_type)
-  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=causal, dtype=jnp.bfloat16)
-  with registry.interpret_mode(), (jax.set_mesh(mesh) if inside else contextlib.nullcontext()):
-    _check_grads(jm.Schedule(prog, mesh).patch("ws_attention"))
-  assert planned and set(planned) == {2}
+  assert planned and set(planned) == {chunks}
 
 
 def test_fused_ring_attention_with_our_backward():
   mesh = _one_device(AxisType.Explicit)
-  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  prog = jm.programs.attention(1, 2, 1, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
   with registry.interpret_mode():
     ring = jm.library(prog, mesh)["ring"]
     s = ring.copy().lower_with("fused_ring_attention_ws", backward="ws_attention")

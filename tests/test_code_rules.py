@@ -42,3 +42,37 @@ def test_jax_internals_only_in_the_compat_module():
   users = [str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
            if "jax._src" in path.read_text() and path.name != "_compat.py"]
   assert users == []
+
+
+def _private_imports(path):
+  """(line, ``module.name``) of each private name ``path`` imports from another module of the package, or reads
+  off one it imported (``module._name``)."""
+  tree = ast.parse(path.read_text())
+  modules, found = {}, []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxmercury"):
+      for alias in node.names:
+        if alias.name.startswith("_") and not alias.name.startswith("__"):
+          found.append((node.lineno, f"{node.module}.{alias.name}"))
+        modules[alias.asname or alias.name] = node.module
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+        and node.attr.startswith("_") and not node.attr.startswith("__")):
+      found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+  return found
+
+
+def test_no_private_name_crosses_a_module():
+  """A name one module needs from another is public there; the compat module's names are public too (only the
+  module is private)."""
+  found = [f"{path.relative_to(PACKAGE.parent)}:{n}: {name}" for path in sorted(PACKAGE.rglob("*.py"))
+           for n, name in _private_imports(path)]
+  assert found == []
+
+
+def test_no_function_is_longer_than_200_lines():
+  """A function reads as named stages, not one closure of hundreds of lines (kernel bodies included)."""
+  long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+          for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 200]
+  assert long == []

@@ -25,9 +25,9 @@ from jaxmercury.analysis.plan import make_plan
 from jaxmercury.graph.options import _without_output_placement
 from jaxmercury.ir import orders
 from jaxmercury.ir.program import BlockContext
-from jaxmercury.kernels import cudnn_attention as ca
-from jaxmercury.kernels import mosaic_attention as ma
 from jaxmercury.kernels import registry
+from jaxmercury.kernels.attention import cudnn as ca
+from jaxmercury.kernels.attention import mosaic as ma
 from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.tuner import calibrate, cost

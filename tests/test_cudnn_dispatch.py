@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_matches, make_mesh
 
 import jaxmercury as jm
-from jaxmercury.kernels import cudnn_attention
+from jaxmercury.kernels.attention import cudnn as cudnn_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from test_masks import band_keep, check, packed_segments
 
 import jaxmercury as jm
-from jaxmercury.kernels import cudnn_attention as ca
+from jaxmercury.kernels.attention import cudnn as ca
 from jaxmercury.kernels.work import Block, Work
 from jaxmercury.programs import attention_backward as ab
 from jaxmercury.programs.attention import attention_block

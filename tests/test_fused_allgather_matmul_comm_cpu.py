@@ -15,10 +15,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_allgather_matmul import reference
-from jaxmercury.kernels.fused_allgather_matmul_comm import _kernel, fused_allgather_matmul_comm
-from jaxmercury.kernels.mosaic_matmul import Tiles
-from jaxmercury.kernels.peer_gemm import round_up
+from jaxmercury.kernels.gemm.allgather import reference
+from jaxmercury.kernels.gemm.allgather_comm import _kernel, fused_allgather_matmul_comm
+from jaxmercury.kernels.gemm.peer import round_up
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 SMALL = Tiles(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=2)  # fewer interpreted steps
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
@@ -85,9 +85,11 @@ def _lower(m, k, n, devices=8, **kwargs):
   return lower_for_gpus(f, spec((m, k), P("x", None)), spec((k, n), P(None, "x")), mesh=mesh)
 
 
-@pytest.mark.parametrize("tiles,chunk_rows", [(Tiles(), None), (Tiles(64, 256, 64, 4), 128),
-                                              (Tiles(256, 64, 64, 2), None)], ids=["128x128", "64x256", "256x64"])
-@pytest.mark.parametrize("shape", [(8 * 512, 1024, 8 * 256), (8 * 200, 1000, 8 * 75)], ids=["tiled", "ragged"])
+# Each tile variant once, each shape at least once.
+@pytest.mark.parametrize("shape,tiles,chunk_rows", [((8 * 512, 1024, 8 * 256), Tiles(), None),
+                                                    ((8 * 200, 1000, 8 * 75), Tiles(64, 256, 64, 4), 128),
+                                                    ((8 * 512, 1024, 8 * 256), Tiles(256, 64, 64, 2), None)],
+                         ids=["tiled-128x128", "ragged-64x256", "tiled-256x64"])
 def test_the_ring_lowers_for_eight_h100s(shape, tiles, chunk_rows):
   """Communication CTAs (TMA through SMEM into the peer, per-chunk semaphores) and compute CTAs lower to one
   Mosaic GPU kernel; lowering for an abstract H100 checks layouts and shared memory, it is no CUDA compile."""

@@ -12,8 +12,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_allgather_matmul import fused_allgather_matmul, reference
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.allgather import fused_allgather_matmul, reference
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 
 def _one_device_mesh():

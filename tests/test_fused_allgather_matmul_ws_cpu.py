@@ -9,8 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles
+from jaxmercury.kernels.gemm.allgather_ws import fused_allgather_matmul_ws
+from jaxmercury.kernels.gemm.tiles import WsTiles
 
 SPECS = dict(in_specs=(P("x", None), P(None, "x")), out_specs=P(None, "x"), check_vma=False)
 WS_TILES = [WsTiles(128, 128, 64, 4), WsTiles(128, 64, 64, 4), WsTiles(64, 128, 64, 4, "m")]
@@ -36,9 +36,15 @@ def test_inputs_and_tiles_are_checked_before_anything_runs():
     _run(jnp.ones((512, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16), devices=2)
 
 
-@pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("tiles", WS_TILES, ids=str)
-@pytest.mark.parametrize("shape", [(8 * 256, 512, 8 * 256), (8 * 200, 1000, 8 * 75)], ids=["tiled", "ragged"])
+SHAPES = {"tiled": (8 * 256, 512, 8 * 256), "ragged": (8 * 200, 1000, 8 * 75)}
+
+
+# Pairwise over the devices, the tiles and the shape (each pair once, not their product).
+PAIRS = ((1, 0, "tiled"), (8, 0, "ragged"), (1, 1, "ragged"), (8, 1, "tiled"), (8, 2, "tiled"), (1, 2, "ragged"))
+
+
+@pytest.mark.parametrize("devices,tiles,shape", [(d, WS_TILES[t], SHAPES[s]) for d, t, s in PAIRS],
+                         ids=[f"{d}-{WS_TILES[t]}-{s}" for d, t, s in PAIRS])
 def test_the_ring_lowers_for_h100s(shape, tiles, devices):
   """The ring (A tiles stored from the pipeline's SMEM into the peer, per-step semaphores, two consumer
   warpgroups) lowers to Mosaic GPU.

@@ -22,7 +22,7 @@ import jaxmercury as jm
 from jaxmercury.analysis import placements
 from jaxmercury.kernels import placements as kplacements
 from jaxmercury.kernels import registry
-from jaxmercury.kernels.peer_gemm import gathered_rows
+from jaxmercury.kernels.gemm.peer import gathered_rows
 
 AG, AG_WS, AG_JAX = "fused_allgather_matmul", "fused_allgather_matmul_ws", "jax_allgather_lhs_matmul"
 RS, RS_WS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"

@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_matmul_reducescatter import fused_matmul_reducescatter, reference
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.reducescatter import fused_matmul_reducescatter, reference
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
 
@@ -27,8 +27,8 @@ def _run(fn, x, w, devices=1):
   return jax.jit(jax.shard_map(fn, mesh=_mesh(devices), **SPECS))(x, w)
 
 
-@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
-@pytest.mark.parametrize("m,k,n", [(128, 128, 256), (200, 96, 130)])  # multiples of the tiles, and not
+# Multiples of the tiles, and not; each output dtype once.
+@pytest.mark.parametrize("m,k,n,out_dtype", [(128, 128, 256, None), (200, 96, 130, jnp.float32)])
 def test_one_device_matches_dot(m, k, n, out_dtype):
   x = jax.random.normal(fresh_key(), (m, k), jnp.float32).astype(jnp.bfloat16)
   w = jax.random.normal(fresh_key(), (k, n), jnp.float32).astype(jnp.bfloat16)
@@ -69,8 +69,9 @@ RING_TILES = [Tiles(128, 128, 64, 4), Tiles(128, 128, 64, 5), Tiles(64, 256, 64,
               Tiles(128, 128, 128, 2)]
 
 
-@pytest.mark.parametrize("tiles", RING_TILES, ids=str)
-@pytest.mark.parametrize("shape", [(1024, 512, 512), (8 * 200, 1000, 600)], ids=["tiled", "ragged"])
+# Every tile variant once, each shape with several of them.
+@pytest.mark.parametrize("tiles,shape", [(tiles, (1024, 512, 512) if i % 2 == 0 else (8 * 200, 1000, 600))
+                                         for i, tiles in enumerate(RING_TILES)], ids=str)
 def test_the_ring_lowers_for_eight_h100s(shape, tiles):
   """The 8-device ring (remote stores, semaphores, the float32 partial-sum add) lowers to Mosaic GPU.
 

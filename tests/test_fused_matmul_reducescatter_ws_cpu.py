@@ -9,7 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles, fused_matmul_reducescatter_ws
+from jaxmercury.kernels.gemm.reducescatter_ws import fused_matmul_reducescatter_ws
+from jaxmercury.kernels.gemm.tiles import WsTiles
 
 SPECS = dict(in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False)
 # The GPU test's and the benchmark's variants.
@@ -38,9 +39,15 @@ def test_inputs_and_tiles_are_checked_before_anything_runs():
          jnp.ones((128, 128), jnp.bfloat16), devices=2)
 
 
-@pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("tiles", WS_TILES, ids=str)
-@pytest.mark.parametrize("shape", [(2048, 512, 512), (8 * 200, 1000, 600)], ids=["tiled", "ragged"])
+SHAPES = {"tiled": (2048, 512, 512), "ragged": (8 * 200, 1000, 600)}
+
+
+# Pairwise over the devices, the tiles and the shape (each pair once, not their product).
+PAIRS = ((1, 0, "tiled"), (8, 0, "ragged"), (1, 1, "ragged"), (8, 1, "tiled"), (8, 2, "tiled"), (1, 2, "ragged"))
+
+
+@pytest.mark.parametrize("devices,tiles,shape", [(d, WS_TILES[t], SHAPES[s]) for d, t, s in PAIRS],
+                         ids=[f"{d}-{WS_TILES[t]}-{s}" for d, t, s in PAIRS])
 def test_the_ring_lowers_for_h100s(shape, tiles, devices):
   """The ring (remote epilogue stores, per-step semaphores, two consumer warpgroups) lowers to Mosaic GPU.
 

@@ -22,25 +22,28 @@ from ring_attention_checks import SEQ, SPECS, check_loopback, first_devices, loc
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.ir import orders
-from jaxmercury.kernels.fused_ring_attention import (
+from jaxmercury.kernels.attention.ring import (
   CONFIGS,
   Blocks,
-  _item,
   _kernel,
   fused_ring_attention,
   positions,
   reference,
   ring_attention,
+  round_robin_item,
 )
 
+BLOCKS = [dict(block_q=64, block_kv=64, max_concurrent_steps=2), dict(block_q=64, block_kv=128, max_concurrent_steps=3)]
 
-@pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),
-                                    dict(block_q=64, block_kv=128, max_concurrent_steps=3)], ids=str)
-@pytest.mark.parametrize("b,s,h,kv,d", [(1, 128, 2, 2, 64), (2, 128, 4, 2, 128)], ids=["mha", "gqa"])
-def test_one_device_matches_the_reference(b, s, h, kv, d, blocks):
+
+# Each block configuration once, each shape once: MHA on the default grid of a device without an SM count (4 CTAs),
+# GQA d 128 over 3 CTAs.
+@pytest.mark.parametrize("b,s,h,kv,d,blocks,num_ctas", [(1, 128, 2, 2, 64, BLOCKS[0], None),
+                                                        (2, 128, 4, 2, 128, BLOCKS[1], 3)], ids=["mha", "gqa"])
+def test_one_device_matches_the_reference(b, s, h, kv, d, blocks, num_ctas):
   q, k, v = local_inputs(b, s, h, kv, d)
-  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=3, interpret=True,
-                                                                       **blocks), q, k, v)
+  out, lse = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=num_ctas,
+                                                                       interpret=True, **blocks), q, k, v)
   want_out, want_lse = run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v)
   assert out.shape == q.shape and out.dtype == jnp.bfloat16
   assert lse.shape == (b, h, s) and lse.dtype == jnp.float32
@@ -56,23 +59,6 @@ def test_the_reference_is_dot_product_attention():
   assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-5
 
 
-def test_the_gradient_is_the_references():
-  q, k, v = local_inputs(1, 128, 4, 2, 64)
-  cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
-
-  def loss(attention):
-    def f(q, k, v):
-      out, lse = jax.shard_map(attention, mesh=first_devices(), **SPECS)(q, k, v)
-      return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(lse))
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-
-  got = loss(lambda q, k, v: ring_attention(q, k, v, "x", block_kv=64, num_ctas=4, interpret=True))(q, k, v)
-  want = loss(lambda q, k, v: reference(q, k, v, "x"))(q, k, v)
-  for g, w in zip(got, want):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 2e-2
-
-
 # ------------------------------------------------------------------ causal
 # (order, zigzag chunks, local sequence length): with one device, the default zigzag (2 chunks) is the natural
 # order, 4 chunks store true chunks 0, 3, 1, 2: hidden, visible and partial tiles in every ring-step run.
@@ -84,10 +70,10 @@ def _true_order(x, chunks):
   return x if chunks is None else x[:, np.argsort(orders.permutation(x.shape[1], chunks))]
 
 
-@pytest.mark.parametrize("blocks", [dict(block_q=64, block_kv=64, max_concurrent_steps=2),
-                                    dict(block_q=64, block_kv=128, max_concurrent_steps=3)], ids=str)
-@pytest.mark.parametrize("b,h,kv", [(1, 2, 2), (2, 4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("order,chunks,s", ORDERS, ids=["natural", "zigzag", "zigzag4"])
+# Each order once, each head layout and block configuration (zigzag4's runs: several tiles of 64 keys).
+@pytest.mark.parametrize("order,chunks,s,b,h,kv,blocks", [(*ORDERS[0], 1, 2, 2, BLOCKS[0]), (*ORDERS[1], 2, 4, 2, BLOCKS[1]),
+                                                          (*ORDERS[2], 1, 2, 2, BLOCKS[0])],
+                         ids=["natural-mha", "zigzag-gqa", "zigzag4-mha"])
 def test_causal_one_device_matches_the_reference(order, chunks, s, b, h, kv, blocks):
   q, k, v = local_inputs(b, s, h, kv, 64)
   mask = dict(causal=True, order=order, chunks=chunks)
@@ -113,11 +99,13 @@ def test_the_causal_reference_is_dot_product_attention():
   assert rel_err(lse, jax.nn.logsumexp(scores, axis=-1)) < 1e-5
 
 
-@pytest.mark.parametrize("order,chunks", [("natural", None), ("zigzag", 4)], ids=["natural", "zigzag4"])
-def test_the_causal_gradient_is_the_references(order, chunks):
+@pytest.mark.parametrize("causal,order,chunks", [(False, "natural", None), (True, "zigzag", 4)],
+                         ids=["non-causal", "causal-zigzag4"])
+def test_the_gradient_is_the_references(causal, order, chunks):
+  """``ring_attention``'s gradient (the unfused reference's backward from the kernel's forward)."""
   q, k, v = local_inputs(1, 256, 4, 2, 64)
   cot = jax.random.normal(fresh_key(), q.shape, jnp.float32)
-  mask = dict(causal=True, order=order, chunks=chunks)
+  mask = dict(causal=causal, order=order, chunks=chunks)
 
   def loss(attention):
     def f(q, k, v):
@@ -141,6 +129,7 @@ def test_positions_are_the_stored_zigzag_order(n, per_device):
   chunk = s // per_device
   local = np.arange(s)
   stored = orders.permutation(n * s, chunks)
+  traced = jax.jit(lambda r, j: positions("zigzag", r, n, s, j, chunks))  # device and position traced
   for r in range(n):
     got = np.asarray(positions("zigzag", r, n, s, local, None if per_device == 2 else chunks))
     want = [orders.zigzag_chunk(r * per_device + j // chunk, chunks) * chunk + j % chunk for j in local]
@@ -149,7 +138,7 @@ def test_positions_are_the_stored_zigzag_order(n, per_device):
     np.testing.assert_array_equal(positions("natural", r, n, s, local), r * s + local)
     for j in range(0, s, chunk):  # ints in, ints out: the kernel's tile starts; traced too
       assert positions("zigzag", r, n, s, j, chunks) == got[j]
-      assert int(jax.jit(lambda r, j: positions("zigzag", r, n, s, j, chunks))(r, j)) == got[j]
+      assert int(traced(r, j)) == got[j]
   if per_device == 2:  # ring_zigzag's layout: device r holds true chunks r and 2 n - 1 - r
     starts = [[int(positions("zigzag", r, n, s, j)) // chunk for j in (0, chunk)] for r in range(n)]
     assert starts == [[r, 2 * n - 1 - r] for r in range(n)]
@@ -203,38 +192,39 @@ def test_a_ring_needs_a_gpu_mesh_over_every_device(interpret, devices, message):
 
 
 
-@pytest.mark.parametrize("blocks", CONFIGS + (Blocks(64, 64, 2),), ids=str)  # and the benchmark's two-per-SM blocks
-@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 32, 128), (1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)],
-                         ids=["mha", "gqa", "small"])
-def test_the_ring_lowers_for_eight_h100s(b, s, h, kv, d, blocks):
+def _lower_ring(b, s, h, kv, d, blocks, **mask):
+  mesh = h100_mesh(8)
+  spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
+  kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132, block_q=blocks.block_q,
+                                                block_kv=blocks.block_kv,
+                                                max_concurrent_steps=blocks.max_concurrent_steps, **mask)
+  text = lower_for_gpus(jax.shard_map(kernel, mesh=mesh, **SPECS), spec(h), spec(kv), spec(kv), mesh=mesh)
+  assert mosaic_kernels(text) == 1
+  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+
+
+# Every block configuration once (and the benchmark's two-per-SM blocks), every shape at least once.
+@pytest.mark.parametrize("shape,blocks", [((1, 1024, 32, 32, 128), CONFIGS[0]), ((1, 1024, 32, 8, 128), CONFIGS[1]),
+                                          ((2, 256, 4, 2, 64), CONFIGS[2]), ((1, 1024, 32, 8, 128), Blocks(64, 64, 2))],
+                         ids=["mha", "gqa", "small", "gqa-two-per-sm"])
+def test_the_ring_lowers_for_eight_h100s(shape, blocks):
   """The 8-device ring (remote TMA stores, per-step semaphores, wgmma with P from registers) lowers.
 
   Lowering for an abstract H100 checks layouts and shared memory; it is no
   CUDA compile (register pressure is ptxas's) and no run.
   """
-  mesh = h100_mesh(8)
-  spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
-  kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", num_ctas=132, block_q=blocks.block_q,
-                                                block_kv=blocks.block_kv,
-                                                max_concurrent_steps=blocks.max_concurrent_steps)
-  text = lower_for_gpus(jax.shard_map(kernel, mesh=mesh, **SPECS), spec(h), spec(kv), spec(kv), mesh=mesh)
-  assert mosaic_kernels(text) == 1
-  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+  _lower_ring(*shape, blocks)
 
 
-@pytest.mark.parametrize("blocks", [CONFIGS[0], Blocks(64, 64, 2)], ids=str)
-@pytest.mark.parametrize("order", ["natural", "zigzag"])
-@pytest.mark.parametrize("b,s,h,kv,d", [(1, 1024, 32, 8, 128), (2, 256, 4, 2, 64)], ids=["gqa", "small"])
-def test_the_causal_ring_lowers_for_eight_h100s(b, s, h, kv, d, order, blocks):
+# Pairwise over the blocks, the order and the shape.
+@pytest.mark.parametrize("shape,order,blocks", [((1, 1024, 32, 8, 128), "natural", CONFIGS[0]),
+                                                ((2, 256, 4, 2, 64), "zigzag", CONFIGS[0]),
+                                                ((2, 256, 4, 2, 64), "natural", Blocks(64, 64, 2)),
+                                                ((1, 1024, 32, 8, 128), "zigzag", Blocks(64, 64, 2))],
+                         ids=["gqa", "zigzag-small", "small-two-per-sm", "zigzag-gqa-two-per-sm"])
+def test_the_causal_ring_lowers_for_eight_h100s(shape, order, blocks):
   """The causal ring (runs skipped by a cond, tiles classified by a switch, iota masks) lowers too."""
-  mesh = h100_mesh(8)
-  spec = lambda heads: jax.ShapeDtypeStruct((b, 8 * s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, SEQ))
-  kernel = lambda q, k, v: fused_ring_attention(q, k, v, "x", causal=True, order=order, num_ctas=132,
-                                                block_q=blocks.block_q, block_kv=blocks.block_kv,
-                                                max_concurrent_steps=blocks.max_concurrent_steps)
-  text = lower_for_gpus(jax.shard_map(kernel, mesh=mesh, **SPECS), spec(h), spec(kv), spec(kv), mesh=mesh)
-  assert mosaic_kernels(text) == 1
-  assert "all-gather" not in text and "all_gather" not in text and "collective_permute" not in text
+  _lower_ring(*shape, blocks, causal=True, order=order)
 
 
 def test_one_device_lowers_without_peers():
@@ -250,7 +240,7 @@ def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
   """Items 0 .. b * kv - 1 are the forwarders (query block 0 of each group's first head), one per (b, kv head)."""
   g = h // kv
   forwarders = b * kv
-  items = [tuple(int(x) for x in _item(jnp.int32(t), forwarders, g * nq, nq, g, kv)) for t in range(b * h * nq)]
+  items = [tuple(int(x) for x in round_robin_item(jnp.int32(t), forwarders, g * nq, nq, g, kv)) for t in range(b * h * nq)]
   assert sorted(i[:3] for i in items) == [(bi, hi, qi) for bi in range(b) for hi in range(h) for qi in range(nq)]
   assert [i[3] for i in items] == [1] * forwarders + [0] * (len(items) - forwarders)
   assert {(bi, hi // g) for bi, hi, qi, _ in items[:forwarders]} == {(bi, k) for bi in range(b) for k in range(kv)}
@@ -258,7 +248,7 @@ def test_forwarders_come_first_and_every_item_runs_once(b, h, kv, nq):
 
 
 @pytest.mark.parametrize("n,b,h,kv,causal,order,chunks,s", [
-    (3, 2, 4, 2, False, "natural", None, 128),  # b * kv = 4 forwarders, 4 non-forwarders, 3 ring steps
+    (3, 1, 4, 2, False, "natural", None, 128),  # b * kv = 2 forwarders, 2 non-forwarders, 3 ring steps
     (3, 1, 2, 1, True, "natural", None, 256),  # steps 1, 2 hidden: only the forwarder loads (passes) them
     (2, 1, 2, 1, True, "zigzag", 8, 512),  # 4 chunks a device: hidden, partial and visible runs each step
 ], ids=["mha-3", "causal-3", "zigzag8-2"])
@@ -270,10 +260,3 @@ def test_the_forwarding_path_in_a_loopback_ring(n, b, h, kv, causal, order, chun
   rows would be NaN (the interpreter's uninitialised memory).
   """
   check_loopback(_kernel, Blocks(64, 64, 2), n, b, s, h, kv, 64, causal, order, chunks)
-
-
-def test_the_default_grid_without_an_sm_count():
-  q, k, v = local_inputs(1, 128, 2, 2, 64)
-  out, _ = run(first_devices(), lambda q, k, v: fused_ring_attention(q, k, v, "x", interpret=True), q, k, v)
-  want, _ = run(first_devices(), lambda q, k, v: reference(q, k, v, "x"), q, k, v)
-  assert rel_err(out.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2

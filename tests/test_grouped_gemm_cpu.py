@@ -1,4 +1,4 @@
-"""The Mosaic GPU grouped GEMM (``kernels.mosaic_grouped_gemm``), as far as a CPU can check it.
+"""The Mosaic GPU grouped GEMM (``kernels.moe.grouped_gemm``), as far as a CPU can check it.
 
 - JAX's ragged-dot kernels take no interpret flag; ``interpreted`` binds Mosaic
   GPU interpret mode into them, and the wrapper (forward, ``dx``, ``dw``)
@@ -30,8 +30,8 @@ from test_moe import dense_moe, inputs
 import jaxmercury as jm
 from jaxmercury.analysis import dispatch as dispatches
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import mosaic_grouped_gemm as mgg
 from jaxmercury.kernels import registry
+from jaxmercury.kernels.moe import grouped_gemm as mgg
 from jaxmercury.lowering import routed
 
 NAME = "mosaic_grouped_gemm"

@@ -26,13 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, rel_err
+from conftest import fresh_key, h100_mesh, lower_for_gpus, make_mesh, mosaic_kernels, pairwise, rel_err
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import causal_dispatch, registry
-from jaxmercury.kernels import mosaic_attention as ma
-from jaxmercury.kernels import mosaic_matmul as mm
+from jaxmercury.kernels import mosaic_gpu, registry
+from jaxmercury.kernels.attention import causal_blocks
+from jaxmercury.kernels.attention import mosaic as ma
+from jaxmercury.kernels.gemm import mosaic as mm
+from jaxmercury.kernels.gemm.tiles import Tiles
 from jaxmercury.programs import attention_backward as ab
 
 MOSAIC = ("mosaic_attention", "mosaic_attention_dq", "mosaic_attention_dkv", "mosaic_matmul", "jax_mosaic_matmul")
@@ -58,11 +60,11 @@ class _FakeDevice:
 
 def test_hopper_only():
   cpu = jax.devices("cpu")[0]
-  assert str(cpu) in mm.hopper_only(cpu) and "cpu" in mm.hopper_only(cpu)
-  reason = mm.hopper_only(_FakeDevice("8.0", "NVIDIA A100-SXM4-80GB"))
+  assert str(cpu) in mosaic_gpu.hopper_only(cpu) and "cpu" in mosaic_gpu.hopper_only(cpu)
+  reason = mosaic_gpu.hopper_only(_FakeDevice("8.0", "NVIDIA A100-SXM4-80GB"))
   assert "9.0" in reason and "8.0" in reason and "A100" in reason
-  assert mm.hopper_only(_FakeDevice("9.0")) is None
-  assert "wgmma" in mm.hopper_only(_FakeDevice("10.0"))
+  assert mosaic_gpu.hopper_only(_FakeDevice("9.0")) is None
+  assert "wgmma" in mosaic_gpu.hopper_only(_FakeDevice("10.0"))
 
 
 @pytest.mark.parametrize("name", MOSAIC)
@@ -102,11 +104,12 @@ def test_infeasible_matmul_variants_are_refused(interpreted_gemm):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_matmul_interpret_every_variant(dtype):
-  """Every feasible variant (bf16; the default in fp16) on a shape with several tiles along each axis."""
-  a, b = _normal((256, 512), dtype), _normal((512, 512), dtype)
+def test_matmul_interpret_pairwise_variants(dtype):
+  """Feasible variants covering every pair of tile choices (bf16; the default in fp16) on a shape with several
+  tiles along each axis."""
+  a, b = _normal((256, 256), dtype), _normal((256, 512), dtype)
   want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-  for tiles in _feasible_variants() if dtype == jnp.bfloat16 else [mm.Tiles()]:
+  for tiles in pairwise(_feasible_variants()) if dtype == jnp.bfloat16 else [Tiles()]:
     got = jax.jit(functools.partial(mm.mosaic_gemm, tiles=tiles, interpret=True))(a, b)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     assert rel_err(got, want) < 1e-5, tiles
@@ -118,7 +121,7 @@ def test_matmul_gradients_interpret(k):
   (k=256), through XLA where k is no multiple of the 128-wide output tiles of those two GEMMs (k=192)."""
   a, b = _normal((256, k), jnp.bfloat16), _normal((k, 256), jnp.bfloat16)
   d_out = _normal((256, 256), jnp.float32)
-  tiles = mm.Tiles(128, 128, 64, 2)
+  tiles = Tiles(128, 128, 64, 2)
   loss = lambda f: lambda a, b: jnp.vdot(f(a, b), d_out)
   want = jax.grad(loss(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), (0, 1))(a, b)
   got = jax.jit(jax.grad(loss(functools.partial(mm.mosaic_gemm, tiles=tiles, interpret=True)), (0, 1)))(a, b)
@@ -188,13 +191,14 @@ def cuda_runtime(monkeypatch):
 
 
 def test_matmul_variants_lower():
+  """Both GEMM kernels' variants, every pair of tile choices (feasible ones), lower for an H100."""
   s = jax.ShapeDtypeStruct
   a, b = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16)
-  for tiles in _feasible_variants():
+  for tiles in pairwise(_feasible_variants()):
     assert mosaic_kernels(_lower(functools.partial(mm.mosaic_gemm, tiles=tiles), a, b)) == 1, tiles
-  for choice in registry.kernel("jax_mosaic_matmul").variants():
-    params = dataclasses.asdict(choice.config)
-    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, choice
+  for config in pairwise([choice.config for choice in registry.kernel("jax_mosaic_matmul").variants()]):
+    params = dataclasses.asdict(config)
+    assert mosaic_kernels(_lower(functools.partial(mm.jax_gemm, **params), a, b)) == 1, config
 
 
 def test_matmul_gradients_lower_to_three_kernels():
@@ -202,7 +206,7 @@ def test_matmul_gradients_lower_to_three_kernels():
   s = jax.ShapeDtypeStruct
   a, b, d = s((512, 1024), jnp.bfloat16), s((1024, 512), jnp.bfloat16), s((512, 512), jnp.float32)
   (choice, *_) = registry.kernel("jax_mosaic_matmul").variants()
-  gemms = [functools.partial(mm.mosaic_gemm, tiles=mm.Tiles()),
+  gemms = [functools.partial(mm.mosaic_gemm, tiles=Tiles()),
            functools.partial(mm.jax_gemm, **dataclasses.asdict(choice.config))]
   for gemm in gemms:
     step = jax.value_and_grad(lambda a, b, d: jnp.vdot(gemm(a, b), d), (0, 1))
@@ -215,17 +219,18 @@ def _spec(*shape, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_attention_shared_memory_estimates(cuda_runtime, d):
-  """Where the estimate admits a configuration it lowers; where it refuses, lowering runs out of SMEM."""
+  """Where the estimate admits a configuration it lowers; where it refuses, lowering runs out of SMEM (every pair
+  of each kernel's choices)."""
   am = ma.attention_mgpu
   q, k, lse = _spec(1, 512, 2, 2, d), _spec(1, 512, 2, d), _spec(1, 512, 2, 2, dtype=jnp.float32)
-  for choice in registry.kernel("mosaic_attention").variants():
-    p = dataclasses.asdict(choice.config)
+  for config in pairwise([choice.config for choice in registry.kernel("mosaic_attention").variants()]):
+    p = dataclasses.asdict(config)
     config = ma._forward_config(512, 512, d, p)
     raw = am.TuningConfig(block_q=p["block_q"], block_kv=p["block_kv"], max_concurrent_steps=p["max_concurrent_steps"])
     _assert_lowers_iff(config is not None, lambda *x: ma.forward(*x, raw), q, k, k)
   for part in ("dq", "dkv"):
-    for choice in registry.kernel(f"mosaic_attention_{part}").variants():
-      p = dataclasses.asdict(choice.config)
+    for kernel_config in pairwise([choice.config for choice in registry.kernel(f"mosaic_attention_{part}").variants()]):
+      p = dataclasses.asdict(kernel_config)
       config = ma._backward_config(512, 512, d, part, p)
       if config is None:  # every warpgroup count was refused: check the last one tried (one)
         blocks = ma._backward_blocks(part, p)
@@ -234,7 +239,7 @@ def test_attention_shared_memory_estimates(cuda_runtime, d):
         admitted = False
       else:
         admitted = True
-      run = lambda *x, config=config, part=part: causal_dispatch.pick(part)(*ma.backward(*x, config))
+      run = lambda *x, config=config, part=part: causal_blocks.pick(part)(*ma.backward(*x, config))
       _assert_lowers_iff(admitted, run, q, k, k, q, q, lse)
 
 
@@ -351,23 +356,26 @@ def _assert_gradients(schedule, tol=3e-2):
 
 
 def _library(prog, strategy):
-  """A library schedule; ``context_parallel_tiled``: context parallel, keys in serial blocks of the queries' size."""
-  lib = jm.library(prog, make_mesh("8"))
+  """A library schedule over 4 devices (zigzag: 8 chunks, of two of the kernel's query blocks at 1024 positions);
+  ``context_parallel_tiled``: context parallel, keys in serial blocks of the queries' size."""
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+  lib = jm.library(prog, mesh)
   if strategy == "context_parallel_tiled":
-    return lib["context_parallel"].tile("j", 8)
+    return lib["context_parallel"].tile("j", 4)
   return lib[strategy]
 
 
-DISPATCH_CASES = ([("ring", causal, heads) for causal in (False, True) for heads in sorted(HEADS)]
-                  + [(strategy, causal, "gqa") for strategy in ("context_parallel", "context_parallel_tiled")
-                     for causal in (False, True)]
-                  + [("ring_zigzag", True, "gqa")])  # zigzag order is for causal attention
+# Each head layout with and without a mask on the ring (pairwise), both context parallels (causal context parallel
+# runs only the body), zigzag order (for causal attention).
+DISPATCH_CASES = [("ring", False, "mha"), ("ring", True, "gqa"), ("ring", False, "mqa"), ("ring", True, "mqa"),
+                  ("context_parallel", True, "gqa"), ("context_parallel_tiled", False, "gqa"),
+                  ("context_parallel_tiled", True, "gqa"), ("ring_zigzag", True, "gqa")]
 
 
 @pytest.mark.parametrize("strategy, causal, heads", DISPATCH_CASES)
 def test_library_dispatch(standins, strategy, causal, heads):
   """Values, and which blocks reach the kernel (the causal kernel only for equal, aligned blocks)."""
-  prog = _attention(heads, n=2048 if strategy == "ring_zigzag" else 1024, causal=causal)
+  prog = _attention(heads, causal=causal)
   _assert_forward(_library(prog, strategy).patch("mosaic_attention"))
   # Causal context parallel: a query block against all keys is never wholly visible: all of it is the body's.
   assert bool(standins) != (causal and strategy == "context_parallel")
@@ -386,21 +394,20 @@ def test_uneven_blocks_use_every_path(standins, causal):
 
 def test_blocks_off_the_kernel_fall_back(standins):
   """Padded keys, and blocks shorter than two query blocks of the kernel, use the program's body."""
-  _assert_forward(jm.library(_attention(n=1000), make_mesh("8"))["ring"].patch("mosaic_attention"))
-  _assert_forward(jm.library(_attention(n=512), make_mesh("8"))["ring"].patch("mosaic_attention", block_q=128))
+  _assert_forward(_library(_attention(n=1000), "ring").patch("mosaic_attention"))
+  _assert_forward(_library(_attention(n=512), "ring").patch("mosaic_attention", block_q=128))
   assert not standins
 
 
 def test_head_dim_off_the_kernel_falls_back(standins):
-  _assert_forward(jm.library(_attention(d=80), make_mesh("8"))["ring"].patch("mosaic_attention"))
+  _assert_forward(_library(_attention(d=80), "ring").patch("mosaic_attention"))
   assert not standins
 
 
-@pytest.mark.parametrize("strategy, causal", [("ring", False), ("ring", True), ("ring_zigzag", True),
-                                              ("context_parallel_tiled", False), ("context_parallel_tiled", True)])
+@pytest.mark.parametrize("strategy, causal", [("ring", False), ("ring_zigzag", True), ("context_parallel_tiled", True)])
 def test_gradients_through_the_backward_kernels(standins, strategy, causal):
   from jaxmercury.schedules.dual import attention_duals
-  prog = _attention(n=2048 if strategy == "ring_zigzag" else 1024, causal=causal)
+  prog = _attention(causal=causal)
   s = _library(prog, strategy).patch("mosaic_attention")
   _, dq, dkv = attention_duals(s)
   assert (dq.kernel, dkv.kernel) == ("mosaic_attention_dq", "mosaic_attention_dkv")
@@ -408,13 +415,13 @@ def test_gradients_through_the_backward_kernels(standins, strategy, causal):
   assert any(c.has_backward_blocks for c in standins)
 
 
-@pytest.mark.parametrize("strategy, causal", [("ring", True), ("ring_zigzag", True), ("context_parallel", False)])
+@pytest.mark.parametrize("strategy, causal", [("ring_zigzag", True), ("context_parallel", False)])
 def test_gradients_run_cudnns_backward_where_the_devices_have_it(standins, cpu_cudnn, strategy, causal):
   """With cuDNN offered, a Mosaic-patched schedule's backward runs cuDNN's backward blocks on the same nest
   (``dual.backward_schedule``), fed by the Mosaic forward's output and log-sum-exp; JAX's Mosaic dq and dk-dv
   kernels do not run."""
   from jaxmercury.schedules.dual import attention_duals, backward_schedule
-  prog = _attention(n=2048, causal=causal)
+  prog = _attention(causal=causal)
   params = {} if strategy == "ring_zigzag" else {"block_q": 128}  # a block holds two of the kernel's query blocks
   s = _library(prog, strategy).patch("mosaic_attention", **params)
   b = backward_schedule(s)

@@ -17,8 +17,9 @@ from conftest import assert_matches, fresh_key, make_mesh, rel_err
 
 import jaxmercury as jm
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels import flash_attention as fa
-from jaxmercury.kernels import registry, triton_attention
+from jaxmercury.kernels import registry
+from jaxmercury.kernels.attention import pallas as fa
+from jaxmercury.kernels.attention import triton as triton_attention
 from jaxmercury.programs import attention_backward as ab
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}

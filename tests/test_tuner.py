@@ -454,7 +454,7 @@ def test_latency_memory_plot_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_kernel_variants_take_their_kernels_measured_rate():
-  from jaxmercury.kernels.mosaic_attention import ForwardConfig
+  from jaxmercury.kernels.attention.mosaic import ForwardConfig
   machine = cost.Machine("rates", 100e12, {"*": 400e9}, 20e-6,
                          kernel_flops_per_s={"k": 500e12, "k(block_q=128)": 450e12})
   assert machine.rate("k", ForwardConfig(block_q=128)) == 450e12

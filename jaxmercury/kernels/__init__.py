@@ -8,24 +8,7 @@ A kernel of your own is registered the same way, from any module (``docs/kernels
   kernels.register(MY_KERNEL)
 """
 
-from jaxmercury.kernels import (
-                                cudnn_attention,
-                                flash_attention,
-                                fused_allgather_matmul,
-                                fused_allgather_matmul_comm,
-                                fused_allgather_matmul_ws,
-                                fused_matmul_reducescatter,
-                                fused_matmul_reducescatter_ws,
-                                fused_ring_attention,
-                                fused_ring_attention_ws,
-                                jax_allgather_matmul,
-                                mosaic_attention,
-                                mosaic_grouped_gemm,
-                                mosaic_matmul,
-                                triton_attention,
-                                ws_attention,
-                                xla,
-)
+from jaxmercury.kernels import attention, gemm, moe, xla
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.registry import (
                                 AttentionBackward,
@@ -42,24 +25,24 @@ from jaxmercury.kernels.work import Block, Work
 
 # Local kernels, in the order the tuner tries them.
 register(xla.XLA)
-register(cudnn_attention.CUDNN_ATTENTION)
-register(flash_attention.PALLAS_ATTENTION)
-register(triton_attention.TRITON_ATTENTION)
-register(mosaic_attention.MOSAIC_ATTENTION)
-register(ws_attention.WS_ATTENTION)
-register(mosaic_matmul.MOSAIC_MATMUL)
-register(mosaic_matmul.JAX_MOSAIC_MATMUL)
+register(attention.cudnn.CUDNN_ATTENTION)
+register(attention.pallas.PALLAS_ATTENTION)
+register(attention.triton.TRITON_ATTENTION)
+register(attention.mosaic.MOSAIC_ATTENTION)
+register(attention.ws.WS_ATTENTION)
+register(gemm.mosaic.MOSAIC_MATMUL)
+register(gemm.mosaic.JAX_MOSAIC_MATMUL)
 # Fused kernels.
-register(fused_allgather_matmul.FUSED_ALLGATHER_MATMUL)
-register(fused_allgather_matmul_comm.FUSED_ALLGATHER_MATMUL_COMM)
-register(jax_allgather_matmul.JAX_ALLGATHER_LHS_MATMUL)
-register(fused_matmul_reducescatter.FUSED_MATMUL_REDUCESCATTER)
-register(fused_matmul_reducescatter_ws.FUSED_MATMUL_REDUCESCATTER_WS)
-register(fused_allgather_matmul_ws.FUSED_ALLGATHER_MATMUL_WS)
-register(fused_ring_attention.FUSED_RING_ATTENTION)
-register(fused_ring_attention_ws.FUSED_RING_ATTENTION_WS)
+register(gemm.allgather.FUSED_ALLGATHER_MATMUL)
+register(gemm.allgather_comm.FUSED_ALLGATHER_MATMUL_COMM)
+register(gemm.allgather_jax.JAX_ALLGATHER_LHS_MATMUL)
+register(gemm.reducescatter.FUSED_MATMUL_REDUCESCATTER)
+register(gemm.reducescatter_ws.FUSED_MATMUL_REDUCESCATTER_WS)
+register(gemm.allgather_ws.FUSED_ALLGATHER_MATMUL_WS)
+register(attention.ring.FUSED_RING_ATTENTION)
+register(attention.ws_forward.FUSED_RING_ATTENTION_WS)
 # Grouped GEMM kernels (a dispatched mixture of experts' expert GEMMs).
-register(mosaic_grouped_gemm.MOSAIC_GROUPED_GEMM)
+register(moe.grouped_gemm.MOSAIC_GROUPED_GEMM)
 
 __all__ = ["AttentionBackward", "Block", "DualGemm", "DualPrograms", "FusedKernel", "GroupedKernel", "Kernel",
            "KernelChoice", "Work", "interpret_mode", "param", "register"]

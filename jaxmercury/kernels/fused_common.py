@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from jaxmercury.kernels.mosaic_matmul import hopper_only
+from jaxmercury.kernels.mosaic_gpu import hopper_only
 from jaxmercury.kernels.placements import ALLGATHER
 
 INTERPRET_CTAS = 2  # persistent CTAs of a kernel in interpret mode (a CPU device reports no SM count)
@@ -72,19 +70,6 @@ def interpretable_devices(p, mesh) -> str | None:
     reason += (f"; its Mosaic GPU interpret mode runs on CPU only where level {p.level!r} has one device "
                f"(it has {p.size})")
   return reason
-
-
-def snake_order(work: int, grid: int, cta):
-  """``work`` items over a persistent grid of ``grid`` CTAs in snake order: CTA ``cta`` takes rank ``i grid + cta``
-  in its even rounds ``i`` and ``i grid + grid - 1 - cta`` in its odd ones, so a part-filled last round goes to
-  the first CTAs if it is even and to the last ones if it is odd.
-
-  Returns:
-    ``(items, rank)``: how many items ``cta`` runs (traced), and ``rank(i)``, the rank of its ``i``-th.
-  """
-  full, last = divmod(work, grid)
-  in_last = (cta < last) if full % 2 == 0 else (cta >= grid - last)
-  return full + in_last.astype(jnp.int32), lambda i: i * grid + jnp.where(lax.rem(i, 2) == 0, cta, grid - 1 - cta)
 
 
 def positive_ints(config, *names) -> str | None:

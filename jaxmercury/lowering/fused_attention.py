@@ -1,6 +1,6 @@
 """The backward of a fused ring attention: the dual programs of its loop-nest schedule, fed by the kernel.
 
-A ring attention kernel (``kernels.fused_ring_attention``, ``_ws``) computes
+A ring attention kernel (``kernels.attention.ring``, ``.ws_forward``) computes
 device ``r``'s output block over every device's keys in one launch, K and V
 travelling the ring inside it. It declares ``DualPrograms`` as its backward:
 the dq and dk-dv programs of ``backward_schedule`` (the same layouts and

@@ -13,7 +13,7 @@ global signature are the plan's, as for any schedule):
    (token, expert) row into the slot buffer of the device holding the
    expert, all-to-all over the experts' level, compute the received rows
    grouped by local expert (``jax.lax.ragged_dot``, the dense masked form,
-   or a grouped GEMM kernel: ``kernels.mosaic_grouped_gemm``), all-to-all
+   or a grouped GEMM kernel: ``kernels.moe.grouped_gemm``), all-to-all
    the results back and sum them with the gate weights;
 4. reduce-scatter (or all-reduce) the partial outputs over the hidden-width
    levels.

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from jaxmercury.kernels.fused_allgather_matmul import reference as allgather_reference
+from jaxmercury.kernels.gemm.allgather import reference as allgather_reference
 
 TOL = 2e-2  # bf16 relative norm error of outputs
 GRAD_TOL = 3e-2  # and of gradients

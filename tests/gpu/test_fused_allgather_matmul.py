@@ -6,10 +6,9 @@ import pytest
 from jax.sharding import AxisType
 
 from gpu.checks import check_allgather_matmul, gpu_mesh
-from jaxmercury.kernels.fused_allgather_matmul import fused_allgather_matmul
-from jaxmercury.kernels.fused_allgather_matmul_ws import fused_allgather_matmul_ws
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsTiles
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.allgather import fused_allgather_matmul
+from jaxmercury.kernels.gemm.allgather_ws import fused_allgather_matmul_ws
+from jaxmercury.kernels.gemm.tiles import Tiles, WsTiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
@@ -51,7 +50,7 @@ def test_the_gathered_rows_are_all_gather(shape, kernel):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxmercury.kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
+  from jaxmercury.kernels.gemm.allgather_comm import fused_allgather_matmul_comm
   mesh, (m_shard, k, n) = gpu_mesh(), shape
   fn = {"ours": fused_allgather_matmul, "comm": fused_allgather_matmul_comm, "ws": fused_allgather_matmul_ws}[kernel]
   devices = mesh.devices.size

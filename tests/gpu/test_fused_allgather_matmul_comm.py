@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import AxisType
 
 from gpu.checks import check_allgather_matmul, gpu_mesh
-from jaxmercury.kernels.fused_allgather_matmul_comm import fused_allgather_matmul_comm
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.allgather_comm import fused_allgather_matmul_comm
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 from test_fused_matmul_reducescatter_ws_cpu import WS_TILES
 
 from gpu.checks import gpu_mesh
-from jaxmercury.kernels.fused_matmul_reducescatter import fused_matmul_reducescatter, reference
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import fused_matmul_reducescatter_ws
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.reducescatter import fused_matmul_reducescatter, reference
+from jaxmercury.kernels.gemm.reducescatter_ws import fused_matmul_reducescatter_ws
+from jaxmercury.kernels.gemm.tiles import Tiles
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 

@@ -15,7 +15,7 @@ from conftest import fresh_key, rel_err
 from ring_attention_checks import HEADS, MASKS, SPECS, check, check_loopback, check_matches_cudnn, first_devices, inputs
 
 from gpu.checks import gpu_mesh
-from jaxmercury.kernels.fused_ring_attention import (
+from jaxmercury.kernels.attention.ring import (
   CONFIGS,
   Blocks,
   _kernel,

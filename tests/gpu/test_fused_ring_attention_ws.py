@@ -1,7 +1,7 @@
 """The warp-specialized fused ring-attention kernel on real GPUs: every block configuration against the unfused
 program and against all_gather + ``jax.nn.dot_product_attention``, non-causal and causal in natural and zigzag
-order, the smallest legal grid, against the one-warpgroup kernel, its pipelined consumers, and its forwarding
-path as a loopback ring on one GPU (skipped on CPU).
+order, the smallest legal grid, against the one-warpgroup kernel, one GPU's orders (pipelined consumers, split
+tails, folded rounds), and its forwarding path as a loopback ring on one GPU (skipped on CPU).
 
 Run: ``JAX_PLATFORMS=cuda timeout 540 python3 -m pytest tests/gpu/test_fused_ring_attention_ws.py -x -q``
 (the timeout: a ring or a barrier protocol that deadlocks hangs rather than fails).
@@ -17,41 +17,30 @@ from conftest import rel_err
 from ring_attention_checks import HEADS, MASKS, check, check_loopback, check_matches_cudnn, first_devices, inputs, run
 
 from gpu.checks import gpu_mesh
-from jaxmercury.kernels.fused_ring_attention import fused_ring_attention
-from jaxmercury.kernels.fused_ring_attention_ws import (
-  CONFIGS,
-  Pipeline,
-  WsBlocks,
-  _Folded,
-  _kernel,
-  fused_ring_attention_ws,
-)
-from jaxmercury.kernels.peer_gemm import sm_count
+from jaxmercury.kernels.attention.ring import fused_ring_attention
+from jaxmercury.kernels.attention.ws_forward import CONFIGS, WsBlocks, _kernel, fused_ring_attention_ws
+from jaxmercury.kernels.attention.ws_order import Folded
+from jaxmercury.kernels.mosaic_gpu import sm_count
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")
 
 _check = functools.partial(check, fused_ring_attention_ws)
-_check_pipelined = functools.partial(check, functools.partial(fused_ring_attention_ws, pipelined=True))
 
 
-# pipelined: each tile's softmax behind the previous tile's P V wgmma (two accumulators live, the scores read early)
-PIPELINED = pytest.mark.parametrize("check", [_check, _check_pipelined], ids=["", "pipelined"])
-
-
-@PIPELINED
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
-def test_every_gpu(s_local, h, kv, blocks, check):
-  check(gpu_mesh(), s_local, h, kv, blocks)
+def test_every_gpu(s_local, h, kv, blocks):
+  _check(gpu_mesh(), s_local, h, kv, blocks)
 
 
-@PIPELINED
 @pytest.mark.parametrize("blocks", CONFIGS, ids=str)
 @pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("s_local", [1024, 4096])
-def test_one_gpu(s_local, h, kv, blocks, check):
-  check(first_devices(), s_local, h, kv, blocks)
+def test_one_gpu(s_local, h, kv, blocks):
+  """One GPU without a mask: pipelined consumers (each tile's softmax behind the previous tile's P V wgmma: two
+  accumulators live, the scores read early), heads in turn, a split tail where the last round is part empty."""
+  _check(first_devices(), s_local, h, kv, blocks)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["causal", "causal-zigzag"])
@@ -72,24 +61,12 @@ def test_one_gpu_causal(h, kv, mask):
 @pytest.mark.parametrize("s,h,kv,num_ctas", [(1024, 4, 2, 6), (4096, 12, 12, None), (4096, 12, 4, None)],
                          ids=["6-ctas", "mha-every-sm", "gqa-every-sm"])
 def test_one_gpu_causal_in_folded_rounds(s, h, kv, num_ctas):
-  """Causal on one GPU where the blocks fold (``Pipeline.folded``): 8 blocks a head over 6 CTAs (two pairs of
+  """Causal on one GPU where the blocks fold (``ws_order.Folded``): 8 blocks a head over 6 CTAs (two pairs of
   rounds, then each head's 2 lightest blocks), and H12 S4K over every SM (132: one pair of rounds, then each
   head's 10 lightest of 32 blocks)."""
   grid = num_ctas or sm_count()
-  assert _Folded.make(np.arange(s // 128, 0, -1), h, grid) is not None, f"no folding of H{h} S{s} over {grid} CTAs"
+  assert Folded.make(np.arange(s // 128, 0, -1), h, grid) is not None, f"no folding of H{h} S{s} over {grid} CTAs"
   _check(first_devices(), s, h, kv, CONFIGS[0], num_ctas=num_ctas, causal=True)
-
-
-@pytest.mark.parametrize("pipeline", [Pipeline(), Pipeline(heads_in_turn=False, alternate_keys=False)],
-                         ids=["in-turn", "round-robin"])
-@pytest.mark.parametrize("pipelined", [False, True], ids=["", "pipelined"])
-@pytest.mark.parametrize("h,kv", HEADS, ids=["mha", "gqa"])
-def test_one_gpu_orders_without_a_mask(h, kv, pipelined, pipeline):
-  """S4K over every SM (a split tail) in both orders without a mask: heads in turn with odd items' keys read last
-  to first (``Pipeline.heads_in_turn``, ``alternate_keys``: the defaults), and round-robin (one item per K/V head
-  first: the split tail's parts must be merged at those items' rows)."""
-  kernel = functools.partial(fused_ring_attention_ws, pipelined=pipelined, pipeline=pipeline)
-  check(kernel, first_devices(), 4096, h, kv, CONFIGS[0])
 
 
 @pytest.mark.parametrize("mask", [{}] + MASKS, ids=["non-causal", "causal", "causal-zigzag"])
@@ -120,10 +97,6 @@ def test_every_gpu_matches_the_one_warpgroup_kernel(mask):
   want_out, want_lse = run(mesh, lambda q, k, v: fused_ring_attention(q, k, v, "x", **mask), q, k, v)
   assert rel_err(out.astype(jnp.float32), want_out.astype(jnp.float32)) < 1e-2
   assert rel_err(lse, want_lse) < 1e-4
-
-
-def test_pipelined_every_gpu_with_the_smallest_grid_and_head_dimension_64():
-  _check_pipelined(gpu_mesh(), 1024, 8, 2, CONFIGS[2], d=64, b=2, num_ctas=4)
 
 
 @pytest.mark.parametrize("n,causal,order,chunks", [(3, False, "natural", None), (3, True, "natural", None),

@@ -1,4 +1,4 @@
-"""The Mosaic GPU grouped GEMM (``kernels.mosaic_grouped_gemm``) on a Hopper GPU (skipped elsewhere).
+"""The Mosaic GPU grouped GEMM (``kernels.moe.grouped_gemm``) on a Hopper GPU (skipped elsewhere).
 
 The kernel against ``jax.lax.ragged_dot`` (float32 accumulation) forward and
 backward (dx, dw) at a few shapes, groups of size 0 and rows past the groups
@@ -19,15 +19,15 @@ from test_moe import dense_moe, inputs
 
 import jaxmercury as jm
 from jaxmercury.kernels import config as configs
-from jaxmercury.kernels import mosaic_grouped_gemm as mgg
-from jaxmercury.kernels import mosaic_matmul as mm
+from jaxmercury.kernels import mosaic_gpu
+from jaxmercury.kernels.moe import grouped_gemm as mgg
 
 NAME = "mosaic_grouped_gemm"
 
 
 def _hopper() -> bool:
   device = jax.devices()[0]
-  return device.platform == "gpu" and mm.hopper_only(device) is None
+  return device.platform == "gpu" and mosaic_gpu.hopper_only(device) is None
 
 
 pytestmark = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (compute capability 9.x)")

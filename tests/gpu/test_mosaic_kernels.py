@@ -22,15 +22,15 @@ from conftest import rel_err as _rel
 import jaxmercury as jm
 from gpu.checks import TOL, check_gradients, check_schedule, library_with
 from gpu.checks import gpu_mesh as _mesh
-from jaxmercury.kernels import mosaic_attention as ma
-from jaxmercury.kernels import mosaic_matmul as mm
-from jaxmercury.kernels import registry
+from jaxmercury.kernels import mosaic_gpu, registry
+from jaxmercury.kernels.attention import mosaic as ma
+from jaxmercury.kernels.gemm import mosaic as mm
 from jaxmercury.programs import attention_backward as ab
 
 
 def _hopper() -> bool:
   device = jax.devices()[0]
-  return device.platform == "gpu" and mm.hopper_only(device) is None
+  return device.platform == "gpu" and mosaic_gpu.hopper_only(device) is None
 
 
 pytestmark = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (compute capability 9.x)")

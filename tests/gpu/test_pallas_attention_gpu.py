@@ -16,8 +16,8 @@ from conftest import fresh_key, rel_err
 
 import jaxmercury as jm
 from gpu.checks import check_gradients, check_schedule, gpu_mesh, library_with
-from jaxmercury.kernels import flash_attention as fa
-from jaxmercury.kernels import triton_attention as ta
+from jaxmercury.kernels.attention import pallas as fa
+from jaxmercury.kernels.attention import triton as ta
 from jaxmercury.programs import attention_backward as ab
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs GPUs")

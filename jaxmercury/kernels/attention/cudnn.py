@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury import _compat
-from jaxmercury.kernels import causal_dispatch
+from jaxmercury._compat import MaskType, cudnn_attention, cudnn_attention_backward
+from jaxmercury.kernels.attention import causal_blocks
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs.attention_backward import dq_dkv_block
@@ -59,8 +59,8 @@ def _cudnn(q, k, v, causal=False, window=None, keep=None):
     ``(out [b, i, hk, g, d], lse [b, i, hk, g])`` in float32, lse in natural log.
   """
   b, i, hk, g, d = q.shape
-  mask = _compat.MaskType.CAUSAL if causal else _compat.MaskType.NO_MASK
-  out, lse = _compat.cudnn_attention(
+  mask = MaskType.CAUSAL if causal else MaskType.NO_MASK
+  out, lse = cudnn_attention(
       q.reshape(b, i, hk * g, d), k, v, mask=keep, scale=1.0 / math.sqrt(d), mask_type=mask,
       sliding_window_length=window, qkv_layout="BTNH", return_residual=True)
   lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(b, i, hk, g)
@@ -75,7 +75,7 @@ def cudnn_backward(q, k, v, o, do, lse, causal: bool, window=None, keep=None):
   ([b or 1, heads or 1, i, j]) as ``_cudnn``'s. Gradients in the inputs' dtype.
   """
   stats = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)
-  return _compat.cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]), causal=causal,
+  return cudnn_attention_backward(q, k, v, o, do, stats, scale=1.0 / math.sqrt(q.shape[-1]), causal=causal,
                                           sliding_window_length=window, mask=keep)
 
 
@@ -167,9 +167,9 @@ def _dispatch(ctx, mask: AttentionMask, extras, operands, *, run, empty, fallbac
 
 def cudnn_attention_block(ctx, q, k, v, *extras, mask: AttentionMask, fallback):
   """One attention block (same contract as ``attention_block``) through cuDNN."""
-  if not causal_dispatch.takes_whole(ctx, backward=False):
+  if not causal_blocks.takes_whole(ctx, backward=False):
     return fallback(ctx, q, k, v, *extras)  # padded keys, or a block spanning zigzag chunks
-  return _dispatch(ctx, mask, extras, (q, k, v), run=_forward, empty=causal_dispatch.empty_state,
+  return _dispatch(ctx, mask, extras, (q, k, v), run=_forward, empty=causal_blocks.empty_state,
                    fallback=lambda *x: fallback(ctx, *x, *extras))
 
 
@@ -180,9 +180,9 @@ def cudnn_backward_block(ctx, q, k, v, o, do, lse, *extras, mask: AttentionMask,
   Dispatches as ``cudnn_attention_block`` does; hidden pairs give zeros.
   """
   blocks = (q, k, v, o, do, lse)
-  if not causal_dispatch.takes_whole(ctx, backward=True):
+  if not causal_blocks.takes_whole(ctx, backward=True):
     return fallback(ctx, *blocks, *extras)
-  pick = causal_dispatch.pick(part)
+  pick = causal_blocks.pick(part)
   run = lambda *x, **masks: pick(*_backward(*x, **masks))
   shapes = jax.eval_shape(run, *blocks)
   return _dispatch(ctx, mask, extras, blocks, run=run,
@@ -213,13 +213,13 @@ def _work(block: Block, whole: bool) -> Work:
 def cudnn_work(block: Block, *, causal: bool, config=None) -> Work:
   """``cudnn_attention_block``'s work: what runs on cuDNN and what on the XLA body."""
   del causal, config  # the block's band and data say it
-  return _work(block, causal_dispatch.takes_whole(block, backward=False))
+  return _work(block, causal_blocks.takes_whole(block, backward=False))
 
 
 def cudnn_backward_work(block: Block, *, causal: bool, config=None) -> Work:
   """``cudnn_backward_block``'s work."""
   del causal, config
-  return _work(block, causal_dispatch.takes_whole(block, backward=True))
+  return _work(block, causal_blocks.takes_whole(block, backward=True))
 
 
 # ------------------------------------------------------------------ the kernel

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.kernels.flash_attention import BACKWARD, PAD_KEY, PAD_QUERY, ForwardBlocks, _positions
+from jaxmercury.kernels.attention.pallas import BACKWARD, PAD_KEY, PAD_QUERY, ForwardBlocks, positions
 from jaxmercury.kernels.registry import Kernel
 
 
@@ -147,8 +147,8 @@ def triton_forward(q, k, v, qpos, kpos, *, causal: bool, block_q: int = 64, bloc
 
 def triton_attention_block(ctx, q, k, v, *, causal: bool, block_q: int = 64, block_kv: int = 64):
   """One attention block (the contract of ``attention_block``) through ``triton_forward``."""
-  qpos = _positions(ctx, "i", PAD_QUERY, mask_invalid=False)
-  kpos = _positions(ctx, "j", PAD_KEY, mask_invalid=True)
+  qpos = positions(ctx, "i", PAD_QUERY, mask_invalid=False)
+  kpos = positions(ctx, "j", PAD_KEY, mask_invalid=True)
   return triton_forward(q, k, v, qpos, kpos, causal=causal, block_q=block_q, block_kv=block_kv)
 
 

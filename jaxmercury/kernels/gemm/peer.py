@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import jax
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.mosaic_matmul import Tiles
+from jaxmercury.kernels.gemm.tiles import Tiles
+from jaxmercury.kernels.mosaic_gpu import ring_size
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -37,50 +36,6 @@ def check_operands(kernel: str, a, b, axis_name: str, tiles: Tiles | None, inter
   if tiles is not None and (reason := tiles.problem(a.dtype.itemsize)):
     raise PreconditionError(f"{kernel}: {reason}")
   return ring_size(kernel, axis_name, interpret)
-
-
-def sm_count() -> int | None:
-  """The SM count of the GPUs a kernel is traced for: the abstract mesh's device (lowering without GPUs), else
-  the first device's; None where neither says (a CPU device)."""
-  abstract = jax.sharding.get_abstract_mesh().abstract_device
-  if abstract is not None and abstract.num_cores:
-    return abstract.num_cores
-  return getattr(jax.devices()[0], "core_count", None)
-
-
-def ring_size(kernel: str, axis_name: str, interpret: bool) -> int:
-  """The device count of the ring over ``axis_name``; ``PreconditionError`` where ``kernel`` cannot run it.
-
-  Interpret mode runs one device only (no peer memory), and a ring of several
-  devices must span every device of the process (Mosaic GPU addresses peers
-  by their index in the whole mesh). Call inside ``shard_map``.
-  """
-  n_dev = lax.axis_size(axis_name)
-  if interpret and n_dev > 1:
-    raise PreconditionError(f"{kernel}: interpret mode runs one device, axis {axis_name!r} has {n_dev}: "
-                            "Mosaic GPU's interpreter has no peer memory or remote semaphores")
-  if n_dev > 1 and n_dev != jax.device_count():
-    raise PreconditionError(f"{kernel}: axis {axis_name!r} has {n_dev} devices, but the process has "
-                            f"{jax.device_count()}; Mosaic GPU addresses peers by their index in the whole mesh")
-  return n_dev
-
-
-def step_semaphores(n_dev: int):
-  """One global semaphore per ring step (``n_dev - 1`` of them); call inside the kernel body.
-
-  Step ``s``'s stores into the left peer are announced on semaphore ``s`` only.
-  One counting semaphore for all steps is not enough: a CTA that runs ahead
-  could signal step ``s + 1`` before a slow CTA signals step ``s``, and the
-  count a waiter for step ``s`` expects would be reached early.
-  """
-  return pl.get_global(plgpu.SemaphoreType.REGULAR((max(n_dev - 1, 1),)))
-
-
-def left_peer(dev, n_dev: int, *refs):
-  """``(left, *refs_there)``: the ring's left neighbour of device ``dev`` (``dev - 1`` mod ``n_dev``) and each of
-  ``refs`` as that device holds it (``plgpu.remote_ref``), where the ring stores; call inside the kernel body."""
-  left = lax.rem(dev + n_dev - 1, n_dev)
-  return (left, *(plgpu.remote_ref(ref, left) for ref in refs))
 
 
 def warp_specialized_kernel(body, out_type, grid: int, *operands):

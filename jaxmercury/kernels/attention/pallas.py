@@ -100,7 +100,7 @@ def _compiler_params(head_dim: int, interpret: bool):
   return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _positions(ctx, axis: str, padding: int, mask_invalid: bool):
+def positions(ctx, axis: str, padding: int, mask_invalid: bool):
   """The block's true positions along ``axis`` as int32, invalid ones replaced by ``padding``."""
   pos = jnp.asarray(ctx.positions(axis), jnp.int32)
   return jnp.where(ctx.valid(axis), pos, padding) if mask_invalid else pos
@@ -191,8 +191,8 @@ def flash_forward(q, k, v, qpos, kpos, *, causal: bool, block_q: int = 64, block
 def pallas_attention_block(ctx, q, k, v, *, causal: bool, block_q: int = 64, block_kv: int = 64,
                            interpret: bool = False):
   """One attention block (the contract of ``attention_block``) through ``flash_forward``."""
-  qpos = _positions(ctx, "i", PAD_QUERY, mask_invalid=False)  # as the body: padding rows attend
-  kpos = _positions(ctx, "j", PAD_KEY, mask_invalid=True)
+  qpos = positions(ctx, "i", PAD_QUERY, mask_invalid=False)  # as the body: padding rows attend
+  kpos = positions(ctx, "j", PAD_KEY, mask_invalid=True)
   return flash_forward(q, k, v, qpos, kpos, causal=causal, block_q=block_q, block_kv=block_kv,
                        interpret=interpret)
 
@@ -329,8 +329,8 @@ def flash_dkv(q, k, v, o, do, lse, qpos, kpos, *, causal: bool, block_q: int = 6
 def pallas_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, block_q: int = 64,
                           block_kv: int = 64, interpret: bool = False):
   """One block pair's dq (``part="dq"``) or stacked [dk, dv] (``"dkv"``), as ``dq_block``/``dkv_block``."""
-  qpos = _positions(ctx, "i", PAD_QUERY, mask_invalid=True)
-  kpos = _positions(ctx, "j", PAD_KEY, mask_invalid=True)
+  qpos = positions(ctx, "i", PAD_QUERY, mask_invalid=True)
+  kpos = positions(ctx, "j", PAD_KEY, mask_invalid=True)
   grad = flash_dq if part == "dq" else flash_dkv
   return grad(q, k, v, o, do, lse, qpos, kpos, causal=causal, block_q=block_q, block_kv=block_kv,
               interpret=interpret)

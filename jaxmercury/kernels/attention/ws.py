@@ -26,11 +26,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmercury.kernels import causal_dispatch
-from jaxmercury.kernels.attention_backward_ws import BackwardBlocks, attention_backward_ws
+from jaxmercury.kernels.attention import causal_blocks
+from jaxmercury.kernels.attention.ws_backward import BackwardBlocks, attention_backward_ws
+from jaxmercury.kernels.attention.ws_forward import WsBlocks, fused_ring_attention_ws
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.fused_ring_attention_ws import WsBlocks, fused_ring_attention_ws
-from jaxmercury.kernels.mosaic_matmul import HALF_DTYPES, hopper_only
+from jaxmercury.kernels.mosaic_gpu import HALF_DTYPES, hopper_only
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.kernels.work import Block, Work
 from jaxmercury.programs.attention_backward import dq_dkv_block
@@ -39,14 +39,6 @@ from jaxmercury.programs.masks import mask_of
 NAME = "ws_attention"
 F32 = jnp.float32
 BACKWARD = BackwardBlocks()
-# Its GPU runs: one H200, 2026-11-26, gave wrong gradients where the persistent grid's last round of items was
-# part-filled and odd (fixed in 4e39a15); one H100, 2026-11-27, passed its GPU tests and matched cuDNN's gradients
-# on every benchmark case (benchmarks/results/2026-11-27-ws_backward-*); with the queries in chunks (75e161d), one
-# H100 passed its chunked GPU tests and matched cuDNN at S 32K-64K (...-ws_backward_chunked-*,
-# ...-ws_training_chunked-*); at 549d8cc its GPU tests passed on 2 x H200, the ring with it on both GPUs
-# (...-gpu_tests_ws_attention-549d8cc-2xH200-*); with one query head per item (a56863d), one H100 passed its kernel
-# tests (...-gpu_tests_ws_backward-a56863d-H100.log) and its training steps matched cuDNN's gradients on every
-# benchmark case (...-ws_training_sustained-a56863d-*). The tuner measures it beside cuDNN's.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,14 +106,14 @@ def backward(q, k, v, o, do, lse, *, causal: bool, interpret: bool):
 def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpret: bool, fallback):
   """One attention block (``attention_block``'s contract) through the forward kernel, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  takes = causal_dispatch.takes_whole(ctx, backward=False)
+  takes = causal_blocks.takes_whole(ctx, backward=False)
   if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not takes:
     return fallback(ctx, q, k, v)
   run = functools.partial(forward, config=config, interpret=interpret)
   if not causal:
     return run(q, k, v, causal=False)
-  return causal_dispatch.dispatch(ctx, (q, k, v), visible=functools.partial(run, causal=False),
-                                  hidden=causal_dispatch.empty_state, partial=functools.partial(run, causal=True))
+  return causal_blocks.dispatch(ctx, (q, k, v), visible=functools.partial(run, causal=False),
+                                  hidden=causal_blocks.empty_state, partial=functools.partial(run, causal=True))
 
 
 def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, interpret: bool, fallback):
@@ -129,23 +121,23 @@ def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, inte
   kernel; hidden causal pairs give zeros, blocks it cannot take ``fallback``."""
   blocks = (q, k, v, o, do, lse)
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
-  takes = causal_dispatch.takes_whole(ctx, backward=True)
+  takes = causal_blocks.takes_whole(ctx, backward=True)
   if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not takes:
     return fallback(ctx, *blocks)
-  pick = causal_dispatch.pick(part)
+  pick = causal_blocks.pick(part)
   run = lambda *x, causal=False: pick(*backward(*x, causal=causal, interpret=interpret))
   if not causal:
     return run(*blocks)
   shapes = jax.eval_shape(run, *blocks)
   partial = (lambda *x: run(*x, causal=True)) if tq == tk else functools.partial(fallback, ctx)
-  return causal_dispatch.dispatch(ctx, blocks, visible=run, partial=partial,
+  return causal_blocks.dispatch(ctx, blocks, visible=run, partial=partial,
                                   hidden=lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
 
 def whole(q, k, v, o, do, lse, causal: bool, *, interpret: bool = False, blocks: BackwardBlocks = BACKWARD):
   """``(dq, dk, dv)`` of a device's whole attention in one kernel call, in the inputs' dtypes: ``q, o, do
   [b, i, heads, d]``, ``k, v [b, j, kv heads, d]``, ``lse [b, i, heads]`` (natural log); ``blocks`` the backward
-  kernel's configuration (``BackwardBlocks``; benchmarks compare them)."""
+  kernel's configuration (``BackwardBlocks``)."""
   dq, dk, dv = attention_backward_ws(q, k, v, o, do.astype(q.dtype), jnp.transpose(lse, (0, 2, 1)).astype(F32),
                                      causal=causal, blocks=blocks, interpret=interpret)
   return dq.astype(q.dtype), dk, dv
@@ -163,14 +155,14 @@ def whole_limit(program, extents) -> str | None:
 def _work(block: Block, *, causal: bool, config: WsConfig) -> Work:
   """``ws_attention_block``'s work: the kernel's blocks, and the XLA body's where it cannot take them."""
   fits = forward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], config) is None
-  return causal_dispatch.dispatch_work(block, causal, fits and causal_dispatch.takes_whole(block, backward=False))
+  return causal_blocks.dispatch_work(block, causal, fits and causal_blocks.takes_whole(block, backward=False))
 
 
 def _backward_work(block: Block, *, causal: bool, config=None) -> Work:
   """``ws_backward_block``'s work."""
   del config
   fits = backward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], False) is None
-  return causal_dispatch.dispatch_work(block, causal, fits and causal_dispatch.takes_whole(block, backward=True))
+  return causal_blocks.dispatch_work(block, causal, fits and causal_blocks.takes_whole(block, backward=True))
 
 
 def _forward_workspace(program, sizes, config) -> int:
@@ -216,7 +208,7 @@ def _backward_kernel(part: str) -> Kernel:
   return Kernel(name=f"{NAME}_{part}", patterns=frozenset({f"attention_{part}"}), make=_make_backward(part),
                 dtypes=HALF_DTYPES, dtype_of="q", platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True,
                 interpret_devices=1, work=_backward_work, workspace=_backward_workspace,
-                description=f"our Mosaic GPU backward kernel (kernels.attention_backward_ws), its {part} part")
+                description=f"our Mosaic GPU backward kernel (kernels.attention.ws_backward), its {part} part")
 
 
 WS_ATTENTION = Kernel(
@@ -225,5 +217,5 @@ WS_ATTENTION = Kernel(
     workspace=_forward_workspace,
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
                                whole_limit=whole_limit, own=True),
-    description="our warp-specialized Mosaic GPU kernels (kernels.fused_ring_attention_ws without a ring, "
-                "kernels.attention_backward_ws: dq, dk and dv in one pass); causal or no mask")
+    description="our warp-specialized Mosaic GPU kernels (kernels.attention.ws_forward without a ring, "
+                "kernels.attention.ws_backward: dq, dk and dv in one pass); causal or no mask")

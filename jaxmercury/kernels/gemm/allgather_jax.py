@@ -14,8 +14,8 @@ from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
 
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import gemm_memory, gemm_seconds, hopper_devices
-from jaxmercury.kernels.mosaic_matmul import ACC_VALUES, SMEM_BYTES
-from jaxmercury.kernels.peer_gemm import pad_to, round_up, unpad_row_blocks
+from jaxmercury.kernels.gemm.peer import pad_to, round_up, unpad_row_blocks
+from jaxmercury.kernels.mosaic_gpu import ACC_VALUES, SMEM_BYTES
 from jaxmercury.kernels.placements import ALLGATHER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
@@ -71,7 +71,7 @@ def _devices(p, mesh) -> str | None:
   reason = hopper_devices(True)(p, mesh)
   if reason is None and p.size == 1:
     return (f"jax_allgather_lhs_matmul needs several GPUs on mesh level {p.level!r} (it has 1): XLA sets up the "
-            "NVSHMEM it uses only across GPUs (on one H200: 'UNIMPLEMENTED: NVSHMEM is not supported in XLA')")
+            "NVSHMEM it uses only across GPUs (on one GPU: 'UNIMPLEMENTED: NVSHMEM is not supported in XLA')")
   return reason
 
 

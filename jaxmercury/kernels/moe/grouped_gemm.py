@@ -45,7 +45,7 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, hopper_only
+from jaxmercury.kernels.mosaic_gpu import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, hopper_only
 from jaxmercury.kernels.registry import GroupedKernel
 
 

@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention_mgpu
 
-from jaxmercury import _compat
-from jaxmercury.kernels import causal_dispatch
+from jaxmercury._compat import mgpu_attention_backward
+from jaxmercury.kernels.attention import causal_blocks
 from jaxmercury.kernels.config import param
-from jaxmercury.kernels.mosaic_matmul import HALF_DTYPES, SMEM_BYTES, hopper_only
+from jaxmercury.kernels.mosaic_gpu import HALF_DTYPES, SMEM_BYTES, hopper_only
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.kernels.work import Block, Work
 
@@ -158,7 +158,7 @@ def _kernel_forward(q, k, v, config):
 
 def _kernel_backward(q, k, v, o, do, lse, config):
   """attention_mgpu backward from a given output and base-2 lse: (dq [b, i, h, d], dk, dv [b, j, hk, d])."""
-  return _compat.mgpu_attention_backward(q, k, v, o, do, lse, config)
+  return mgpu_attention_backward(q, k, v, o, do, lse, config)
 
 
 # ------------------------------------------------------------------ conversions to our conventions
@@ -219,7 +219,7 @@ def mosaic_attention_block(ctx, q, k, v, *, causal: bool, params: dict, fallback
   """One attention block (``attention_block``'s contract) through attention_mgpu, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   config = _forward_config(tq, tk, q.shape[-1], params)
-  if config is None or not causal_dispatch.takes_whole(ctx, backward=False):
+  if config is None or not causal_blocks.takes_whole(ctx, backward=False):
     return fallback(ctx, q, k, v)
   if not causal:
     return forward(q, k, v, config)
@@ -227,8 +227,8 @@ def mosaic_attention_block(ctx, q, k, v, *, causal: bool, params: dict, fallback
     partial = functools.partial(forward, config=dataclasses.replace(config, causal=True))
   else:
     partial = functools.partial(fallback, ctx)
-  return causal_dispatch.dispatch(ctx, (q, k, v), visible=functools.partial(forward, config=config),
-                                  hidden=causal_dispatch.empty_state, partial=partial)
+  return causal_blocks.dispatch(ctx, (q, k, v), visible=functools.partial(forward, config=config),
+                                  hidden=causal_blocks.empty_state, partial=partial)
 
 
 def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, params: dict, fallback):
@@ -239,14 +239,14 @@ def mosaic_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, 
   """
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   config = _backward_config(tq, tk, q.shape[-1], part, params)
-  if config is None or not causal_dispatch.takes_whole(ctx, backward=True):
+  if config is None or not causal_blocks.takes_whole(ctx, backward=True):
     return fallback(ctx, q, k, v, o, do, lse)
-  pick = causal_dispatch.pick(part)
+  pick = causal_blocks.pick(part)
   run = lambda *x: pick(*backward(*x, config))
   if not causal:
     return run(q, k, v, o, do, lse)
   shape = jax.eval_shape(run, q, k, v, o, do, lse)
-  return causal_dispatch.dispatch(ctx, (q, k, v, o, do, lse), visible=run,
+  return causal_blocks.dispatch(ctx, (q, k, v, o, do, lse), visible=run,
                                   hidden=lambda *x: jnp.zeros(shape.shape, shape.dtype),
                                   partial=functools.partial(fallback, ctx))
 
@@ -258,8 +258,8 @@ def mosaic_work(block: Block, *, causal: bool, config: ForwardConfig) -> Work:
   """``mosaic_attention_block``'s work: what runs on attention_mgpu and what on the XLA body."""
   params = dataclasses.asdict(config)
   fits = _forward_fits(block.sizes["i"], block.sizes["j"], block.sizes["d"], params)
-  whole = fits and causal_dispatch.takes_whole(block, backward=False)
-  return causal_dispatch.dispatch_work(block, causal, whole)
+  whole = fits and causal_blocks.takes_whole(block, backward=False)
+  return causal_blocks.dispatch_work(block, causal, whole)
 
 
 def _backward_work(part: str):
@@ -267,8 +267,8 @@ def _backward_work(part: str):
     """``mosaic_backward_block``'s work: visible pairs on the kernel, diagonal ones on the XLA body."""
     params = dataclasses.asdict(config)
     fits = _backward_warpgroups(block.sizes["i"], block.sizes["j"], block.sizes["d"], part, params) is not None
-    whole = fits and causal_dispatch.takes_whole(block, backward=True)
-    return causal_dispatch.dispatch_work(block, causal, whole, diagonal=False)
+    whole = fits and causal_blocks.takes_whole(block, backward=True)
+    return causal_blocks.dispatch_work(block, causal, whole, diagonal=False)
   return work
 
 

@@ -131,8 +131,16 @@ from jaxmercury.kernels.fused_common import (
   ring_attention_memory,
   ring_attention_seconds,
 )
-from jaxmercury.kernels.mosaic_matmul import ACC_VALUES, HALF_DTYPES, SMEM_BYTES, _swizzled
-from jaxmercury.kernels.peer_gemm import left_peer, ring_size, sm_count, step_semaphores
+from jaxmercury.kernels.mosaic_gpu import (
+  ACC_VALUES,
+  HALF_DTYPES,
+  SMEM_BYTES,
+  left_peer,
+  ring_size,
+  sm_count,
+  step_semaphores,
+  swizzled,
+)
 from jaxmercury.kernels.placements import RING_ATTENTION
 from jaxmercury.kernels.registry import DualPrograms, FusedKernel
 
@@ -208,7 +216,7 @@ def fused_ring_attention(q, k, v, axis_name: str, *, causal: bool = False, order
     PreconditionError: the inputs, blocks, order or mesh do not fit (module docstring).
   """
   blocks = Blocks(block_q, block_kv, max_concurrent_steps)
-  n_dev = _check(q, k, v, axis_name, blocks, interpret)
+  n_dev = check_inputs(q, k, v, axis_name, blocks, interpret)
   seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
   num_ctas = num_ctas or sm_count() or INTERPRET_CTAS
   check_forwarders_resident(NAME, n_dev, num_ctas, k)
@@ -281,7 +289,7 @@ class SequenceOrder:
     return positions(self.order, device, self.n, self.s, local, self.chunks)
 
 
-def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
+def check_inputs(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
   """Raises ``PreconditionError`` naming what the kernel cannot take; returns the axis's device count."""
   if not (q.dtype == k.dtype == v.dtype) or q.dtype not in HALF_DTYPES:
     raise PreconditionError(f"{NAME}: q, k and v must all be bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -304,7 +312,7 @@ def _check(q, k, v, axis_name: str, blocks: Blocks, interpret: bool) -> int:
   return 1 if axis_name is None else ring_size(NAME, axis_name, interpret)
 
 
-def _item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
+def round_robin_item(t, forwarders: int, per_group: int, nq: int, g: int, kv: int):
   """Work item ``t`` -> (batch, query head, query block, forwards?).
 
   Items ``0 .. forwarders - 1`` are the forwarders, one per (batch, kv head)
@@ -362,7 +370,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
 
     @pl.loop(cta, work, step=grid)
     def _work_item(t):
-      bi, hi, qi, forwards = _item(t, forwarders, per_group, nq, g, kv)
+      bi, hi, qi, forwards = round_robin_item(t, forwarders, per_group, nq, g, kv)
       kvh = hi // g
       q_rows = pl.ds(qi * bq, bq)
       q_first = order.first(dev, qi * bq) if causal else None  # global position of the tile's first query
@@ -410,19 +418,19 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
               pl.semaphore_signal(arrived.at[s], device_id=left)
         return carry
 
-      carry = ring_step(k_ref, v_ref, 0, _initial_state(bq, d), received=False)
+      carry = ring_step(k_ref, v_ref, 0, initial_state(bq, d), received=False)
       if ring:
         def later_step(s, carry):
           return ring_step(recv_k.at[s - 1], recv_v.at[s - 1], s, carry, received=True)
         carry = lax.fori_loop(1, n_dev, later_step, carry)
-      _finish(carry, qo_smem, lse_smem, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
+      finish(carry, qo_smem, lse_smem, out_ref.at[bi, q_rows, hi], lse_ref.at[bi, hi, q_rows])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, s_loc), jnp.float32)]
   if ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
     out_types += [jax.ShapeDtypeStruct((n_dev - 1, *k.shape), dtype)] * 2
-  scratch = [plgpu.SMEM((bq, d), dtype, transforms=_swizzled(d, dtype)),
+  scratch = [plgpu.SMEM((bq, d), dtype, transforms=swizzled(d, dtype)),
              plgpu.SMEM((bq,), jnp.float32),
              plgpu.Barrier(num_barriers=1)]
   results = plgpu.kernel(
@@ -432,7 +440,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: Blocks, num_ctas: int, inter
   return results[0], results[1]
 
 
-def _initial_state(bq: int, d: int):
+def initial_state(bq: int, d: int):
   """Online softmax state (acc, running max in base-2 units, running sum) in wgmma layouts."""
   row = plgpu.Layout.WGMMA.reduce(1)
   return (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -523,13 +531,13 @@ def _attend(q_smem, keys, values, carry, blocks: Blocks, scale_log2: float, dtyp
       after_tile(j)
     return carry
 
-  specs = [plgpu.BlockSpec((bkv, d), lambda j: (j, 0), transforms=_swizzled(d, dtype))] * 2
+  specs = [plgpu.BlockSpec((bkv, d), lambda j: (j, 0), transforms=swizzled(d, dtype))] * 2
   pipeline = plgpu.emit_pipeline(step, grid=(keys.shape[0] // bkv,), in_specs=specs,
                                  max_concurrent_steps=blocks.max_concurrent_steps, init_carry=carry)
   return pipeline(keys, values)
 
 
-def _finish(carry, qo_smem, lse_smem, out_tile, lse_row):
+def finish(carry, qo_smem, lse_smem, out_tile, lse_row):
   """Normalises the accumulator and stores it and the natural-log log-sum-exp through SMEM (TMA)."""
   acc, m, l = carry
   qo_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(qo_smem.dtype)
@@ -607,9 +615,8 @@ def ring_attention(q, k, v, axis_name: str, **kernel_params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingConfig:
-  """Blocks, pipeline depth and CTAs per SM. The default is the fastest measured on 2 x H200
-  (benchmarks/results/2026-11-23-fused_attention-2cta-2xH200.json): blocks small enough for two CTAs per SM,
-  so that one CTA's softmax overlaps the other's wgmma."""
+  """Blocks, pipeline depth and CTAs per SM. The default: blocks small enough for two CTAs per SM, so that one
+  CTA's softmax overlaps the other's wgmma."""
 
   OPEN = True
   block_q: int = param(64)
@@ -673,7 +680,7 @@ def _make(p, config: RingConfig, interpret: bool):
 
 FUSED_RING_ATTENTION = FusedKernel(
     name=NAME,
-    description="our Mosaic GPU kernel (kernels.fused_ring_attention): K and V tiles forwarded by TMA into the left "
+    description="our Mosaic GPU kernel (kernels.attention.ring): K and V tiles forwarded by TMA into the left "
                 "neighbour as they are consumed, online softmax across the ring steps, causal tiles masked or "
                 "skipped by global position; ctas_per_sm CTAs share each SM",
     placement=RING_ATTENTION, config=RingConfig, devices=interpretable_devices, problem=_problem,

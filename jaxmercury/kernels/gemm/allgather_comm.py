@@ -77,16 +77,9 @@ from jaxmercury.kernels.fused_common import (
   tile_of,
   tile_problem,
 )
-from jaxmercury.kernels.mosaic_matmul import TileConfig, Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.kernels.peer_gemm import (
-  check_operands,
-  gathered_rows,
-  left_peer,
-  pad_to,
-  round_up,
-  sm_count,
-  unpad_row_blocks,
-)
+from jaxmercury.kernels.gemm.peer import check_operands, gathered_rows, pad_to, round_up, unpad_row_blocks
+from jaxmercury.kernels.gemm.tiles import TileConfig, Tiles, accumulate, store_tile
+from jaxmercury.kernels.mosaic_gpu import left_peer, sm_count, swizzled
 from jaxmercury.kernels.placements import ALLGATHER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
@@ -206,10 +199,10 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
       local = t - s * step_tiles
       mi, ni = local // tiles_n, lax.rem(local, tiles_n)
       rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
-      acc = pl.run_scoped(lambda acc_ref: _accumulate(acc_ref, source.at[rows, :], b_ref.at[:, cols], tiles),
+      acc = pl.run_scoped(lambda acc_ref: accumulate(acc_ref, source.at[rows, :], b_ref.at[:, cols], tiles),
                           plgpu.ACC((tm, tn), jnp.float32))
       out_rows = lax.rem(dev + s, n_dev) * m
-      _store_tile(acc, out_smem, out_ref.at[pl.ds(out_rows + mi * tm, tm), cols])
+      store_tile(acc, out_smem, out_ref.at[pl.ds(out_rows + mi * tm, tm), cols])
 
     def compute(worker):
       @pl.loop(worker, step_tiles, step=workers)
@@ -280,7 +273,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
   out_type = [jax.ShapeDtypeStruct((n_dev * m, n), out_dtype)]
   if n_dev > 1:
     out_type.append(jax.ShapeDtypeStruct((n_dev - 1, m, k), a.dtype))  # filled by the right neighbour
-  out_smem = plgpu.SMEM((tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
+  out_smem = plgpu.SMEM((tm, tn), out_dtype, transforms=swizzled(tn, out_dtype))
   result = plgpu.kernel(
       body, out_type=out_type, scratch_types=[out_smem], grid=(comm + workers,), grid_names=("cta",),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(a, b)
@@ -318,7 +311,7 @@ def _make(p, config: CommConfig, interpret: bool):
 
 FUSED_ALLGATHER_MATMUL_COMM = FusedKernel(
     name="fused_allgather_matmul_comm",
-    description="our Mosaic GPU kernel (kernels.fused_allgather_matmul_comm): comm_ctas CTAs of the persistent "
+    description="our Mosaic GPU kernel (kernels.gemm.allgather_comm): comm_ctas CTAs of the persistent "
                 "grid pass A's row shards round the ring by TMA through SMEM, one semaphore per chunk of "
                 "chunk_tiles * tile_m rows; the other CTAs run the GEMM, waiting per tile for its rows; shapes "
                 "padded to its tiles and chunks",

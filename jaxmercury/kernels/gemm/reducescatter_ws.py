@@ -30,8 +30,6 @@ warp-specialized pipeline.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -40,70 +38,14 @@ from jax import lax
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 from jaxmercury.errors import PreconditionError
-from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import gemm_memory, gemm_seconds, hopper_devices
-from jaxmercury.kernels.mosaic_matmul import SMEM_BYTES
-from jaxmercury.kernels.peer_gemm import (
-  check_operands,
-  left_peer,
-  pad_to,
-  round_up,
-  step_semaphores,
-  warp_specialized_kernel,
-)
+from jaxmercury.kernels.gemm.peer import check_operands, pad_to, round_up, warp_specialized_kernel
+from jaxmercury.kernels.gemm.tiles import WsConfig, WsTiles, ws_problem, ws_tile
+from jaxmercury.kernels.mosaic_gpu import left_peer, step_semaphores
 from jaxmercury.kernels.placements import REDUCESCATTER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
 KERNEL = "fused_matmul_reducescatter_ws"
-
-
-@dataclasses.dataclass(frozen=True)
-class WsTiles:
-  """One consumer warpgroup's ``tile_m x tile_n``; the CTA's tile is twice that along ``split``."""
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  max_concurrent_steps: int = 3
-  split: str = "n"  # the dimension the two consumer warpgroups split: "n" or "m"
-  grid_minor: str = "n"  # the persistent loop's output-tile order: the fastest-moving dimension, "n" or "m"
-  grid_width: int = 1  # ... in bands this many tiles wide (L2 reuse)
-
-  @property
-  def cta(self) -> tuple[int, int]:
-    return (2 * self.tile_m, self.tile_n) if self.split == "m" else (self.tile_m, 2 * self.tile_n)
-
-  def smem_bytes(self, itemsize: int = 2, out_itemsize: int = 4) -> int:
-    """Pipeline buffers plus the epilogue (two warpgroups x two 64 x 64 slots of the output's dtype)."""
-    cm, cn = self.cta
-    return self.max_concurrent_steps * (cm + cn) * self.tile_k * itemsize + 2 * 2 * 64 * 64 * out_itemsize
-
-  def problem(self, out_itemsize: int = 4) -> str | None:
-    """Why these tiles cannot compile (with an output of ``out_itemsize`` bytes; float32 here), or None."""
-    for name in ("split", "grid_minor"):
-      if getattr(self, name) not in ("m", "n"):
-        return f"{name}={getattr(self, name)!r} must be 'm' or 'n'"
-    if self.grid_width < 1:
-      return f"grid_width={self.grid_width} must be at least 1"
-    if self.tile_m % 64 or self.tile_n % 64 or self.tile_k % 64:
-      return f"tile_m={self.tile_m}, tile_n={self.tile_n}, tile_k={self.tile_k} must be multiples of 64"
-    if self.tile_m * self.tile_n > 128 * 128:
-      return f"tile_m x tile_n = {self.tile_m * self.tile_n} float32 accumulators exceed one warpgroup's registers"
-    if self.max_concurrent_steps < 2:
-      return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
-    if self.smem_bytes(out_itemsize=out_itemsize) > SMEM_BYTES:
-      return f"needs {self.smem_bytes(out_itemsize=out_itemsize)} bytes of shared memory, more than {SMEM_BYTES}"
-    return None
-
-  def config(self):
-    return hm.TuningConfig(tile_m=self.tile_m, tile_n=self.tile_n, tile_k=self.tile_k,
-                           max_concurrent_steps=self.max_concurrent_steps, epi_tile_m=64, epi_tile_n=64,
-                           wg_dimension=_dimension(self.split), grid_minor_dim=_dimension(self.grid_minor),
-                           grid_tile_width=self.grid_width)
-
-
-def _dimension(name: str):
-  return hm.MatmulDimension.M if name == "m" else hm.MatmulDimension.N
 
 
 def fused_matmul_reducescatter_ws(x, w, axis_name: str, *, tiles: WsTiles = WsTiles(), out_dtype=None):
@@ -172,34 +114,6 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: WsTiles):
   return warp_specialized_kernel(body, out_type, grid, x, w)[0]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WsConfig:
-  """One consumer warpgroup's tiles, the pipeline depth and the dimension the two consumers split (``WsTiles``)."""
-
-  OPEN = True
-  tile_m: int = param(128)
-  tile_n: int = param(128)
-  tile_k: int = param(64)
-  max_concurrent_steps: int = param(3)
-  split: str = param("n")
-
-  def tiles(self) -> WsTiles:
-    return WsTiles(**dataclasses.asdict(self))
-
-
-def ws_problem(config, out_itemsize: int) -> str | None:
-  """Whether a warp-specialized kernel's configuration compiles with an output of ``out_itemsize`` bytes."""
-  for key, v in dataclasses.asdict(config).items():
-    if key not in ("split", "grid_minor") and (not isinstance(v, int) or isinstance(v, bool)):
-      return f"{key}={v!r} must be an int"
-  return config.tiles().problem(out_itemsize)
-
-
-def ws_tile(config) -> tuple[int, int, int]:
-  """The CTA tile (twice a warpgroup's along ``split``) and ``tile_k``."""
-  return (*config.tiles().cta, config.tile_k)
-
-
 def _make(p, config: WsConfig, interpret: bool):
   del interpret  # never: JAX's interpreter does not run its pipeline
   tiles, out_dtype = config.tiles(), p.c.dtype
@@ -211,7 +125,7 @@ def _make(p, config: WsConfig, interpret: bool):
 
 FUSED_MATMUL_REDUCESCATTER_WS = FusedKernel(
     name="fused_matmul_reducescatter_ws",
-    description="our warp-specialized Mosaic GPU kernel (kernels.fused_matmul_reducescatter_ws): JAX's Hopper GEMM "
+    description="our warp-specialized Mosaic GPU kernel (kernels.gemm.reducescatter_ws): JAX's Hopper GEMM "
                 "body (two consumer warpgroups) per ring step, its epilogue adding the received sum and storing "
                 "into the left neighbour; shapes padded to its CTA tiles",
     placement=REDUCESCATTER, config=WsConfig, devices=hopper_devices(False),

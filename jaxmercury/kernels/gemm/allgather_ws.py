@@ -44,17 +44,16 @@ from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import gemm_memory, gemm_seconds, hopper_devices
-from jaxmercury.kernels.fused_matmul_reducescatter_ws import WsConfig, WsTiles, ws_problem, ws_tile
-from jaxmercury.kernels.peer_gemm import (
+from jaxmercury.kernels.gemm.peer import (
   check_operands,
   gathered_rows,
-  left_peer,
   pad_to,
   round_up,
-  step_semaphores,
   unpad_row_blocks,
   warp_specialized_kernel,
 )
+from jaxmercury.kernels.gemm.tiles import WsConfig, WsTiles, ws_problem, ws_tile
+from jaxmercury.kernels.mosaic_gpu import left_peer, step_semaphores
 from jaxmercury.kernels.placements import ALLGATHER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
@@ -161,7 +160,7 @@ def _make(p, config: WsAllGatherConfig, interpret: bool):
 
 FUSED_ALLGATHER_MATMUL_WS = FusedKernel(
     name="fused_allgather_matmul_ws",
-    description="our warp-specialized Mosaic GPU kernel (kernels.fused_allgather_matmul_ws): JAX's Hopper GEMM "
+    description="our warp-specialized Mosaic GPU kernel (kernels.gemm.allgather_ws): JAX's Hopper GEMM "
                 "body (two consumer warpgroups) per ring step, storing each A tile it reads into the left "
                 "neighbour, one semaphore per step; shapes padded to its CTA tiles",
     placement=ALLGATHER, config=WsAllGatherConfig, devices=hopper_devices(False),

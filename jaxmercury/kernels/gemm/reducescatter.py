@@ -51,8 +51,9 @@ from jaxmercury.kernels.fused_common import (
   tile_of,
   tile_problem,
 )
-from jaxmercury.kernels.mosaic_matmul import TileConfig, Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.kernels.peer_gemm import check_operands, left_peer, pad_to, round_up, sm_count, step_semaphores
+from jaxmercury.kernels.gemm.peer import check_operands, pad_to, round_up
+from jaxmercury.kernels.gemm.tiles import TileConfig, Tiles, accumulate, store_tile
+from jaxmercury.kernels.mosaic_gpu import left_peer, sm_count, step_semaphores, swizzled
 from jaxmercury.kernels.placements import REDUCESCATTER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
@@ -124,12 +125,12 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
         # Register (ACC) and SMEM scratch are scoped separately (interpret mode cannot mix them);
         # the epilogue's SMEM reuses the pipeline's once the GEMM is done.
         acc = pl.run_scoped(
-            lambda acc_ref: _accumulate(acc_ref, x_ref.at[pl.ds(block_rows + mi * tm, tm), :],
+            lambda acc_ref: accumulate(acc_ref, x_ref.at[pl.ds(block_rows + mi * tm, tm), :],
                                         w_ref.at[:, cols], tiles),
             plgpu.ACC((tm, tn), jnp.float32))
         if first and last:  # one device: a plain GEMM
-          pl.run_scoped(lambda out_smem: _store_tile(acc, out_smem, out_ref.at[rows, cols]),
-                        plgpu.SMEM((tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype)))
+          pl.run_scoped(lambda out_smem: store_tile(acc, out_smem, out_ref.at[rows, cols]),
+                        plgpu.SMEM((tm, tn), out_dtype, transforms=swizzled(tn, out_dtype)))
           return
 
         def epilogue(sum_smem, out_smem, landed):
@@ -140,7 +141,7 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
             plgpu.barrier_wait(landed)
             total = acc + sum_smem[...]
           if last:
-            _store_tile(total, out_smem, out_ref.at[rows, cols])
+            store_tile(total, out_smem, out_ref.at[rows, cols])
           else:  # float32 into the left peer; its write is awaited once per step, before the signal
             sum_smem[...] = total
             plgpu.commit_smem()
@@ -148,8 +149,8 @@ def _kernel(x, w, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # sum_smem may be reused
 
         pl.run_scoped(epilogue,
-                      plgpu.SMEM((tm, tn), jnp.float32, transforms=_swizzled(tn, jnp.float32)),
-                      plgpu.SMEM((tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype)),
+                      plgpu.SMEM((tm, tn), jnp.float32, transforms=swizzled(tn, jnp.float32)),
+                      plgpu.SMEM((tm, tn), out_dtype, transforms=swizzled(tn, out_dtype)),
                       plgpu.Barrier(num_barriers=1))
 
       if not last:
@@ -193,7 +194,7 @@ def _make(p, config: TileConfig, interpret: bool):
 
 FUSED_MATMUL_REDUCESCATTER = FusedKernel(
     name="fused_matmul_reducescatter",
-    description="our Mosaic GPU kernel (kernels.fused_matmul_reducescatter): each tile's float32 running sum is "
+    description="our Mosaic GPU kernel (kernels.gemm.reducescatter): each tile's float32 running sum is "
                 "stored by TMA into the left neighbour as the GEMM finishes it; shapes padded to its tiles",
     placement=REDUCESCATTER, config=TileConfig, devices=interpretable_devices, problem=tile_problem, tile=tile_of,
     make=_make, interpret=True, backward=DualGemm(dual="fused_allgather_matmul"), rate_kernel="mosaic_matmul",

@@ -40,17 +40,9 @@ from jaxmercury.kernels.fused_common import (
   tile_of,
   tile_problem,
 )
-from jaxmercury.kernels.mosaic_matmul import TileConfig, Tiles, _accumulate, _store_tile, _swizzled
-from jaxmercury.kernels.peer_gemm import (
-  check_operands,
-  gathered_rows,
-  left_peer,
-  pad_to,
-  round_up,
-  sm_count,
-  step_semaphores,
-  unpad_row_blocks,
-)
+from jaxmercury.kernels.gemm.peer import check_operands, gathered_rows, pad_to, round_up, unpad_row_blocks
+from jaxmercury.kernels.gemm.tiles import TileConfig, Tiles, accumulate, store_tile
+from jaxmercury.kernels.mosaic_gpu import left_peer, sm_count, step_semaphores, swizzled
 from jaxmercury.kernels.placements import ALLGATHER
 from jaxmercury.kernels.registry import DualGemm, FusedKernel
 
@@ -118,9 +110,9 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
 
         on_step = forward if n_dev > 1 else None
         acc = pl.run_scoped(
-            lambda acc_ref: _accumulate(acc_ref, source.at[rows, :], b_ref.at[:, cols], tiles, on_step),
+            lambda acc_ref: accumulate(acc_ref, source.at[rows, :], b_ref.at[:, cols], tiles, on_step),
             plgpu.ACC((tm, tn), jnp.float32))
-        _store_tile(acc, out_smem, out_ref.at[pl.ds(out_rows + mi * tm, tm), cols])
+        store_tile(acc, out_smem, out_ref.at[pl.ds(out_rows + mi * tm, tm), cols])
 
       if n_dev > 1:
         @pl.when(forwarding)
@@ -136,7 +128,7 @@ def _kernel(a, b, axis_name, n_dev: int, tiles: Tiles, out_dtype, num_ctas: int,
         ring_step(received_ref.at[s - 1], s)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_smem = plgpu.SMEM((tm, tn), out_dtype, transforms=_swizzled(tn, out_dtype))
+  out_smem = plgpu.SMEM((tm, tn), out_dtype, transforms=swizzled(tn, out_dtype))
   result, received = plgpu.kernel(
       body,
       out_type=[jax.ShapeDtypeStruct((n_dev * m, n), out_dtype),
@@ -165,7 +157,7 @@ def _make(p, config: TileConfig, interpret: bool):
 
 FUSED_ALLGATHER_MATMUL = FusedKernel(
     name="fused_allgather_matmul",
-    description="our Mosaic GPU kernel (kernels.fused_allgather_matmul): A's row shards travel the ring by TMA "
+    description="our Mosaic GPU kernel (kernels.gemm.allgather): A's row shards travel the ring by TMA "
                 "stores into the left neighbour, overlapped with wgmma; shapes padded to its tiles",
     placement=ALLGATHER, config=TileConfig, devices=interpretable_devices, problem=tile_problem, tile=tile_of,
     make=_make, interpret=True, backward=DualGemm(dual="fused_matmul_reducescatter"), rate_kernel="mosaic_matmul",

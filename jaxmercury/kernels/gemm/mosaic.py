@@ -10,7 +10,7 @@ result ``float32 [m, n]``):
   accumulates into a float32 register accumulator; the epilogue stores it
   through SMEM to GMEM by TMA. The epilogue is the hook for fused
   communication: a kernel that stores its tile to a peer's memory
-  (``plgpu.remote_ref``) changes only ``_store_tile``. It also runs on CPU in
+  (``plgpu.remote_ref``) changes only ``tiles.store_tile``. It also runs on CPU in
   Mosaic GPU interpret mode (``make(program, interpret=True)``), on one
   device at a time: JAX 0.11.2's interpreter races when several simulated
   devices run kernels at once (each kernel's end checks that no device still
@@ -39,120 +39,11 @@ from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels.config import param
+from jaxmercury.kernels.gemm.tiles import Tiles, accumulate, store_tile
+from jaxmercury.kernels.mosaic_gpu import HALF_DTYPES, SMEM_BYTES, hopper_only, swizzled
 from jaxmercury.kernels.registry import Kernel
 
-# Shared memory one CTA may allocate on H100/H200 (227 KiB), less 1 KiB for barriers.
-SMEM_BYTES = 227 * 1024 - 1024
-# One warpgroup holds at most this many float32 accumulator values in registers (128 per thread).
-ACC_VALUES = 128 * 128
-HALF_DTYPES = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
-
-
-def hopper_only(device) -> str | None:
-  """Why ``device`` cannot run a Hopper Mosaic GPU (wgmma) kernel, or None if it can.
-
-  Args:
-    device: a ``jax.Device``.
-
-  Returns:
-    A sentence naming the device and what it lacks, or ``None``.
-  """
-  if device.platform != "gpu":
-    return f"Mosaic GPU kernels need an NVIDIA Hopper GPU; {device} is a {device.platform} device"
-  capability = str(getattr(device, "compute_capability", ""))
-  try:
-    major, minor = (int(x) for x in capability.split(".")[:2])
-  except ValueError:
-    return f"Mosaic GPU kernels need an NVIDIA GPU with compute capability 9.x; {device} reports {capability!r}"
-  if major < 9:
-    return (f"Mosaic GPU needs compute capability 9.0 (Hopper) or newer, "
-            f"device {device} ({device.device_kind}) has {major}.{minor}")
-  if major > 9:
-    return (f"this kernel uses Hopper's wgmma, which compute capability {major}.{minor} "
-            f"({device.device_kind}) does not have; it needs 9.x")
-  return None
-
-
 # ------------------------------------------------------------------ mosaic_matmul
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-  """Tile sizes and pipeline depth of ``mosaic_matmul``."""
-
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  max_concurrent_steps: int = 4
-
-  def smem_bytes(self, itemsize: int) -> int:
-    """Pipeline buffers (A and B tiles per step) plus the float32 epilogue tile."""
-    tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
-    return self.max_concurrent_steps * (tm * tk + tk * tn) * itemsize + 4 * tm * tn
-
-  def problem(self, itemsize: int = 2) -> str | None:
-    """Why these tiles cannot compile (for 2-byte inputs), or None."""
-    tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
-    if tm % 64:
-      return f"tile_m={tm} must be a multiple of 64 (wgmma's M)"
-    if tn % 64 or tn > 256:
-      return f"tile_n={tn} must be a multiple of 64 and at most 256 (wgmma's N, 128-byte swizzle)"
-    if tk % 64:
-      return f"tile_k={tk} must be a multiple of 64 (128-byte swizzle of 2-byte inputs)"
-    if self.max_concurrent_steps < 2:
-      return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
-    if tm * tn > ACC_VALUES:
-      return f"tile_m x tile_n = {tm * tn} float32 accumulators exceed one warpgroup's registers ({ACC_VALUES})"
-    if self.smem_bytes(itemsize) > SMEM_BYTES:
-      return f"needs {self.smem_bytes(itemsize)} bytes of shared memory, more than {SMEM_BYTES}"
-    return None
-
-  def divides(self, m: int, n: int, k: int) -> bool:
-    return m % self.tile_m == 0 and n % self.tile_n == 0 and k % self.tile_k == 0
-
-
-def _swizzled(minor: int, dtype):
-  """SMEM transforms for a tile whose minor dimension has ``minor`` elements: (8, s) tiles, swizzled."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _accumulate(acc_ref, a_rows, b_cols, tiles: Tiles, on_step=None):
-  """acc += a_rows @ b_cols, streaming k tiles through SMEM; returns the accumulator value.
-
-  ``delay_release=1`` lets one wgmma stay in flight: the pipeline refills a
-  step's buffers only after the following step, when ``wgmma_wait(1)`` has
-  retired the wgmma that read them. ``on_step(k_index, a_smem)``, if given,
-  runs after each step's wgmma is issued (a fused kernel forwards the A tile
-  from there); work it starts on ``a_smem`` must finish within one step.
-  """
-  tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
-
-  def step(indices, a_smem, b_smem):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-    plgpu.wgmma_wait(1)
-    if on_step is not None:
-      on_step(indices[0], a_smem)
-
-  in_specs = [
-      plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=_swizzled(tk, a_rows.dtype), delay_release=1),
-      plgpu.BlockSpec((tk, tn), lambda kk: (kk, 0), transforms=_swizzled(tn, b_cols.dtype), delay_release=1),
-  ]
-  k_steps = a_rows.shape[1] // tk
-  pipeline = plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
-                                 max_concurrent_steps=tiles.max_concurrent_steps)
-  pipeline(a_rows, b_cols)
-  plgpu.wgmma_wait(0)
-  return acc_ref[...]
-
-
-def _store_tile(acc, out_smem, out_tile):
-  """Epilogue: registers -> SMEM -> GMEM (TMA), in ``out_smem``'s dtype; ``out_tile`` may be a peer's."""
-  out_smem[...] = acc.astype(out_smem.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, out_tile)
-  plgpu.wait_smem_to_gmem(0)
 
 
 def _tile_kernel(a_gmem, b_gmem, out_gmem, out_smem, *, tiles: Tiles):
@@ -160,9 +51,9 @@ def _tile_kernel(a_gmem, b_gmem, out_gmem, out_smem, *, tiles: Tiles):
   rows = pl.ds(lax.axis_index("m") * tiles.tile_m, tiles.tile_m)
   cols = pl.ds(lax.axis_index("n") * tiles.tile_n, tiles.tile_n)
   # Register (ACC) and SMEM scratch are scoped separately (interpret mode cannot mix them).
-  acc = pl.run_scoped(lambda acc_ref: _accumulate(acc_ref, a_gmem.at[rows, :], b_gmem.at[:, cols], tiles),
+  acc = pl.run_scoped(lambda acc_ref: accumulate(acc_ref, a_gmem.at[rows, :], b_gmem.at[:, cols], tiles),
                       plgpu.ACC((tiles.tile_m, tiles.tile_n), jnp.float32))
-  _store_tile(acc, out_smem, out_gmem.at[rows, cols])
+  store_tile(acc, out_smem, out_gmem.at[rows, cols])
 
 
 def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
@@ -187,7 +78,7 @@ def mosaic_gemm(a, b, tiles: Tiles = Tiles(), *, interpret: bool = False):
 
 def _kernel_gemm(a, b, *, tiles: Tiles, interpret: bool):
   (m, _), n = a.shape, b.shape[1]
-  out_smem = plgpu.SMEM((tiles.tile_m, tiles.tile_n), jnp.float32, transforms=_swizzled(tiles.tile_n, jnp.float32))
+  out_smem = plgpu.SMEM((tiles.tile_m, tiles.tile_n), jnp.float32, transforms=swizzled(tiles.tile_n, jnp.float32))
   kernel = plgpu.kernel(
       functools.partial(_tile_kernel, tiles=tiles),
       out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
@@ -312,17 +203,3 @@ JAX_MOSAIC_MATMUL = Kernel(
     dtypes=HALF_DTYPES, platforms=frozenset({"gpu"}), supports=hopper_only, interpret=False,
     workspace=lambda program, sizes, config: 2 * sizes["m"] * sizes["n"],
     description="JAX's warp-specialized persistent Hopper GEMM (hopper_matmul_mgpu)")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TileConfig:
-  """A fused GEMM kernel's tiles and pipeline depth (``Tiles``); any values its ``problem`` accepts."""
-
-  OPEN = True
-  tile_m: int = param(128)
-  tile_n: int = param(128)
-  tile_k: int = param(64)
-  max_concurrent_steps: int = param(4)
-
-  def tiles(self) -> Tiles:
-    return Tiles(self.tile_m, self.tile_n, self.tile_k, self.max_concurrent_steps)
