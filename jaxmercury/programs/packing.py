@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.programs.masks import PAD_QUERY_SEGMENT, KV_SEGMENTS, Q_SEGMENTS
+from jaxmercury.programs.masks import KV_SEGMENTS, PAD_QUERY_SEGMENT, Q_SEGMENTS
 
 SHORTEST, LONGEST = 64, 4  # random_packing's document lengths: row length / 64 to row length / 4
 
