@@ -42,3 +42,13 @@ def test_jax_internals_only_in_the_compat_module():
   users = [str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
            if "jax._src" in path.read_text() and path.name != "_compat.py"]
   assert users == []
+
+
+def test_ci_runs_the_readmes_test_command():
+  """``.ci/run`` runs the README's test command as written, which names its 25 slowest tests."""
+  root = PACKAGE.parent
+  readme = next(line for line in (root / "README.md").read_text().splitlines() if "python -m pytest" in line)
+  command = readme.split('pip install -e ".[test]" && ', 1)[1]
+  ci = [line for line in (root / ".ci" / "run").read_text().splitlines() if "python -m pytest" in line]
+  assert ci and all(line.endswith(command) for line in ci), (command, ci)
+  assert command.endswith("python -m pytest -n 2 --durations=25")
