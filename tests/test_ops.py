@@ -7,13 +7,16 @@ from conftest import fresh_key, make_mesh, rel_err
 
 import jaxmercury as jm
 
+ASSUMED = jm.tuner.Machine("assumed", flops_per_s=5e9, link_bytes_per_s={"*": 3e8})  # cost-model figures
+
 
 def test_ops_use_default_then_stored_winner(tmp_path):
   mesh = make_mesh("8")
   db = jm.Database(str(tmp_path / "ops.db"))
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  db.store_machine(prog, mesh, ASSUMED)  # no calibration
   q, k, v = prog.random_inputs(fresh_key())
-  want = prog.reference(q, k, v)
+  want = jax.jit(prog.reference)(q, k, v)
   assert db.lookup(prog, mesh) is None
   out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db)
   assert rel_err(out, want) < 1e-5
@@ -103,6 +106,7 @@ def test_tuning_while_a_jitted_function_is_traced(tmp_path):
   operator in the trace finds it in the database (which the tuner's thread wrote)."""
   mesh, db = make_mesh("8"), jm.Database(tmp_path / "t.db")
   prog = jm.programs.matmul(64, 32, 48)
+  db.store_machine(prog, mesh, ASSUMED)  # no calibration
   a, b = prog.random_inputs(fresh_key())
   lines = []
 
