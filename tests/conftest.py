@@ -6,8 +6,12 @@ import tempfile
 
 from jaxmercury._cpu_flags import cpu_flags  # before JAX makes its CPU client, which reads XLA_FLAGS
 
-os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the simulated CPU devices, programs compile at LLVM's -O0 (XLA's own passes are unchanged, the code it emits
+# plainer): the suite compiles far more than it computes, interpret-mode kernels above all (near half their time).
+os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8) + (
+    " --xla_backend_optimization_level=0" if os.environ["JAX_PLATFORMS"] == "cpu"
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") else "")
 
 # JAX's persistent compilation cache, in a temporary folder named by the session's first process (pytest, or
 # xdist's controller) and read from the environment, when JAX starts, by every process of the session: xdist's

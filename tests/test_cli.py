@@ -207,7 +207,7 @@ def test_exit_statuses_and_ctrl_c_as_a_process(tmp_path, capsys):
   count kept, and the same command resumes exactly those. The tune runs as ``-m`` runs it, its Ctrl-C handler
   installed first: a suite started in the background (``&`` without job control) ignores SIGINT, and Python
   installs that handler only where SIGINT is not ignored."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   bad = subprocess.run([sys.executable, "-m", "jaxmercury.tune", "matmul", "--m", "0"], capture_output=True,
                        text=True, env=env, timeout=300)
   assert bad.returncode == 2 and bad.stderr == "error: --m 0: must be at least 1 (rows of A and C)\n", bad.stderr

@@ -102,7 +102,7 @@ def run_document(path: pathlib.Path) -> int:
 
 def _run(path: pathlib.Path, tmp_path) -> subprocess.CompletedProcess:
   python_path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["XLA_FLAGS"],  # the tests': 8 devices
          "PYTHONPATH": python_path, "XDG_CACHE_HOME": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
   # From the repository root, as a reader runs them; examples write only to temporary folders.
   return subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True, env=env,
