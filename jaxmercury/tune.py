@@ -242,6 +242,7 @@ def help_text(operator: Operator | None = None) -> str:
   parts += ["\ntuning options (every operator):", *_flag_lines(TUNING)]
   return "\n".join(p for p in parts if p)
 
+
 WINNER_FIELDS = ("name", "strategy", "origin", "plain", "kernel", "kernel_config", "lowering", "lowering_config",
                  "schedule", "time_ms", "final_ms", "memory_bytes")
 
