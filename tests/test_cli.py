@@ -71,28 +71,23 @@ def test_the_readme_job_calibrates_tunes_stores_and_reuses(tmp_path, capsys):
   assert "calibrating" not in again
 
 
-def test_matmul_with_budget_and_predictions(tmp_path, capsys):
+def test_matmul_with_budget_and_predictions_then_its_training_step_apart(tmp_path, capsys):
   prog = jm.programs.matmul(64, 32, 48)
+  db = _db(tmp_path, prog)
   out = _tune(capsys, MATMUL + COMMON + ["--memory_budget", "1MiB", "--predict_mesh", "node=4,gpu=4", "--link_gbps",
-                                         "node=100", "--json", str(tmp_path / "m.json")], _db(tmp_path, prog))
+                                         "node=100", "--json", str(tmp_path / "m.json")], db)
   report = json.loads((tmp_path / "m.json").read_text())
+  assert report["objective"] == "forward"
   _check_report(report, prog)
   assert report["winner"]["memory_bytes"] <= 2**20
   preds = report["predictions"]["candidates"]
   assert preds and all(p["predicted_ms"] > 0 for p in preds)
   assert "predicted on mesh {'node': 4, 'gpu': 4}" in out
-
-
-def test_a_training_step_is_tuned_apart_from_the_forward(tmp_path, capsys):
-  prog = jm.programs.matmul(64, 32, 48)
-  db = _db(tmp_path, prog)
   out = _tune(capsys, MATMUL + COMMON + ["--training", "--json", str(tmp_path / "t.json")], db)
   report = json.loads((tmp_path / "t.json").read_text())
   assert "(training step) on mesh" in out and report["objective"] == "training"
+  assert report["from_database"] is False  # its own record, not the forward's
   _check_report(report, prog)
-  _tune(capsys, MATMUL + COMMON + ["--notraining", "--json", str(tmp_path / "f.json")], db)
-  forward = json.loads((tmp_path / "f.json").read_text())
-  assert forward["objective"] == "forward" and forward["from_database"] is False  # its own record
 
 
 def test_moe_tunes_a_mixture_of_experts_layer(tmp_path, capsys):
