@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 import jaxmercury as jm
 from jaxmercury._cpu_flags import cpu_flags
@@ -42,7 +43,8 @@ TUNE = textwrap.dedent("""
 def _tune(tmp_path, name: str, cache) -> dict:
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags("", 8)}
-  env.pop(compile_cache.ENV, None)
+  for variable in (compile_cache.ENV, "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+    env.pop(variable, None)  # the test session's own cache would be the user's: the tune would leave it as it is
   proc = subprocess.run([sys.executable, "-c", TUNE, str(tmp_path / f"{name}.db"), str(cache)], env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -73,19 +75,19 @@ def test_the_cache_folder_is_beside_the_database_unless_named(tmp_path, monkeypa
 
 
 def test_a_users_own_cache_is_left_as_it_is(tmp_path):
-  before = jax.config.jax_compilation_cache_dir
-  with compile_cache.for_tune(str(tmp_path / "tune")) as used:
-    assert used == str(tmp_path / "tune") == jax.config.jax_compilation_cache_dir
-    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-  assert jax.config.jax_compilation_cache_dir == before
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))
+  session = jax.config.jax_compilation_cache_dir  # the test session's own (conftest), restored at the end
   try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    with compile_cache.for_tune(str(tmp_path / "tune")) as used:
+      assert used == str(tmp_path / "tune") == jax.config.jax_compilation_cache_dir
+      assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert jax.config.jax_compilation_cache_dir is None
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))
     with compile_cache.for_tune(str(tmp_path / "tune")) as used:
       assert used == str(tmp_path / "users")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "users")
   finally:
-    jax.config.update("jax_compilation_cache_dir", before)
-    from jax.experimental.compilation_cache import compilation_cache  # the test's own cache switched off again
+    jax.config.update("jax_compilation_cache_dir", session)
     compilation_cache.reset_cache()
 
 

@@ -9,7 +9,7 @@ layer sits above the schedules.
 from jaxmercury.lowering.differentiate import differentiable as with_backward
 from jaxmercury.lowering.fused import compile_fused
 from jaxmercury.lowering.lower import lower
-from jaxmercury.lowering.routed import check_dense, routed_per_device
+from jaxmercury.lowering.routed import routed_per_device
 from jaxmercury.schedules.schedule import register_compiler
 
 
@@ -21,7 +21,6 @@ def compile_schedule(schedule, *, differentiable: bool = True):
     return compile_fused(schedule)
   if schedule.dispatched is not None:  # the routed exchange; gradients: JAX's through it
     return lower(schedule, per_device=routed_per_device(schedule, schedule.plan()))
-  check_dense(schedule)
   forward = lower(schedule)
   return with_backward(schedule, forward) if differentiable else forward
 

@@ -29,24 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmercury.analysis import dispatch as dispatches
-from jaxmercury.errors import ScheduleError
-from jaxmercury.ir.loops import VECTOR
 from jaxmercury.kernels import registry
 from jaxmercury.programs.moe import chosen, kept, route, swiglu
-
-
-def check_dense(schedule):
-  """A routed program with a capacity, not dispatched: its body counts the capacity from the first token of its
-  block, so the tokens must not be split into blocks (``ScheduleError`` otherwise)."""
-  routing = schedule.program.routing
-  if routing is None or routing.capacity is None or schedule.dispatched is not None:
-    return
-  split = [lp.name for lp in schedule.loops if lp.axis == routing.tokens and lp.role != VECTOR]
-  if split:
-    raise ScheduleError(f"{schedule.program.name}: loops {split} split the tokens {routing.tokens!r} into blocks, "
-                        f"but the dense body counts the expert capacity ({routing.capacity}) within one block; "
-                        f"dispatch the experts loop (Schedule.dispatch), which counts it across blocks and devices, "
-                        f"or leave the tokens whole")
 
 
 def routed_per_device(schedule, plan):

@@ -16,8 +16,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxmercury.analysis import placements
-from jaxmercury.errors import InputError, LayoutError, MeshError, ProgramError, UnknownLevelError
-from jaxmercury.ir.loops import PARALLEL, spec_levels
+from jaxmercury.errors import InputError, LayoutError, MeshError, ProgramError, ScheduleError, UnknownLevelError
+from jaxmercury.ir.loops import PARALLEL, VECTOR, spec_levels
 from jaxmercury.ir.program import Program
 from jaxmercury.kernels import registry
 
@@ -148,9 +148,24 @@ def check_on_mesh(schedule, mesh=None):
     used[lp.level] = lp.name
   registry.lookup(schedule.kernel or "xla", schedule.program, mesh, schedule.kernel_config)
   check_layouts(schedule.program, here, schedule.in_shardings, schedule.out_sharding)
+  check_routed_capacity(schedule)
   plan = schedule.plan()
   placements.check(schedule)  # a fused lowering, checked again after later primitives
   return plan
+
+
+def check_routed_capacity(schedule):
+  """A routed program with a capacity, not dispatched: its dense body counts the capacity from the first token
+  of its block, so the tokens must not be split into blocks."""
+  routing = schedule.program.routing
+  if routing is None or routing.capacity is None or schedule.dispatched is not None:
+    return
+  split = [lp.name for lp in schedule.loops if lp.axis == routing.tokens and lp.role != VECTOR]
+  if split:
+    raise ScheduleError(f"{schedule.program.name}: loops {split} split the tokens {routing.tokens!r} into blocks, "
+                        f"but the dense body counts the expert capacity ({routing.capacity}) within one block; "
+                        f"dispatch the experts loop (Schedule.dispatch), which counts it across blocks and devices, "
+                        f"or leave the tokens whole")
 
 
 # ------------------------------------------------------------------ inputs
