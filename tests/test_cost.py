@@ -13,6 +13,7 @@
 import dataclasses
 import itertools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -471,3 +472,21 @@ def test_backward_rates_time_the_joint_block_on_the_forwards_blocks():
   assert calibrate.backward_rates(jm.programs.matmul(64, 64, 64), one, ["xla"]) == {}
   measured = calibrate.backward_rates(prog, one, ["xla"])  # the real block runs
   assert measured["xla"] > 0
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_ring_attention_rates_are_calibrated_only_where_offered(monkeypatch, devices):
+  """On a GPU mesh of one device the tuner offers no ring attention (``propose.ONE_DEVICE_RING``): the kernels'
+  calibration skips their rates there, and measures them on a mesh of several devices. (The measurements are
+  stubbed: a mesh whose devices call themselves GPUs, the parts each step measures recorded.)"""
+  calls = []
+  monkeypatch.setattr(calibrate, "kernel_rates", lambda *a, **k: ({"xla": 1e12}, 0.0))
+  monkeypatch.setattr(calibrate, "fused_rates", lambda *a, **k: calls.append("rings") or {"fused_ring_attention": 1.0})
+  monkeypatch.setattr(calibrate, "fused_gemm_rates", lambda *a, **k: calls.append("gemms") or {})
+  monkeypatch.setattr(calibrate, "backward_rates", lambda *a, **k: {})
+  gpu = types.SimpleNamespace(platform="gpu")
+  mesh = types.SimpleNamespace(devices=np.array([gpu] * devices), axis_names=("x",), shape={"x": devices})
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  figures = calibrate.measure_parts(prog, mesh, parts=(calibrate.KERNELS,))[calibrate.KERNELS]
+  assert calls == (["gemms"] if devices == 1 else ["rings", "gemms"])
+  assert ("fused_ring_attention" in figures["fused_flops_per_s"]) == (devices > 1)

@@ -396,7 +396,8 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
   how much of a transfer hides under compute; one device's memory bandwidth. ``KERNELS``: the local kernels'
   rates on ``program``'s blocks (all that apply, or ``kernels``) and their fixed cost per call, on GPUs their
   backward blocks' (``backward_rates``) and, where ``kernels`` is not given, the fused ring attentions'
-  (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``).
+  (``fused_rates``; on a mesh of several devices, the only one where they are offered) and fused GEMMs'
+  (``fused_gemm_rates``).
 
   Args:
     program: the program whose kernels are measured.
@@ -446,7 +447,8 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
     fused_figures, backward = {}, {}
     if fused:
       step("fused ring attentions")
-      fused_figures = fused_rates(program, mesh) if local else {}
+      # on one device the tuner offers no ring attention (``propose.ONE_DEVICE_RING``): no rate of theirs to measure
+      fused_figures = fused_rates(program, mesh) if local and mesh.devices.size > 1 else {}
       step("fused GEMMs")
       fused_figures |= fused_gemm_rates(program, mesh)
     if gpu:
