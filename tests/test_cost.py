@@ -490,3 +490,27 @@ def test_ring_attention_rates_are_calibrated_only_where_offered(monkeypatch, dev
   figures = calibrate.measure_parts(prog, mesh, parts=(calibrate.KERNELS,))[calibrate.KERNELS]
   assert calls == (["gemms"] if devices == 1 else ["rings", "gemms"])
   assert ("fused_ring_attention" in figures["fused_flops_per_s"]) == (devices > 1)
+
+
+def test_gpu_kernel_probes_compile_one_loop_per_size_timed_pipelined(monkeypatch):
+  """On GPUs a kernel's probe at one block size is one loop of ``REPEATS`` (one compile, where two loops would
+  compile the kernel twice), its calls timed back to back: seconds per repeat are a call's over ``REPEATS``."""
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(64, 32, 48)
+  sizes = {a: ax.extent for a, ax in prog.axes.items()}
+  fn = registry.lookup("xla", prog, one)
+  probes = calibrate._kernel_probes(prog, fn, sizes, one.devices.flat[0], pipelined=True)
+  assert len(probes) == 1
+  run, args = probes[0]
+  a, b = jax.block_until_ready(run(*args))  # the loop hands its blocks on, nudged by nothing
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(args[1]))
+  assert np.abs(np.asarray(a)).max() > 0 and b.shape == args[2].shape
+  seen = []
+
+  def pipelined(f, *xs, calls):  # one call of the loop takes 8 ms
+    seen.append((calls, f is run, len(xs) == len(args)))
+    return 8e-3
+  monkeypatch.setattr(calibrate, "_pipelined", pipelined)
+  assert calibrate._per_repeat(probes) == pytest.approx(8e-3 / calibrate.REPEATS)
+  assert seen == [(calibrate.PIPELINED_CALLS, True, True)]
+  assert len(calibrate._kernel_probes(prog, fn, sizes, one.devices.flat[0])) == 2  # on CPUs: two calls of one loop

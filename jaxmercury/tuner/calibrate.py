@@ -4,9 +4,11 @@ Each applicable local kernel runs on one device on blocks of the program's
 own shape at two sizes, repeated inside one jitted loop so that dispatch does
 not count: the two times give its rate (in the flops it executes: the
 kernel's ``Work`` says how much of a block that is) and its fixed cost per
-call. Block offsets are traced, as in the nest (a constant causal mask would
-let XLA compile another body); a causal program's blocks are diagonal, query
-and key blocks of one size, which the kernels take on their own path. A ring
+call. Each size compiles once: on CPUs the repeats are the loop's argument,
+on GPUs the loop's calls are dispatched back to back. Block offsets are
+traced, as in the nest (a constant causal mask would let XLA compile another
+body); a causal program's blocks are diagonal, query and key blocks of one
+size, which the kernels take on their own path. A ring
 ``ppermute`` over each mesh level at two sizes gives the level's bandwidth
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an
@@ -49,6 +51,7 @@ from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, calibrated_name, dense
 from jaxmercury.tuner.measure import place_inputs
 
 REPEATS = 8
+PIPELINED_CALLS = 4  # calls of a loop of REPEATS timed back to back (``_per_repeat``)
 GPU_BLOCK_FLOPS = 1e13  # work per timed block: enough for a kernel's rate to have levelled off
 FUSED_PROBE_FLOPS = 2e12  # a fused attention's probe: a few milliseconds on a GPU
 
@@ -86,7 +89,12 @@ def _repeats(make, *args) -> list:
 
 
 def _per_repeat(probes) -> float:
-  """Seconds of one repeat of a loop body, without dispatch, from its ``_repeats`` probes."""
+  """Seconds of one repeat of a loop body, without dispatch, from its ``_repeats`` probes; or from one probe, a loop
+  of ``REPEATS`` (``_kernel_probes`` on GPUs): its calls dispatched back to back (``_pipelined``), dispatch hidden
+  under the device's work and a call's own fixed cost spread over its repeats."""
+  if len(probes) == 1:
+    (many, args), = probes
+    return max(_pipelined(many, *args, calls=PIPELINED_CALLS) / REPEATS, 1e-9)
   (many, many_args), (one, one_args) = probes
   return max((_time(many, *many_args) - _time(one, *one_args)) / (REPEATS - 1), 1e-9)
 
@@ -141,8 +149,11 @@ def executed_flops(program, kernel_name: str, sizes) -> float:
   return dense_flops(program) * math.prod(sizes[a] / extents[a] for a in program.kinds) * (work.fast + work.fallback)
 
 
-def _kernel_probes(program, fn, sizes, device) -> list:
-  """The ``_repeats`` probes of one call on blocks at the origin, given as traced offsets (as the nest gives them)."""
+def _kernel_probes(program, fn, sizes, device, *, pipelined: bool | None = None) -> list:
+  """The ``_per_repeat`` probes of one call on blocks at the origin, given as traced offsets (as the nest gives
+  them): on CPUs the two of ``_repeats`` as one program, the repeats its argument; on GPUs (``pipelined``, default
+  on devices other than CPUs) one loop of ``REPEATS``, timed pipelined: one compile per block size, where two
+  would compile each kernel twice (a Mosaic kernel's lowering takes seconds)."""
   extents = {a: ax.extent for a, ax in program.axes.items()}
   blocks = tuple(jax.device_put(_normal(k, [sizes[a] for a in b.axes], b.dtype), device)
                  for k, b in enumerate(program.reads))
@@ -157,10 +168,10 @@ def _kernel_probes(program, fn, sizes, device) -> list:
     return jax.lax.fori_loop(0, repeats, step, xs)
 
   origin = jax.device_put(np.int32(0), device)
-  if device.platform == "cpu":  # one program, the repeats its argument: half the compiles (the loop costs nothing)
-    run = jax.jit(loop)
-    return [(run, (jax.device_put(np.int32(n), device), origin, *blocks)) for n in (REPEATS, 1)]
-  return _repeats(lambda repeats: jax.jit(functools.partial(loop, repeats)), origin, *blocks)
+  if device.platform != "cpu" if pipelined is None else pipelined:
+    return [(jax.jit(functools.partial(loop, REPEATS)), (origin, *blocks))]
+  run = jax.jit(loop)  # one program, the repeats its argument (a loop on a CPU costs nothing)
+  return [(run, (jax.device_put(np.int32(n), device), origin, *blocks)) for n in (REPEATS, 1)]
 
 
 def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
