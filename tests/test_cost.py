@@ -31,7 +31,8 @@ from jaxmercury.kernels.attention import cudnn as ca
 from jaxmercury.kernels.attention import mosaic as ma
 from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs import attention_backward as ab
-from jaxmercury.tuner import calibrate, cost
+from jaxmercury.tuner import calibrate, cost, stored
+from jaxmercury.tuner.config import Task
 
 FAST, SLOW = 500e12, 100e12
 MACHINE = cost.Machine("H200-like", FAST, {"*": 200e9}, 20e-6, call_overhead_s=0.0, memory_bytes_per_s=1e30,
@@ -514,3 +515,27 @@ def test_gpu_kernel_probes_compile_one_loop_per_size_timed_pipelined(monkeypatch
   assert calibrate._per_repeat(probes) == pytest.approx(8e-3 / calibrate.REPEATS)
   assert seen == [(calibrate.PIPELINED_CALLS, True, True)]
   assert len(calibrate._kernel_probes(prog, fn, sizes, one.devices.flat[0])) == 2  # on CPUs: two calls of one loop
+
+
+def test_backward_blocks_are_calibrated_by_the_first_training_tune(monkeypatch, tmp_path):
+  """A forward tune's calibration stores the kernels' part without its backward blocks (on GPUs, where they are
+  measured: stubbed here); the first training tune measures them once and stores them beside the rest."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True)
+  task, db, lines = Task(prog, mesh), jm.Database(tmp_path / "tuning.db"), []
+  kernels = {"flops_per_s": 2e12, "kernel_flops_per_s": {"xla": 2e12}, "call_overhead_s": 1e-5,
+             "fused_flops_per_s": {}}
+  asked, backward = [], []
+  monkeypatch.setattr(stored, "measure_parts", lambda *a, parts, backward, **k: asked.append(backward) or {
+      calibrate.MESH: {"link_bytes_per_s": {"*": 1e12}, "latency_s": 0.0, "gather_factor": 1.0, "overlap": 1.0,
+                       "memory_bytes_per_s": 1e12}, calibrate.KERNELS: dict(kernels)})
+  monkeypatch.setattr(calibrate, "backward_rates", lambda p, m, rates: backward.append(dict(rates)) or {"xla": 1e12})
+  forward = stored.machine(task, None, db, lines.append)
+  assert asked == [False] and forward.backward_flops_per_s == {} and backward == []
+  assert calibrate.BACKWARD not in db.machine_parts(prog, mesh)[calibrate.KERNELS]
+  for _ in range(2):  # the second training tune reads them
+    training = stored.machine(task, None, db, lines.append, training=True)
+    assert training.backward_flops_per_s == {"xla": 1e12} and training.kernel_flops_per_s == {"xla": 2e12}
+  assert asked == [False] and backward == [{"xla": 2e12}]
+  assert db.machine_parts(prog, mesh)[calibrate.KERNELS][calibrate.BACKWARD] == {"xla": 1e12}
+  assert sum("backward blocks" in line for line in lines) == 2  # the measurement's two lines, once

@@ -18,7 +18,9 @@ The figures come in two parts, stored apart (``tuner.database``): the mesh's
 (``MESH_FIELDS``: links, latency, collectives, overlap, memory bandwidth),
 measured once per machine (device kind and mesh) whatever the operator and
 dtype, and the kernels' (the rest), once per operator pattern and dtypes.
-A tune measures only the part the database lacks (``measure_parts(parts=...)``).
+A tune measures only the part the database lacks (``measure_parts(parts=...)``);
+the kernels' backward blocks (``BACKWARD``), only a training tune's, wait for
+the first training tune (``with_backward``).
 Each step compiles its probe programs at once on threads (``_warm``; the
 timed calls then find them compiled), and its blocks are drawn on the host,
 so that no random draw compiles a program of its own.
@@ -392,6 +394,7 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
 
 
 MESH, KERNELS = "mesh", "kernels"  # the parts of a machine's figures (``Machine.parts``), measured apart
+BACKWARD = "backward_flops_per_s"  # the kernels' part's field that only a training tune needs (``with_backward``)
 
 
 def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
@@ -400,7 +403,8 @@ def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
   return Machine.from_parts(calibrated_name(mesh), parts[MESH], parts[KERNELS])
 
 
-def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progress=None, local: bool = True) -> dict:
+def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progress=None, local: bool = True,
+                  backward: bool = True) -> dict:
   """Measures the parts of this machine's figures named in ``parts``.
 
   ``MESH``: per mesh level of more than one device its ring bandwidth and latency, the collectives' factor and
@@ -419,6 +423,8 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
     local: measure what runs on one device (kernels, memory). Under ``jax.distributed`` the processes other than
       process 0, which measures and broadcasts, pass False: they join only what runs over the mesh (links,
       overlap, fused GEMMs), whose collectives need every process; their local figures are placeholders.
+    backward: measure the backward blocks too. False (a forward tune's): on GPUs the kernels' part is returned
+      without its ``BACKWARD`` field, which a training tune measures when it first needs it (``with_backward``).
 
   Returns:
     ``{part: {Machine field: value}}`` for each part measured.
@@ -428,7 +434,7 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
   names = list(kernels or registry.candidates(program, mesh)) if KERNELS in parts and local else []
   levels = [level for level in mesh.axis_names if mesh.shape[level] > 1] if MESH in parts else []
   fused = gpu and kernels is None and KERNELS in parts
-  total = len(names) + 2 * len(levels) + (MESH in parts) + (2 if fused else 0) + (gpu and KERNELS in parts)
+  total = len(names) + 2 * len(levels) + (MESH in parts) + (2 if fused else 0) + (gpu and backward and KERNELS in parts)
   done = [0]
 
   def step(what):
@@ -455,19 +461,28 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
                  "overlap": statistics.median(overlaps) if overlaps else 1.0, "memory_bytes_per_s": memory}
   if KERNELS in parts:
     rates, overhead = kernel_rates(program, mesh, names, progress=step) if local else ({}, 0.0)
-    fused_figures, backward = {}, {}
+    fused_figures, backward_figures = {}, {}
     if fused:
       step("fused ring attentions")
       # on one device the tuner offers no ring attention (``propose.ONE_DEVICE_RING``): no rate of theirs to measure
       fused_figures = fused_rates(program, mesh) if local and mesh.devices.size > 1 else {}
       step("fused GEMMs")
       fused_figures |= fused_gemm_rates(program, mesh)
-    if gpu:
+    if gpu and backward:
       step("backward blocks")
-      backward = backward_rates(program, mesh, rates) if local else {}
+      backward_figures = backward_rates(program, mesh, rates) if local else {}
     out[KERNELS] = {"flops_per_s": max(rates.values()) if rates else 1e12, "kernel_flops_per_s": rates,
-                    "call_overhead_s": overhead, "fused_flops_per_s": fused_figures,
-                    "backward_flops_per_s": backward}
+                    "call_overhead_s": overhead, "fused_flops_per_s": fused_figures}
+    if backward or not gpu:  # a CPU's has none to measure
+      out[KERNELS][BACKWARD] = backward_figures
   if progress is not None:
     progress("done", total, total)
   return out
+
+
+def with_backward(program, mesh, kernel_part: dict, *, local: bool = True) -> dict:
+  """``kernel_part`` (a ``KERNELS`` part measured without its backward blocks, ``measure_parts(backward=False)``)
+  with its ``BACKWARD`` field measured (``backward_rates`` of the kernels it has rates for; on a process other
+  than process 0, ``local`` False, a placeholder)."""
+  rates = kernel_part.get("kernel_flops_per_s", {})
+  return {**kernel_part, BACKWARD: backward_rates(program, mesh, rates) if local else {}}
