@@ -541,3 +541,22 @@ def test_backward_blocks_are_calibrated_by_the_first_training_tune(monkeypatch, 
   assert asked == [False] and backward == [{"xla": 2e12}]
   assert db.machine_parts(prog, mesh)[calibrate.KERNELS][calibrate.BACKWARD] == {"xla": 1e12}
   assert sum("backward blocks" in line for line in lines) == 2  # the measurement's two lines, once
+
+
+def test_every_kernels_probes_compile_at_once_before_any_is_timed(monkeypatch):
+  """``kernel_rates`` and ``backward_rates`` hand every kernel's probes to one ``_warm`` (one kernel's lowering
+  overlaps another's compile), then time each kernel (stubbed: the order of the calls is what is checked)."""
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 32, causal=True)
+  events = []
+  monkeypatch.setattr(calibrate, "_kernel_probes", lambda program, fn, sizes, device: [(object(), ()), (object(), ())])
+  monkeypatch.setattr(calibrate, "_warm", lambda probes: events.append(("warm", len(probes))))
+  monkeypatch.setattr(calibrate, "_per_repeat", lambda probes: events.append(("time",)) or 1e-3)
+  with registry.interpret_mode():
+    rates, _ = calibrate.kernel_rates(prog, one, ["xla", "pallas_attention"], progress=events.append)
+    assert set(rates) == {"xla", "pallas_attention"}
+    assert events == ["kernel xla", ("warm", 8), ("time",), ("time",), "kernel pallas_attention", ("time",),
+                      ("time",)]
+    events.clear()
+    assert set(calibrate.backward_rates(prog, one, ["pallas_attention", "xla"])) == {"xla"}  # the one with a joint
+    assert events == [("warm", 4), ("time",), ("time",)]

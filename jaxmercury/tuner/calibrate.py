@@ -22,7 +22,7 @@ A tune measures only the part the database lacks (``measure_parts(parts=...)``);
 the kernels' backward blocks (``BACKWARD``), only a training tune's, wait for
 the first training tune (``with_backward``).
 Each step compiles its probe programs at once on threads (``_warm``; the
-timed calls then find them compiled), and its blocks are drawn on the host,
+timed calls then find them compiled; the kernels' step, every kernel's), and its blocks are drawn on the host,
 so that no random draw compiles a program of its own.
 """
 
@@ -183,6 +183,14 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   ``backward``: ``(program, block function)`` run instead on the same block
   sizes, its work ``BACKWARD_WORK`` times the kernel's (``backward_rates``).
   """
+  probes = _figure_probes(program, kernel_name, mesh, budget_bytes, max_flops, backward)
+  _warm(_flat(probes))
+  return _fit(probes)
+
+
+def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None) -> dict:
+  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a larger
+  and a smaller block."""
   kernel = registry.local(kernel_name)
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
@@ -191,7 +199,15 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   for shrink in (1, 8):
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
     probes[scale * executed_flops(program, kernel_name, sizes)] = _kernel_probes(run_program, fn, sizes, device)
-  _warm([p for pair in probes.values() for p in pair])
+  return probes
+
+
+def _flat(*figure_probes) -> list:
+  return [p for probes in figure_probes for pair in probes.values() for p in pair]
+
+
+def _fit(probes) -> tuple[float, float]:
+  """(flops per second, fixed seconds per call) from ``_figure_probes``' probes, timed."""
   points = {flops: _per_repeat(pair) for flops, pair in probes.items()}
   ordered = sorted(points.items())  # one point when both sizes do the same work
   (f_small, t_small), (f_big, t_big) = ordered[0], ordered[-1]
@@ -271,14 +287,20 @@ def memory_figure(device, nbytes: int) -> float:
 
 def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, float]:
   """Per local kernel (default: those that apply), its rate on ``program``'s blocks; and the median fixed cost
-  of one call. ``progress(what)`` is called before each kernel's measurement."""
+  of one call. ``progress(what)`` is called before each kernel's measurement. Every kernel's probes compile at
+  once on threads (``_warm``), before the first is timed: one kernel's lowering overlaps another's compile."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   budget = (8 << 30) if gpu else (64 << 20)
+  names = list(kernels or registry.candidates(program, mesh))
+  if progress is not None and names:
+    progress(f"kernel {names[0]}")
+  probes = {name: _figure_probes(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None) for name in names}
+  _warm(_flat(*probes.values()))
   rates, overheads = {}, []
-  for name in kernels or registry.candidates(program, mesh):
-    if progress is not None:
+  for k, name in enumerate(names):
+    if progress is not None and k:
       progress(f"kernel {name}")
-    rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
+    rates[name], overhead = _fit(probes[name])
     overheads.append(overhead)
   return rates, statistics.median(overheads) if overheads else 0.0
 
@@ -291,7 +313,7 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
     return {}
   gpu = mesh.devices.flat[0].platform != "cpu"
   dq_program = attention_dq(program)
-  rates = {}
+  probes = {}
   for name in kernels:
     backward = registry.local(name).backward
     if backward is None or backward.joint is None:
@@ -303,9 +325,10 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
       continue
     block = backward.joint(dq_program, **registry.local(name).interprets(mesh))
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
-    rates[name], _ = kernel_figures(program, name, mesh, (2 << 30) if gpu else (16 << 20),
-                                    GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
-  return rates
+    probes[name] = _figure_probes(program, name, mesh, (2 << 30) if gpu else (16 << 20),
+                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
+  _warm(_flat(*probes.values()))  # every block compiles at once, as in ``kernel_rates``
+  return {name: _fit(pairs)[0] for name, pairs in probes.items()}
 
 
 def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
