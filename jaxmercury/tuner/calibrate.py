@@ -21,9 +21,10 @@ dtype, and the kernels' (the rest), once per operator pattern and dtypes.
 A tune measures only the part the database lacks (``measure_parts(parts=...)``);
 the kernels' backward blocks (``BACKWARD``), only a training tune's, wait for
 the first training tune (``with_backward``).
-Each step compiles its probe programs at once on threads (``_warm``; the
-timed calls then find them compiled; the kernels' step, every kernel's), and its blocks are drawn on the host,
-so that no random draw compiles a program of its own.
+Each step compiles its probe programs at once on threads (``_warm``: the
+kernels' step every kernel's; the timed calls then find them compiled), and
+its blocks are drawn on the host, so that no random draw compiles a program
+of its own.
 """
 
 from __future__ import annotations
