@@ -7,9 +7,10 @@ Cases, in order (``--cases``), on every device of the machine (one level), the c
 suites take them (attention sequence-split; an all-gather GEMM ``x[M@, K] . w[K, N@]``, a reduce-scatter GEMM
 ``x[M, K@] . w[K@, N] -> [M@, N]``):
 
-* ``calibration``: a fresh database's calibration for the attention program (the mesh's figures and the
-  attention kernels') and then for the GEMM's kernels, each part timed (mark: the first tune's part, the mesh's
-  and the attention kernels', ``CALIBRATION_S``);
+* ``calibration``: a fresh database's calibration for the attention program (the mesh's figures, the
+  attention kernels' and their backward blocks', which the first training tune measures) and then for the GEMM's
+  kernels, each part timed (mark: the first tune's part, the mesh's and the attention kernels',
+  ``CALIBRATION_S``; the backward blocks' is recorded beside it);
 * ``attention``, ``attention-training``: B1 H32 KV8 D128 causal bf16 at ``--seq`` (32K), its forward and its
   training step; ``gemm-ag``, ``gemm-rs``: ``--gemm`` (8192^3) bf16. Each ``jm.autotune`` at its defaults on the
   calibrated database, its compilation cache cold (the marks ``TUNE_S``: its wall time; ``--gemm_rs``: the
@@ -164,19 +165,28 @@ def gemm_case(args, kind: str) -> GemmCase:
 
 
 def calibrate_parts(env, database) -> dict:
-  """Calibrates ``database`` as a first attention tune and then a first GEMM tune would: seconds per part."""
+  """Calibrates ``database`` as a first attention tune (forward), the first attention training tune (the backward
+  blocks) and then a first GEMM tune would: seconds per part."""
   seconds = {}
   progs = {"attention": operators.program(attention_case(env.args)),
            "gemm": operators.program(gemm_case(env.args, "allgather"))}
+  local = jax.process_index() == 0
+
+  def measured(figures):
+    return agree.broadcast_json(figures if agree.is_leader() else None) if jax.process_count() > 1 else figures
+
   for op, prog in progs.items():
     parts = (calibrate.MESH, calibrate.KERNELS) if op == "attention" else (calibrate.KERNELS,)
     for part in parts:
       t0 = time.perf_counter()
-      figures = calibrate.measure_parts(prog, env.mesh, parts=(part,), local=jax.process_index() == 0)[part]
-      if jax.process_count() > 1:
-        figures = agree.broadcast_json(figures if agree.is_leader() else None)
+      figures = measured(calibrate.measure_parts(prog, env.mesh, parts=(part,), local=local, backward=False)[part])
       database.store_machine_part(part, prog, env.mesh, figures)
       seconds[f"{op} {part}"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    if calibrate.BACKWARD not in figures:  # as the first training tune would (CPUs measure none)
+      figures = measured(calibrate.with_backward(prog, env.mesh, figures, local=local))
+      database.store_machine_part(calibrate.KERNELS, prog, env.mesh, figures)
+    seconds[f"{op} backward"] = round(time.perf_counter() - t0, 2)
   return seconds
 
 
@@ -186,6 +196,7 @@ def run_calibration(env, name: str) -> dict:
   env._database = database  # the operator cases tune on it
   first = seconds["attention mesh"] + seconds["attention kernels"]
   return {"name": name, "status": "ok", "op": "calibration", "calibration_s": seconds,
+          "first_training_tune_s": round(first + seconds["attention backward"], 2),
           "marks": [_mark("calibration_s (mesh and attention kernels: a first tune's)", first,
                           at_most=CALIBRATION_S)], "contestants": []}
 

@@ -13,6 +13,7 @@
 import dataclasses
 import itertools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ from jaxmercury.kernels.attention import cudnn as ca
 from jaxmercury.kernels.attention import mosaic as ma
 from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs import attention_backward as ab
-from jaxmercury.tuner import calibrate, cost
+from jaxmercury.tuner import calibrate, cost, stored
+from jaxmercury.tuner.config import Task
 
 FAST, SLOW = 500e12, 100e12
 MACHINE = cost.Machine("H200-like", FAST, {"*": 200e9}, 20e-6, call_overhead_s=0.0, memory_bytes_per_s=1e30,
@@ -473,3 +475,88 @@ def test_backward_rates_time_the_joint_block_on_the_forwards_blocks():
   assert calibrate.backward_rates(jm.programs.matmul(64, 64, 64), one, ["xla"]) == {}
   measured = calibrate.backward_rates(prog, one, ["xla"])  # the real block runs
   assert measured["xla"] > 0
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_ring_attention_rates_are_calibrated_only_where_offered(monkeypatch, devices):
+  """On a GPU mesh of one device the tuner offers no ring attention (``propose.ONE_DEVICE_RING``): the kernels'
+  calibration skips their rates there, and measures them on a mesh of several devices. (The measurements are
+  stubbed: a mesh whose devices call themselves GPUs, the parts each step measures recorded.)"""
+  calls = []
+  monkeypatch.setattr(calibrate, "kernel_rates", lambda *a, **k: ({"xla": 1e12}, 0.0))
+  monkeypatch.setattr(calibrate, "fused_rates", lambda *a, **k: calls.append("rings") or {"fused_ring_attention": 1.0})
+  monkeypatch.setattr(calibrate, "fused_gemm_rates", lambda *a, **k: calls.append("gemms") or {})
+  monkeypatch.setattr(calibrate, "backward_rates", lambda *a, **k: {})
+  gpu = types.SimpleNamespace(platform="gpu")
+  mesh = types.SimpleNamespace(devices=np.array([gpu] * devices), axis_names=("x",), shape={"x": devices})
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True, dtype=jnp.bfloat16)
+  figures = calibrate.measure_parts(prog, mesh, parts=(calibrate.KERNELS,))[calibrate.KERNELS]
+  assert calls == (["gemms"] if devices == 1 else ["rings", "gemms"])
+  assert ("fused_ring_attention" in figures["fused_flops_per_s"]) == (devices > 1)
+
+
+def test_gpu_kernel_probes_compile_one_loop_per_size_timed_pipelined(monkeypatch):
+  """On GPUs a kernel's probe at one block size is one loop of ``REPEATS`` (one compile, where two loops would
+  compile the kernel twice), its calls timed back to back: seconds per repeat are a call's over ``REPEATS``."""
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(64, 32, 48)
+  sizes = {a: ax.extent for a, ax in prog.axes.items()}
+  fn = registry.lookup("xla", prog, one)
+  probes = calibrate._kernel_probes(prog, fn, sizes, one.devices.flat[0], pipelined=True)
+  assert len(probes) == 1
+  run, args = probes[0]
+  a, b = jax.block_until_ready(run(*args))  # the loop hands its blocks on, nudged by nothing
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(args[1]))
+  assert np.abs(np.asarray(a)).max() > 0 and b.shape == args[2].shape
+  seen = []
+
+  def pipelined(f, *xs, calls):  # one call of the loop takes 8 ms
+    seen.append((calls, f is run, len(xs) == len(args)))
+    return 8e-3
+  monkeypatch.setattr(calibrate, "_pipelined", pipelined)
+  assert calibrate._per_repeat(probes) == pytest.approx(8e-3 / calibrate.REPEATS)
+  assert seen == [(calibrate.PIPELINED_CALLS, True, True)]
+  assert len(calibrate._kernel_probes(prog, fn, sizes, one.devices.flat[0])) == 2  # on CPUs: two calls of one loop
+
+
+def test_backward_blocks_are_calibrated_by_the_first_training_tune(monkeypatch, tmp_path):
+  """A forward tune's calibration stores the kernels' part without its backward blocks (on GPUs, where they are
+  measured: stubbed here); the first training tune measures them once and stores them beside the rest."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 64, causal=True)
+  task, db, lines = Task(prog, mesh), jm.Database(tmp_path / "tuning.db"), []
+  kernels = {"flops_per_s": 2e12, "kernel_flops_per_s": {"xla": 2e12}, "call_overhead_s": 1e-5,
+             "fused_flops_per_s": {}}
+  asked, backward = [], []
+  monkeypatch.setattr(stored, "measure_parts", lambda *a, parts, backward, **k: asked.append(backward) or {
+      calibrate.MESH: {"link_bytes_per_s": {"*": 1e12}, "latency_s": 0.0, "gather_factor": 1.0, "overlap": 1.0,
+                       "memory_bytes_per_s": 1e12}, calibrate.KERNELS: dict(kernels)})
+  monkeypatch.setattr(calibrate, "backward_rates", lambda p, m, rates: backward.append(dict(rates)) or {"xla": 1e12})
+  forward = stored.machine(task, None, db, lines.append)
+  assert asked == [False] and forward.backward_flops_per_s == {} and backward == []
+  assert calibrate.BACKWARD not in db.machine_parts(prog, mesh)[calibrate.KERNELS]
+  for _ in range(2):  # the second training tune reads them
+    training = stored.machine(task, None, db, lines.append, training=True)
+    assert training.backward_flops_per_s == {"xla": 1e12} and training.kernel_flops_per_s == {"xla": 2e12}
+  assert asked == [False] and backward == [{"xla": 2e12}]
+  assert db.machine_parts(prog, mesh)[calibrate.KERNELS][calibrate.BACKWARD] == {"xla": 1e12}
+  assert sum("backward blocks" in line for line in lines) == 2  # the measurement's two lines, once
+
+
+def test_every_kernels_probes_compile_at_once_before_any_is_timed(monkeypatch):
+  """``kernel_rates`` and ``backward_rates`` hand every kernel's probes to one ``_warm`` (one kernel's lowering
+  overlaps another's compile), then time each kernel (stubbed: the order of the calls is what is checked)."""
+  one = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.attention(1, 4, 2, 256, 256, 32, causal=True)
+  events = []
+  monkeypatch.setattr(calibrate, "_kernel_probes", lambda program, fn, sizes, device: [(object(), ()), (object(), ())])
+  monkeypatch.setattr(calibrate, "_warm", lambda probes: events.append(("warm", len(probes))))
+  monkeypatch.setattr(calibrate, "_per_repeat", lambda probes: events.append(("time",)) or 1e-3)
+  with registry.interpret_mode():
+    rates, _ = calibrate.kernel_rates(prog, one, ["xla", "pallas_attention"], progress=events.append)
+    assert set(rates) == {"xla", "pallas_attention"}
+    assert events == ["kernel xla", ("warm", 8), ("time",), ("time",), "kernel pallas_attention", ("time",),
+                      ("time",)]
+    events.clear()
+    assert set(calibrate.backward_rates(prog, one, ["pallas_attention", "xla"])) == {"xla"}  # the one with a joint
+    assert events == [("warm", 4), ("time",), ("time",)]

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 import jaxmercury as jm
 from jaxmercury.analysis import memory
 from jaxmercury.kernels import registry
-from jaxmercury.tuner import accuracy, calibrate, cost, decide, measure, plot
+from jaxmercury.tuner import accuracy, calibrate, cost, decide, measure, plot, propose
 from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner.autotuner import TuneResult
 from jaxmercury.tuner.candidates import Candidate
@@ -549,3 +549,29 @@ def test_a_training_tune_in_worker_processes():
   assert [c.origin for c in result.candidates] == ["plain", "given"]
   for c in result.candidates:  # the plain program rebuilt in the worker from its description
     assert c.status == measure.OK, c.result.reason
+
+
+@pytest.mark.parametrize("pattern", ["attention", "matmul"])
+def test_on_one_device_ring_attentions_are_pruned_and_fused_gemms_offered(monkeypatch, pattern):
+  """On one device a ring attention's compute is a local attention's: offered pruned (``ONE_DEVICE_RING``), never
+  compiled; a fused GEMM, whose tiles are its own, is offered to compile. (CPU devices run no fused kernel: the
+  lowering is stubbed, the offer is what is checked.)"""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  if pattern == "attention":
+    prog, names = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True), ["fused_ring_attention_ws"]
+  else:
+    prog, names = jm.programs.matmul(64, 128, 256), ["fused_allgather_matmul_ws", "fused_matmul_reducescatter"]
+  assert [propose.one_device_ring(n) for n in names] == [pattern == "attention"] * len(names)
+  def offered(cands):  # to compile: not pruned
+    return sum(c.result is None for c in cands)
+  without = propose.default_candidates(prog, mesh)
+  monkeypatch.setattr(propose, "_fused_lowerings", lambda s, ins, out: names)
+  monkeypatch.setattr(jm.Schedule, "lower_with", lambda self, name, **params: self)
+  monkeypatch.setattr(propose.placements, "signature", id)
+  cands = propose.default_candidates(prog, mesh)
+  ring = [c for c in cands if c.result is not None and c.result.reason.startswith(propose.ONE_DEVICE_RING)]
+  assert len(cands) > len(without)
+  if pattern == "attention":
+    assert offered(cands) == offered(without) and ring and all(c.status == measure.PRUNED for c in ring)
+  else:
+    assert offered(cands) > offered(without) and not ring

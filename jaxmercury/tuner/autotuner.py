@@ -171,7 +171,7 @@ def tune(task: Task, config: TuneConfig, given=None, *, machine=None, database=N
   cache = compile_cache.folder(config.compile_cache, getattr(database, "path", None))
   with compile_cache.for_tune(cache):
     with clock("calibration"):
-      machine = stored.machine(task, machine, database, log)
+      machine = stored.machine(task, machine, database, log, training=config.training)
     store = stored.Store(database, task, log, config.objective)
     plan = _plan(task, config, given, machine, store, clock, log) if agree.is_leader() else None
     if agree.process_count() > 1:

@@ -4,9 +4,11 @@ Each applicable local kernel runs on one device on blocks of the program's
 own shape at two sizes, repeated inside one jitted loop so that dispatch does
 not count: the two times give its rate (in the flops it executes: the
 kernel's ``Work`` says how much of a block that is) and its fixed cost per
-call. Block offsets are traced, as in the nest (a constant causal mask would
-let XLA compile another body); a causal program's blocks are diagonal, query
-and key blocks of one size, which the kernels take on their own path. A ring
+call. Each size compiles once: on CPUs the repeats are the loop's argument,
+on GPUs the loop's calls are dispatched back to back. Block offsets are
+traced, as in the nest (a constant causal mask would let XLA compile another
+body); a causal program's blocks are diagonal, query and key blocks of one
+size, which the kernels take on their own path. A ring
 ``ppermute`` over each mesh level at two sizes gives the level's bandwidth
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an
@@ -16,10 +18,13 @@ The figures come in two parts, stored apart (``tuner.database``): the mesh's
 (``MESH_FIELDS``: links, latency, collectives, overlap, memory bandwidth),
 measured once per machine (device kind and mesh) whatever the operator and
 dtype, and the kernels' (the rest), once per operator pattern and dtypes.
-A tune measures only the part the database lacks (``measure_parts(parts=...)``).
-Each step compiles its probe programs at once on threads (``_warm``; the
-timed calls then find them compiled), and its blocks are drawn on the host,
-so that no random draw compiles a program of its own.
+A tune measures only the part the database lacks (``measure_parts(parts=...)``);
+the kernels' backward blocks (``BACKWARD``), only a training tune's, wait for
+the first training tune (``with_backward``).
+Each step compiles its probe programs at once on threads (``_warm``: the
+kernels' step every kernel's; the timed calls then find them compiled), and
+its blocks are drawn on the host, so that no random draw compiles a program
+of its own.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from jaxmercury.tuner.cost import BACKWARD_WORK, Machine, calibrated_name, dense
 from jaxmercury.tuner.measure import place_inputs
 
 REPEATS = 8
+PIPELINED_CALLS = 4  # calls of a loop of REPEATS timed back to back (``_per_repeat``)
 GPU_BLOCK_FLOPS = 1e13  # work per timed block: enough for a kernel's rate to have levelled off
 FUSED_PROBE_FLOPS = 2e12  # a fused attention's probe: a few milliseconds on a GPU
 
@@ -86,7 +92,12 @@ def _repeats(make, *args) -> list:
 
 
 def _per_repeat(probes) -> float:
-  """Seconds of one repeat of a loop body, without dispatch, from its ``_repeats`` probes."""
+  """Seconds of one repeat of a loop body, without dispatch, from its ``_repeats`` probes; or from one probe, a loop
+  of ``REPEATS`` (``_kernel_probes`` on GPUs): its calls dispatched back to back (``_pipelined``), dispatch hidden
+  under the device's work and a call's own fixed cost spread over its repeats."""
+  if len(probes) == 1:
+    (many, args), = probes
+    return max(_pipelined(many, *args, calls=PIPELINED_CALLS) / REPEATS, 1e-9)
   (many, many_args), (one, one_args) = probes
   return max((_time(many, *many_args) - _time(one, *one_args)) / (REPEATS - 1), 1e-9)
 
@@ -141,8 +152,11 @@ def executed_flops(program, kernel_name: str, sizes) -> float:
   return dense_flops(program) * math.prod(sizes[a] / extents[a] for a in program.kinds) * (work.fast + work.fallback)
 
 
-def _kernel_probes(program, fn, sizes, device) -> list:
-  """The ``_repeats`` probes of one call on blocks at the origin, given as traced offsets (as the nest gives them)."""
+def _kernel_probes(program, fn, sizes, device, *, pipelined: bool | None = None) -> list:
+  """The ``_per_repeat`` probes of one call on blocks at the origin, given as traced offsets (as the nest gives
+  them): on CPUs the two of ``_repeats`` as one program, the repeats its argument; on GPUs (``pipelined``, default
+  on devices other than CPUs) one loop of ``REPEATS``, timed pipelined: one compile per block size, where two
+  would compile each kernel twice (a Mosaic kernel's lowering takes seconds)."""
   extents = {a: ax.extent for a, ax in program.axes.items()}
   blocks = tuple(jax.device_put(_normal(k, [sizes[a] for a in b.axes], b.dtype), device)
                  for k, b in enumerate(program.reads))
@@ -157,10 +171,10 @@ def _kernel_probes(program, fn, sizes, device) -> list:
     return jax.lax.fori_loop(0, repeats, step, xs)
 
   origin = jax.device_put(np.int32(0), device)
-  if device.platform == "cpu":  # one program, the repeats its argument: half the compiles (the loop costs nothing)
-    run = jax.jit(loop)
-    return [(run, (jax.device_put(np.int32(n), device), origin, *blocks)) for n in (REPEATS, 1)]
-  return _repeats(lambda repeats: jax.jit(functools.partial(loop, repeats)), origin, *blocks)
+  if device.platform != "cpu" if pipelined is None else pipelined:
+    return [(jax.jit(functools.partial(loop, REPEATS)), (origin, *blocks))]
+  run = jax.jit(loop)  # one program, the repeats its argument (a loop on a CPU costs nothing)
+  return [(run, (jax.device_put(np.int32(n), device), origin, *blocks)) for n in (REPEATS, 1)]
 
 
 def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
@@ -170,6 +184,14 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   ``backward``: ``(program, block function)`` run instead on the same block
   sizes, its work ``BACKWARD_WORK`` times the kernel's (``backward_rates``).
   """
+  probes = _figure_probes(program, kernel_name, mesh, budget_bytes, max_flops, backward)
+  _warm(_flat(probes))
+  return _fit(probes)
+
+
+def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None) -> dict:
+  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a larger
+  and a smaller block."""
   kernel = registry.local(kernel_name)
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
@@ -178,7 +200,15 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   for shrink in (1, 8):
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
     probes[scale * executed_flops(program, kernel_name, sizes)] = _kernel_probes(run_program, fn, sizes, device)
-  _warm([p for pair in probes.values() for p in pair])
+  return probes
+
+
+def _flat(*figure_probes) -> list:
+  return [p for probes in figure_probes for pair in probes.values() for p in pair]
+
+
+def _fit(probes) -> tuple[float, float]:
+  """(flops per second, fixed seconds per call) from ``_figure_probes``' probes, timed."""
   points = {flops: _per_repeat(pair) for flops, pair in probes.items()}
   ordered = sorted(points.items())  # one point when both sizes do the same work
   (f_small, t_small), (f_big, t_big) = ordered[0], ordered[-1]
@@ -258,14 +288,20 @@ def memory_figure(device, nbytes: int) -> float:
 
 def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, float]:
   """Per local kernel (default: those that apply), its rate on ``program``'s blocks; and the median fixed cost
-  of one call. ``progress(what)`` is called before each kernel's measurement."""
+  of one call. ``progress(what)`` is called before each kernel's measurement. Every kernel's probes compile at
+  once on threads (``_warm``), before the first is timed: one kernel's lowering overlaps another's compile."""
   gpu = mesh.devices.flat[0].platform != "cpu"
   budget = (8 << 30) if gpu else (64 << 20)
+  names = list(kernels or registry.candidates(program, mesh))
+  if progress is not None and names:
+    progress(f"kernel {names[0]}")
+  probes = {name: _figure_probes(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None) for name in names}
+  _warm(_flat(*probes.values()))
   rates, overheads = {}, []
-  for name in kernels or registry.candidates(program, mesh):
-    if progress is not None:
+  for k, name in enumerate(names):
+    if progress is not None and k:
       progress(f"kernel {name}")
-    rates[name], overhead = kernel_figures(program, name, mesh, budget, GPU_BLOCK_FLOPS if gpu else None)
+    rates[name], overhead = _fit(probes[name])
     overheads.append(overhead)
   return rates, statistics.median(overheads) if overheads else 0.0
 
@@ -278,7 +314,7 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
     return {}
   gpu = mesh.devices.flat[0].platform != "cpu"
   dq_program = attention_dq(program)
-  rates = {}
+  probes = {}
   for name in kernels:
     backward = registry.local(name).backward
     if backward is None or backward.joint is None:
@@ -290,9 +326,10 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
       continue
     block = backward.joint(dq_program, **registry.local(name).interprets(mesh))
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
-    rates[name], _ = kernel_figures(program, name, mesh, (2 << 30) if gpu else (16 << 20),
-                                    GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
-  return rates
+    probes[name] = _figure_probes(program, name, mesh, (2 << 30) if gpu else (16 << 20),
+                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
+  _warm(_flat(*probes.values()))  # every block compiles at once, as in ``kernel_rates``
+  return {name: _fit(pairs)[0] for name, pairs in probes.items()}
 
 
 def fused_rates(program, mesh, *, seq: int | None = None) -> dict[str, float]:
@@ -381,6 +418,7 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
 
 
 MESH, KERNELS = "mesh", "kernels"  # the parts of a machine's figures (``Machine.parts``), measured apart
+BACKWARD = "backward_flops_per_s"  # the kernels' part's field that only a training tune needs (``with_backward``)
 
 
 def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
@@ -389,14 +427,16 @@ def calibrate(program, mesh, *, kernels=None, progress=None) -> Machine:
   return Machine.from_parts(calibrated_name(mesh), parts[MESH], parts[KERNELS])
 
 
-def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progress=None, local: bool = True) -> dict:
+def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progress=None, local: bool = True,
+                  backward: bool = True) -> dict:
   """Measures the parts of this machine's figures named in ``parts``.
 
   ``MESH``: per mesh level of more than one device its ring bandwidth and latency, the collectives' factor and
   how much of a transfer hides under compute; one device's memory bandwidth. ``KERNELS``: the local kernels'
   rates on ``program``'s blocks (all that apply, or ``kernels``) and their fixed cost per call, on GPUs their
   backward blocks' (``backward_rates``) and, where ``kernels`` is not given, the fused ring attentions'
-  (``fused_rates``) and fused GEMMs' (``fused_gemm_rates``).
+  (``fused_rates``; on a mesh of several devices, the only one where they are offered) and fused GEMMs'
+  (``fused_gemm_rates``).
 
   Args:
     program: the program whose kernels are measured.
@@ -407,6 +447,8 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
     local: measure what runs on one device (kernels, memory). Under ``jax.distributed`` the processes other than
       process 0, which measures and broadcasts, pass False: they join only what runs over the mesh (links,
       overlap, fused GEMMs), whose collectives need every process; their local figures are placeholders.
+    backward: measure the backward blocks too. False (a forward tune's): on GPUs the kernels' part is returned
+      without its ``BACKWARD`` field, which a training tune measures when it first needs it (``with_backward``).
 
   Returns:
     ``{part: {Machine field: value}}`` for each part measured.
@@ -416,7 +458,7 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
   names = list(kernels or registry.candidates(program, mesh)) if KERNELS in parts and local else []
   levels = [level for level in mesh.axis_names if mesh.shape[level] > 1] if MESH in parts else []
   fused = gpu and kernels is None and KERNELS in parts
-  total = len(names) + 2 * len(levels) + (MESH in parts) + (2 if fused else 0) + (gpu and KERNELS in parts)
+  total = len(names) + 2 * len(levels) + (MESH in parts) + (2 if fused else 0) + (gpu and backward and KERNELS in parts)
   done = [0]
 
   def step(what):
@@ -443,18 +485,28 @@ def measure_parts(program, mesh, *, parts=(MESH, KERNELS), kernels=None, progres
                  "overlap": statistics.median(overlaps) if overlaps else 1.0, "memory_bytes_per_s": memory}
   if KERNELS in parts:
     rates, overhead = kernel_rates(program, mesh, names, progress=step) if local else ({}, 0.0)
-    fused_figures, backward = {}, {}
+    fused_figures, backward_figures = {}, {}
     if fused:
       step("fused ring attentions")
-      fused_figures = fused_rates(program, mesh) if local else {}
+      # on one device the tuner offers no ring attention (``propose.ONE_DEVICE_RING``): no rate of theirs to measure
+      fused_figures = fused_rates(program, mesh) if local and mesh.devices.size > 1 else {}
       step("fused GEMMs")
       fused_figures |= fused_gemm_rates(program, mesh)
-    if gpu:
+    if gpu and backward:
       step("backward blocks")
-      backward = backward_rates(program, mesh, rates) if local else {}
+      backward_figures = backward_rates(program, mesh, rates) if local else {}
     out[KERNELS] = {"flops_per_s": max(rates.values()) if rates else 1e12, "kernel_flops_per_s": rates,
-                    "call_overhead_s": overhead, "fused_flops_per_s": fused_figures,
-                    "backward_flops_per_s": backward}
+                    "call_overhead_s": overhead, "fused_flops_per_s": fused_figures}
+    if backward or not gpu:  # a CPU's has none to measure
+      out[KERNELS][BACKWARD] = backward_figures
   if progress is not None:
     progress("done", total, total)
   return out
+
+
+def with_backward(program, mesh, kernel_part: dict, *, local: bool = True) -> dict:
+  """``kernel_part`` (a ``KERNELS`` part measured without its backward blocks, ``measure_parts(backward=False)``)
+  with its ``BACKWARD`` field measured (``backward_rates`` of the kernels it has rates for; on a process other
+  than process 0, ``local`` False, a placeholder)."""
+  rates = kernel_part.get("kernel_flops_per_s", {})
+  return {**kernel_part, BACKWARD: backward_rates(program, mesh, rates) if local else {}}

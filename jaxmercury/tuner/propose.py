@@ -5,10 +5,12 @@ local kernel that applies and each with every fused lowering that applies
 (``Schedule.lower_with``: the whole nest as one fused kernel); on a mesh of
 one device the local nest (``"local"``) with each kernel and fused lowering.
 Beside them stand the plain programs (``tuner.plain``): what the user would
-otherwise run, in the caller's layouts. A fused kernel that computes what a
-strategy computes but cannot run here (another device kind, several
-processes) is named with the reason (``not_offered``), so that a tune's table
-says why it is missing.
+otherwise run, in the caller's layouts. On one device a ring attention's ring
+is empty: what it computes there is a local attention, which the local
+candidates time, so it is offered pruned (``ONE_DEVICE_RING``), never
+compiled. A fused kernel that computes what a strategy computes but cannot
+run here (another device kind, several processes) is named with the reason
+(``not_offered``), so that a tune's table says why it is missing.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
   passes differ). The design space is sampled among schedules that lower to programs no library strategy
   lowers to (``program_key``). On a mesh of one device the local loop nest comes first, as the strategy
   ``"local"``; the library's strategies follow (the tuner merges them into it: each is the local nest
-  there), those that tile the nest into serial blocks pruned, and no design space is sampled: a tune times
-  one candidate per kernel. Candidates are returned unscored (``predicted_ms`` NaN).
+  there), those that tile the nest into serial blocks pruned, those lowered with a ring attention pruned
+  (``ONE_DEVICE_RING``), and no design space is sampled: a tune times one candidate per kernel. Candidates are
+  returned unscored (``predicted_ms`` NaN).
 
   Args:
     kernels: the local kernels to try (``KernelChoice``s or names); default each that applies, at its
@@ -98,7 +101,8 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
       (``lowering_variants``: a fused ring attention's backward on our kernel as well as on cuDNN's).
   """
   base = [(name, LIBRARY, s, None) for name, s in library(program, mesh).items()]
-  if math.prod(mesh.shape.values()) == 1:
+  one_device = math.prod(mesh.shape.values()) == 1
+  if one_device:
     local = Schedule(program, mesh)
     key = program_key(local)
     tiled = measure.Measurement(measure.PRUNED, reason="one device: it tiles the local loop nest into serial "
@@ -134,8 +138,28 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
         key = (placements.signature(lowered), tuple(params.items()))
         if n < strategies or key not in kernels_seen:
           kernels_seen.add(key)
-          out.append(Candidate(name, lowered, math.nan, 0, result=pruned, origin=origin))
+          why = pruned or (_one_device_ring(lowering) if one_device else None)
+          out.append(Candidate(name, lowered, math.nan, 0, result=why, origin=origin))
   return out
+
+
+# On one device a ring attention (a fused kernel priced at its own rate, ``calibrate.fused_rates``) runs no ring: its
+# compute is a local attention's (``fused_ring_attention_ws``'s is ``ws_attention``'s forward; ``fused_ring_attention``
+# is a one-warpgroup attention that ``ws_attention`` supersedes), which the local candidates time. Fused GEMMs stay:
+# their tiles differ from their ``rate_kernel``'s, and on one device they time apart from it.
+ONE_DEVICE_RING = ("one device: a ring attention's ring is empty there, its compute a local attention's "
+                   "(the local candidates time those)")
+
+
+def one_device_ring(lowering: str) -> bool:
+  """Whether ``lowering`` is a ring attention, pruned on a mesh of one device (``ONE_DEVICE_RING``)."""
+  return registry.fused(lowering).rate_kernel == lowering
+
+
+def _one_device_ring(lowering: str) -> measure.Measurement | None:
+  if not one_device_ring(lowering):
+    return None
+  return measure.Measurement(measure.PRUNED, reason=f"{ONE_DEVICE_RING}: {lowering} not compiled")
 
 
 def lowering_variants(lowering: str, mesh, training: bool) -> list[dict]:

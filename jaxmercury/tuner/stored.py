@@ -11,12 +11,13 @@ write.
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import jax
 
 from jaxmercury.errors import ScheduleError
 from jaxmercury.tuner import agree
-from jaxmercury.tuner.calibrate import KERNELS, MESH, measure_parts
+from jaxmercury.tuner.calibrate import BACKWARD, KERNELS, MESH, measure_parts, with_backward
 from jaxmercury.tuner.cost import Machine, calibrated_name
 from jaxmercury.tuner.database import FORWARD, RECORD_FORMAT, record_from_data
 from jaxmercury.tuner.progress import calibration_progress
@@ -64,10 +65,12 @@ def from_database(task, objective: str, database, retune: bool, log) -> TuneResu
                     decision=record.winner.final.note if record.winner.final else "")
 
 
-def machine(task, given: Machine | None, database, log) -> Machine:
+def machine(task, given: Machine | None, database, log, training: bool = False) -> Machine:
   """The cost model's figures: ``given``, else the database's, calibrating (and storing) the parts it lacks
   (``calibrate.measure_parts``: the mesh's once per machine, the kernels' once per operator pattern and dtypes);
-  process 0's under several processes."""
+  process 0's under several processes. The kernels' backward blocks are measured for a ``training`` tune only:
+  a forward tune stores the kernels' part without them, and the first training tune adds them
+  (``calibrate.with_backward``)."""
   program, mesh = task.program, task.mesh
   many = agree.process_count() > 1
   if given is not None:
@@ -80,13 +83,23 @@ def machine(task, given: Machine | None, database, log) -> Machine:
   if need:
     what = {MESH: "the mesh (once per machine)", KERNELS: "the kernels (once per operator and dtype)"}
     log(f"calibrating the cost model on this machine: {' and '.join(what[p] for p in need)} ...")
-    measured = measure_parts(program, mesh, parts=need, progress=calibration_progress(log), local=agree.is_leader())
+    measured = measure_parts(program, mesh, parts=need, progress=calibration_progress(log), local=agree.is_leader(),
+                             backward=training)
     if many:
       measured = agree.broadcast_json(measured if agree.is_leader() else None)
     store = Store(database, task, log)
     for part, figures in measured.items():
       store.machine_part(part, figures)
     parts = {**parts, **measured}
+  if training and BACKWARD not in parts[KERNELS]:
+    log("calibrating the cost model's backward blocks on this machine (once per operator and dtype) ...")
+    started = time.perf_counter()
+    figures = with_backward(program, mesh, parts[KERNELS], local=agree.is_leader())
+    if many:
+      figures = agree.broadcast_json(figures if agree.is_leader() else None)
+    Store(database, task, log).machine_part(KERNELS, figures)
+    parts = {**parts, KERNELS: figures}
+    log(f"  calibrated: backward blocks in {time.perf_counter() - started:.1f} s")
   return Machine.from_parts(calibrated_name(mesh), parts[MESH], parts[KERNELS])
 
 
