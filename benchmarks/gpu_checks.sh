@@ -41,8 +41,8 @@
 #                    -tuned: with the tuner's winner too, S32K
 #   packed-1gpu      one GPU: packed rows on ws_attention (our kernels reading the segment ids) and on cuDNN with the
 #                    packed mask as a bias, against jax.nn.dot_product_attention (cuDNN) with the dense mask and cuDNN
-#                    causal over the whole row, B1 H32 KV8 D128 S 32K 128K, uniform and long-tailed documents;
-#                    -training: training steps at S32K
+#                    causal over the whole row, B1 H32 KV8 D128 S 32K 128K, uniform and long-tailed documents and a
+#                    row of one document; -training: training steps at S32K (uniform, one document)
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
@@ -144,8 +144,8 @@ for stage in "$@"; do
         --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     packed-1gpu|packed-1gpu-training)
-      args=(--seqs 32K 128K)
-      [ $stage = packed-1gpu-training ] && args=(--seqs 32K --training)
+      args=(--seqs 32K 128K --mixes uniform long_tailed one)
+      [ $stage = packed-1gpu-training ] && args=(--seqs 32K --training --mixes uniform one)
       timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" --mesh 1 \
         --kernels ws_attention cudnn_attention --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
         > "$W/$stage.log" 2>&1

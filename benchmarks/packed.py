@@ -1,12 +1,13 @@
 """Packed rows on every GPU: the sequence-split schedules that skip and balance by segment ids against what a JAX
 user runs.
 
-    python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed] [--training]
+    python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed one] [--training]
     python -m benchmarks.packed --out packed-1gpu.json --mesh 1 --kernels ws_attention   # one GPU: the kernels
 
 Each case is one batch of rows (B1 H32 KV8 D128 bf16 by default) packed with documents, causal within them, split
 along the sequence over every GPU (the callers' layout, ``P(None, "gpu")``): ``uniform`` rows of documents of
-512-8K tokens, ``long_tailed`` rows with one document of half the row among them. Contestants, in one process on
+512-8K tokens, ``long_tailed`` rows with one document of half the row among them, ``one`` a row that is one
+document (causal over the whole row: what the segment ids cost where they skip nothing). Contestants, in one process on
 the same inputs, timed in interleaved rounds (``benchmarks.harness``):
 
 * ``ulysses_dense`` (baseline): what a JAX user writes today: Ulysses (all-to-all to heads) and
@@ -55,8 +56,10 @@ SCHEDULES = ("ring", "ring_zigzag", "ring_balanced")
 
 def packing(rng, length: int, mix: str, shortest: int, longest: int) -> np.ndarray:
   """One row's segment ids [1, length]: documents of lengths uniform in ``[shortest, longest]``; ``long_tailed``:
-  one of them half the row, at a random place."""
+  one of them half the row, at a random place; ``one``: one document."""
   ids, at = np.zeros(length, np.int32), 0
+  if mix == "one":
+    return ids[None]
   while at < length:
     n = int(rng.integers(shortest, longest + 1))
     ids[at:at + n] = ids[at - 1] + 1 if at else 0
@@ -184,7 +187,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--seqs", nargs="+", default=["32K", "128K"])
-  parser.add_argument("--mixes", nargs="+", default=["uniform", "long_tailed"], choices=["uniform", "long_tailed"])
+  parser.add_argument("--mixes", nargs="+", default=["uniform", "long_tailed"],
+                      choices=["uniform", "long_tailed", "one"])
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--tune", action="store_true", help="also the tuner's winner (tuned on random packings)")
   parser.add_argument("--mesh", default="", help="devices: '' every one (default), '1' one GPU")
