@@ -1,11 +1,13 @@
 """Packed rows on every GPU: the sequence-split schedules that skip and balance by segment ids against what a JAX
 user runs.
 
-    python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed] [--training]
+    python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed one] [--training]
+    python -m benchmarks.packed --out packed-1gpu.json --mesh 1 --kernels ws_attention   # one GPU: the kernels
 
 Each case is one batch of rows (B1 H32 KV8 D128 bf16 by default) packed with documents, causal within them, split
 along the sequence over every GPU (the callers' layout, ``P(None, "gpu")``): ``uniform`` rows of documents of
-512-8K tokens, ``long_tailed`` rows with one document of half the row among them. Contestants, in one process on
+512-8K tokens, ``long_tailed`` rows with one document of half the row among them, ``one`` a row that is one
+document (causal over the whole row: what the segment ids cost where they skip nothing). Contestants, in one process on
 the same inputs, timed in interleaved rounds (``benchmarks.harness``):
 
 * ``ulysses_dense`` (baseline): what a JAX user writes today: Ulysses (all-to-all to heads) and
@@ -15,16 +17,22 @@ the same inputs, timed in interleaved rounds (``benchmarks.harness``):
   on the preferred local kernel (``registry.default_kernel``: cuDNN on GPUs); the ring runs the steps the segment
   ids need.
 * ``tuned`` (with ``--tune``): ``jm.autotune``'s winner, tuned on random packings.
+* ``local_<kernel>`` (with ``--kernels``, one device: ``--mesh 1``): the whole row on one local kernel
+  (``ws_attention``: our warp-specialized kernels reading the segment ids, skipping the tiles no document spans;
+  ``cudnn_attention``: cuDNN with the packed mask as a bias). On one device the library's rings do not apply and
+  ``ulysses_dense`` is ``jax.nn.dot_product_attention`` with the dense mask on the whole row.
 
 Each case also records the time of the same rows' attention without documents (Ulysses and cuDNN causal over
-the whole row: the work packing saves), the kept pairs as a share of the causal square, and per schedule the
-busiest device's kept pairs over the mean and the ring steps run (``Schedule.data_run``). ``--training`` times
-forward and backward. ``--smoke`` runs small cases on the simulated 8-device CPU mesh (XLA kernels).
+the whole row, on one device cuDNN causal alone: the work packing saves), the kept pairs as a share of the causal
+square, and per schedule the busiest device's kept pairs over the mean and the ring steps run
+(``Schedule.data_run``). ``--training`` times forward and backward. ``--smoke`` runs small cases on the simulated
+8-device CPU mesh (XLA kernels; the ``--kernels`` in Mosaic GPU interpret mode, bf16, head dimension 64).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -48,8 +56,10 @@ SCHEDULES = ("ring", "ring_zigzag", "ring_balanced")
 
 def packing(rng, length: int, mix: str, shortest: int, longest: int) -> np.ndarray:
   """One row's segment ids [1, length]: documents of lengths uniform in ``[shortest, longest]``; ``long_tailed``:
-  one of them half the row, at a random place."""
+  one of them half the row, at a random place; ``one``: one document."""
   ids, at = np.zeros(length, np.int32), 0
+  if mix == "one":
+    return ids[None]
   while at < length:
     n = int(rng.integers(shortest, longest + 1))
     ids[at:at + n] = ids[at - 1] + 1 if at else 0
@@ -83,12 +93,31 @@ def ulysses_dense(mesh, heads: int, kv_heads: int, impl: str):
 
 
 def schedule_of(prog, mesh, name: str, tune: bool):
-  """A library strategy of ``prog`` on the preferred local kernel, or (``"tuned"``) the tuner's winner."""
+  """A library strategy of ``prog`` on the preferred local kernel, or (``"tuned"``) the tuner's winner.
+
+  Raises:
+    jm.ScheduleError: the strategy does not apply on ``mesh`` (a ring on one device).
+  """
   if name == "tuned":
     return jm.autotune(prog, mesh, space=8, top_k=4, log=harness.log).best.schedule
-  s = jm.library(prog, mesh)[name]
+  library = jm.library(prog, mesh)
+  if name not in library:
+    raise jm.ScheduleError(f"{name} is not in the library on a mesh of {mesh.size} devices")
+  s = library[name]
   kernel = registry.default_kernel(prog, mesh)
   return s.patch(kernel) if kernel else s
+
+
+def local_contestant(prog, mesh, kernel: str) -> harness.Contestant:
+  """The whole row on one local ``kernel`` (``Schedule.patch``), one device only."""
+  name, label = f"local_{kernel}", f"jaxmercury, the whole row on {kernel}"
+  if mesh.size != 1:
+    return harness.Contestant(name, "jaxmercury", None, label, skip="local kernels are timed on one device (--mesh 1)")
+  try:
+    schedule = jm.Schedule(prog, mesh).patch(kernel)
+  except jm.ScheduleError as e:
+    return harness.Contestant(name, "jaxmercury", None, label, skip=str(e))
+  return harness.Contestant(name, "jaxmercury", lambda: schedule.compile(), label, record={"kernel": kernel})
 
 
 def trained(fn):
@@ -102,7 +131,7 @@ def trained(fn):
 def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   b, h, kv, d = args.batch, args.heads, args.kv, args.head_dim
   impl = "xla" if args.smoke else "cudnn"
-  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  dtype = jnp.float32 if args.smoke and not args.kernels else jnp.bfloat16
   shortest, longest = (s // 64, s // 4) if args.smoke else (512, 8192)
   seg = np.concatenate([packing(np.random.default_rng(args.seed + r), s, mix, shortest, longest) for r in range(b)])
   kept = float(np.mean([(np.square(np.bincount(row)).sum() + s) / 2 for row in seg]))  # documents are runs
@@ -119,7 +148,8 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
       "Ulysses, jax.nn.dot_product_attention with the dense packed mask",
       skip=None if dense_bytes <= args.dense_limit else f"the dense mask ({dense_bytes / 2**30:.0f} GiB) is over "
       f"--dense_limit"))
-  for name in SCHEDULES + (("tuned",) if args.tune else ()):
+  schedules = SCHEDULES if mesh.size > 1 else ()  # one device: the whole row, no ring
+  for name in schedules + (("tuned",) if args.tune else ()):
     try:
       schedule = schedule_of(prog, mesh, name, args.tune)
     except jm.ScheduleError as e:
@@ -130,6 +160,7 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
       runs[name] = {"balance": round(run.balance(), 3), "ring_steps": {k: list(v) for k, v in run.steps.items()}}
     contestants.append(harness.Contestant(name, "jaxmercury", lambda s=schedule: s.compile(),
                                           f"jaxmercury {name}", record={"strategy": name, **runs.get(name, {})}))
+  contestants += [local_contestant(prog, mesh, kernel) for kernel in args.kernels]
   inputs = (q, k, v, ids, ids)
   if args.training:
     cot = harness.random_array(keys[3], (b, s, h, d), dtype, spec)
@@ -156,9 +187,12 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--seqs", nargs="+", default=["32K", "128K"])
-  parser.add_argument("--mixes", nargs="+", default=["uniform", "long_tailed"], choices=["uniform", "long_tailed"])
+  parser.add_argument("--mixes", nargs="+", default=["uniform", "long_tailed"],
+                      choices=["uniform", "long_tailed", "one"])
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--tune", action="store_true", help="also the tuner's winner (tuned on random packings)")
+  parser.add_argument("--mesh", default="", help="devices: '' every one (default), '1' one GPU")
+  parser.add_argument("--kernels", nargs="*", default=[], help="local kernels timed on the whole row (one device)")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--kv", type=int, default=8)
@@ -173,21 +207,24 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.smoke:
     args.seqs, args.heads, args.kv, args.head_dim, args.iters, args.min_timing_s = ["256"], 8, 8, 16, 3, 0.0
+    if args.kernels:  # what the kernels take, in interpret mode
+      args.heads, args.kv, args.head_dim, args.iters = 2, 1, 64, 1
     flags = os.environ.get("XLA_FLAGS", "")  # before JAX makes its CPU client: 8 simulated devices
     os.environ["XLA_FLAGS"] = cpu_flags(flags, None if DEVICE_COUNT in flags else 8)
   start = time.time()
-  mesh = harness.make_mesh("")
+  mesh = harness.make_mesh(args.mesh)
   out = harness.header("packed", [])
   out["command"] = "python -m benchmarks.packed " + " ".join(sys.argv[1:] if argv is None else argv)
   out["cases"] = []
-  for s in map(seq_length, args.seqs):
-    for mix in args.mixes:
-      if time.time() > start + args.time_budget:
-        harness.log(f"out of time: S{s} {mix} left out")
-        continue
-      out["cases"].append(run_case(args, mesh, s, mix, start + args.time_budget))
-      out["wall_s"] = round(time.time() - start, 1)
-      harness.write_json(args.out, out)
+  with registry.interpret_mode() if args.smoke else contextlib.nullcontext():
+    for s in map(seq_length, args.seqs):
+      for mix in args.mixes:
+        if time.time() > start + args.time_budget:
+          harness.log(f"out of time: S{s} {mix} left out")
+          continue
+        out["cases"].append(run_case(args, mesh, s, mix, start + args.time_budget))
+        out["wall_s"] = round(time.time() - start, 1)
+        harness.write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,16 @@ def _float32(schedule):
   return jm.programs.attention(**{**prog.params, "dtype": jnp.float32})
 
 
+def _upcast(xs):
+  """Floating inputs in float32; integers (segment ids) as they are."""
+  return [x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in xs]
+
+
 def check_schedule(schedule, tol=TOL):
   """The compiled attention ``schedule`` on fresh inputs matches the float32 reference."""
   prog = schedule.program
   xs = prog.random_inputs(fresh_key())
-  ref = _float32(schedule).reference(*[x.astype(jnp.float32) for x in xs])
+  ref = _float32(schedule).reference(*_upcast(xs))
   err = rel_err(schedule.compile()(*xs).astype(jnp.float32), ref)
   assert err < tol, f"rel err {err}\n{schedule}"
 
@@ -50,7 +55,7 @@ def check_gradients(schedule, tol=GRAD_TOL):
   prog = schedule.program
   xs = prog.random_inputs(fresh_key())
   cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32)
-  ref_out, ref_vjp = jax.vjp(_float32(schedule).reference, *[x.astype(jnp.float32) for x in xs])
+  ref_out, ref_vjp = jax.vjp(_float32(schedule).reference, *_upcast(xs))
   f = schedule.compile()
   out, vjp = jax.vjp(lambda *a: f(*a).astype(jnp.float32), *xs)
   err = rel_err(out, ref_out)

@@ -16,6 +16,13 @@ causal paths. Blocks the kernels cannot take run the program's own body:
 query and key blocks of different lengths (forward), lengths that are not
 multiples of the tiles, keys that may hold padding, blocks spanning zigzag
 chunks, a head dimension the backward does not take (64 and 128 only).
+
+Segment ids and sliding windows (with or without causal) take the kernels'
+masked path (``ws_mask``) at any offset: a block its positions hide is
+skipped; any other runs with the block's offset (its first query's position
+minus its first key's), and the kernels skip the tiles that keep no pair,
+compare only those kept in part, and give rows that keep no key ``out = 0``,
+``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -26,15 +33,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmercury.kernels.attention import causal_blocks
+from jaxmercury.kernels.attention import causal_blocks, ws_mask
 from jaxmercury.kernels.attention.ws_backward import BackwardBlocks, attention_backward_ws
 from jaxmercury.kernels.attention.ws_forward import WsBlocks, fused_ring_attention_ws
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.mosaic_gpu import HALF_DTYPES, hopper_only
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
-from jaxmercury.kernels.work import Block, Work
+from jaxmercury.kernels.work import CAUSAL, Block, Work, body_share
 from jaxmercury.programs.attention_backward import dq_dkv_block
-from jaxmercury.programs.masks import mask_of
+from jaxmercury.programs.masks import AttentionMask, mask_of
 
 NAME = "ws_attention"
 F32 = jnp.float32
@@ -103,12 +110,56 @@ def backward(q, k, v, o, do, lse, *, causal: bool, interpret: bool):
   return dq.reshape(q.shape), dk.astype(F32), dv.astype(F32)
 
 
-def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpret: bool, fallback):
+def masked(mask: AttentionMask) -> bool:
+  """Whether the kernels take ``mask`` on their masked path (segment ids, a window), not the causal one."""
+  return ws_mask.Masking.make(mask.causal, mask.window, mask.segment_ids) is not None
+
+
+def masked_forward(q, k, v, *ids, mask: AttentionMask, offset, config: WsConfig, interpret: bool):
+  """``forward`` on the masked path: ``ids`` the blocks' segment ids (``[b, i]``, ``[b, j]``) where ``mask`` has
+  them, ``offset`` the first query's position minus the first key's."""
+  b, i, hk, g, d = q.shape
+  segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+  out, lse = fused_ring_attention_ws(q.reshape(b, i, hk * g, d), k, v, None, causal=mask.causal, window=mask.window,
+                                     offset=offset, block_q=config.block_q, block_kv=config.block_kv,
+                                     max_concurrent_steps=config.max_concurrent_steps, interpret=interpret,
+                                     **segments)
+  return out.reshape(q.shape).astype(F32), jnp.transpose(lse, (0, 2, 1)).reshape(b, i, hk, g)
+
+
+def masked_backward(q, k, v, o, do, lse, *ids, mask: AttentionMask, offset, interpret: bool):
+  """``backward`` on the masked path (``masked_forward``'s arguments)."""
+  b, i, hk, g, d = q.shape
+  heads = lambda x: x.reshape(b, i, hk * g, d)
+  rows = jnp.transpose(lse.reshape(b, i, hk * g), (0, 2, 1))
+  segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+  dq, dk, dv = attention_backward_ws(heads(q), k, v, heads(o), heads(do).astype(q.dtype), rows, causal=mask.causal,
+                                     window=mask.window, offset=offset, interpret=interpret, **segments)
+  return dq.reshape(q.shape), dk.astype(F32), dv.astype(F32)
+
+
+def _offset(ctx):
+  """The block's first query position minus its first key's."""
+  return jnp.asarray(ctx.start("i") - ctx.start("j"), jnp.int32)
+
+
+def _unless_hidden(ctx, mask: AttentionMask, run, hidden, operands):
+  """``run(*operands)``, or ``hidden(*operands)`` where the mask's positions hide the whole block."""
+  if not mask.positional:
+    return run(*operands)
+  return jax.lax.cond(mask.position_hidden(ctx), hidden, run, *operands)
+
+
+def ws_attention_block(ctx, q, k, v, *extras, causal: bool, config: WsConfig, interpret: bool, fallback,
+                       mask: AttentionMask | None = None):
   """One attention block (``attention_block``'s contract) through the forward kernel, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   takes = causal_blocks.takes_whole(ctx, backward=False)
   if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not takes:
-    return fallback(ctx, q, k, v)
+    return fallback(ctx, q, k, v, *extras)
+  if mask is not None and masked(mask):
+    run = functools.partial(masked_forward, mask=mask, offset=_offset(ctx), config=config, interpret=interpret)
+    return _unless_hidden(ctx, mask, run, causal_blocks.empty_state, (q, k, v, *extras))
   run = functools.partial(forward, config=config, interpret=interpret)
   if not causal:
     return run(q, k, v, causal=False)
@@ -116,15 +167,21 @@ def ws_attention_block(ctx, q, k, v, *, causal: bool, config: WsConfig, interpre
                                   hidden=causal_blocks.empty_state, partial=functools.partial(run, causal=True))
 
 
-def ws_backward_block(ctx, q, k, v, o, do, lse, *, causal: bool, part: str, interpret: bool, fallback):
+def ws_backward_block(ctx, q, k, v, o, do, lse, *extras, causal: bool, part: str, interpret: bool, fallback,
+                      mask: AttentionMask | None = None):
   """One block pair's dq (``part="dq"``), stacked [dk, dv] (``"dkv"``) or both (``"dq_dkv"``) through the backward
   kernel; hidden causal pairs give zeros, blocks it cannot take ``fallback``."""
   blocks = (q, k, v, o, do, lse)
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   takes = causal_blocks.takes_whole(ctx, backward=True)
   if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not takes:
-    return fallback(ctx, *blocks)
+    return fallback(ctx, *blocks, *extras)
   pick = causal_blocks.pick(part)
+  if mask is not None and masked(mask):
+    run = lambda *x: pick(*masked_backward(*x, mask=mask, offset=_offset(ctx), interpret=interpret))
+    shapes = jax.eval_shape(run, *blocks, *extras)
+    zeros = lambda *x: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return _unless_hidden(ctx, mask, run, zeros, (*blocks, *extras))
   run = lambda *x, causal=False: pick(*backward(*x, causal=causal, interpret=interpret))
   if not causal:
     return run(*blocks)
@@ -152,17 +209,36 @@ def whole_limit(program, extents) -> str | None:
 # ------------------------------------------------------------------ work, for the cost model
 
 
+def _masked_work(block: Block, whole: bool) -> Work:
+  """The masked path's work: the pairs its positions keep (data masks counted as keeping all of them: an upper
+  bound; the kernels skip what the data hides), the body's where the kernels cannot take the block."""
+  if not whole:
+    return Work(fast=0.0, fallback=body_share(block))
+  return Work(fast=block.band_share() if block.band else 1.0)
+
+
+def _on_masked_path(block: Block) -> bool:
+  """Whether the block's mask takes the kernels' masked path (segment ids or a mask array, a window)."""
+  return block.data or block.band not in (None, CAUSAL)
+
+
 def _work(block: Block, *, causal: bool, config: WsConfig) -> Work:
   """``ws_attention_block``'s work: the kernel's blocks, and the XLA body's where it cannot take them."""
   fits = forward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], config) is None
-  return causal_blocks.dispatch_work(block, causal, fits and causal_blocks.takes_whole(block, backward=False))
+  whole = fits and causal_blocks.takes_whole(block, backward=False)
+  if _on_masked_path(block):
+    return _masked_work(block, whole)
+  return causal_blocks.dispatch_work(block, causal, whole)
 
 
 def _backward_work(block: Block, *, causal: bool, config=None) -> Work:
   """``ws_backward_block``'s work."""
   del config
   fits = backward_problem(block.sizes["i"], block.sizes["j"], block.sizes["d"], False) is None
-  return causal_blocks.dispatch_work(block, causal, fits and causal_blocks.takes_whole(block, backward=True))
+  whole = fits and causal_blocks.takes_whole(block, backward=True)
+  if _on_masked_path(block):
+    return _masked_work(block, whole)
+  return causal_blocks.dispatch_work(block, causal, whole)
 
 
 def _forward_workspace(program, sizes, config) -> int:
@@ -184,16 +260,23 @@ def _backward_workspace(program, sizes, config) -> int:
 # ------------------------------------------------------------------ the kernel
 
 
+def _mask_keywords(program) -> dict:
+  """``mask=`` for the block functions where the program's mask takes the masked path (else none: the causal
+  path's calls stay as they were)."""
+  mask = mask_of(program.params)
+  return dict(mask=mask) if masked(mask) else {}
+
+
 def _make(program, config: WsConfig, interpret: bool):
   return functools.partial(ws_attention_block, causal=program.params["causal"], config=config, interpret=interpret,
-                           fallback=program.body)
+                           fallback=program.body, **_mask_keywords(program))
 
 
 def _make_backward(part: str):
   def make(program, config, interpret: bool):
     del config
     return functools.partial(ws_backward_block, causal=program.params["causal"], part=part, interpret=interpret,
-                             fallback=program.body)
+                             fallback=program.body, **_mask_keywords(program))
   return make
 
 
@@ -201,21 +284,26 @@ def _joint(dq_program, *, interpret: bool = False):
   """One backward kernel call per block pair for the dq and dk-dv programs run in one nest."""
   return functools.partial(ws_backward_block, causal=dq_program.params["causal"], part="dq_dkv",
                            interpret=interpret, fallback=functools.partial(dq_dkv_block,
-                                                                           mask=mask_of(dq_program.params)))
+                                                                           mask=mask_of(dq_program.params)),
+                           **_mask_keywords(dq_program))
+
+
+MASKS = frozenset({"causal", "window", "segment_ids"})
 
 
 def _backward_kernel(part: str) -> Kernel:
   return Kernel(name=f"{NAME}_{part}", patterns=frozenset({f"attention_{part}"}), make=_make_backward(part),
                 dtypes=HALF_DTYPES, dtype_of="q", platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True,
-                interpret_devices=1, work=_backward_work, workspace=_backward_workspace,
+                interpret_devices=1, work=_backward_work, workspace=_backward_workspace, masks=MASKS,
                 description=f"our Mosaic GPU backward kernel (kernels.attention.ws_backward), its {part} part")
 
 
 WS_ATTENTION = Kernel(
     name=NAME, patterns=frozenset({"attention"}), make=_make, config=WsConfig, dtypes=HALF_DTYPES, dtype_of="q",
     platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True, interpret_devices=1, work=_work,
-    workspace=_forward_workspace,
+    workspace=_forward_workspace, masks=MASKS,
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
                                whole_limit=whole_limit, own=True),
     description="our warp-specialized Mosaic GPU kernels (kernels.attention.ws_forward without a ring, "
-                "kernels.attention.ws_backward: dq, dk and dv in one pass); causal or no mask")
+                "kernels.attention.ws_backward: dq, dk and dv in one pass); causal, sliding windows and segment ids "
+                "(tiles the mask hides skipped, tiles it keeps whole not compared)")

@@ -124,6 +124,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmercury.errors import PreconditionError
+from jaxmercury.kernels.attention import ws_mask
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.fused_common import positive_ints
 from jaxmercury.kernels.mosaic_gpu import SMEM_BYTES, snake_order, swizzled
@@ -199,7 +200,8 @@ def auto_chunks(s_q: int, causal: bool) -> int:
 
 
 def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: BackwardBlocks = BackwardBlocks(),
-                          interpret: bool = False):
+                          interpret: bool = False, window: tuple[int, int] | None = None, q_segment_ids=None,
+                          kv_segment_ids=None, offset=0):
   """``(dq, dk, dv)`` of softmax attention from its output and log-sum-exp, in one kernel.
 
   Args:
@@ -211,6 +213,15 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
     causal: query ``i`` sees keys ``j <= i`` (``s_q == s_kv``).
     blocks: the tiles (``BackwardBlocks``).
     interpret: Mosaic GPU interpret mode (CPU).
+    window: ``(left, right)``: query ``x`` keeps keys ``x - left .. x + right``.
+    q_segment_ids, kv_segment_ids: ``[b, s_q]`` and ``[b, s_kv]`` int32 (both or
+      neither): a query keeps the keys of its own id (packed sequences).
+    offset: with a window or segment ids, the position of the first query
+      minus that of the first key (int or traced int32 scalar).
+
+  With a window or segment ids the kernel takes its masked path (``ws_mask``):
+  an item's query tiles are those that keep any of its keys, tiles every query
+  keeps whole are not compared.
 
   Returns:
     ``dq [b, s_q, h, d]`` float32, ``dk, dv [b, s_kv, kv, d]`` in the inputs' dtype.
@@ -218,10 +229,44 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
   Raises:
     PreconditionError: shapes, dtypes or tiles the kernel does not take (module docstring).
   """
-  _check(q, k, v, o, do, lse, causal, blocks)
+  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None)
+  _check(q, k, v, o, do, lse, causal and masking is None, blocks)
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)  # a row without keys: p = exp2(-inf) = 0
+  if masking is not None:
+    extras = _masked_inputs(q, k, blocks, masking, q_segment_ids, kv_segment_ids, offset)
+    return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, False, blocks, interpret, masking, extras)
   return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, causal, blocks, interpret)
+
+
+def _masked_inputs(q, k, blocks: BackwardBlocks, masking: ws_mask.Masking, q_ids, kv_ids, offset) -> tuple:
+  """The masked path's inputs: the items' table (``ws_mask.item_table``: lanes, each item's query tiles: those of
+  its chunk that keep any of its keys), the key tiles' summaries, the offset; with ids, the query ids and the key
+  ids by key tile."""
+  b, s, h, _ = q.shape
+  skv, kv = k.shape[1], k.shape[2]
+  if masking.ids:
+    for name, ids, n in (("q_segment_ids", q_ids, s), ("kv_segment_ids", kv_ids, skv)):
+      if ids is None or ids.shape != (b, n) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise PreconditionError(f"{NAME}: {name} must be integer ids [b, {n}] (both ids or neither); got "
+                                f"{None if ids is None else (ids.shape, str(ids.dtype))}")
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+  else:
+    q_ids = kv_ids = None
+  offset = jnp.asarray(offset, jnp.int32)
+  bq, bkv, keys = blocks.block_q, blocks.block_kv, CONSUMERS * blocks.block_kv
+  summary = ws_mask.summaries(masking, kv_ids, q_ids, offset, False, (b, skv, s), bkv)
+  first, count = ws_mask.spans(summary, CONSUMERS, bq)  # [b, key pairs] query tiles
+  plan = chunk_plan(s // bq, blocks.chunks(s, False), bq, keys, skv // keys, False)
+  lo = jnp.array([c_lo for c_lo, _, _ in plan for _ in range(skv // keys)], jnp.int32)
+  hi = jnp.array([c_hi for _, c_hi, _ in plan for _ in range(skv // keys)], jnp.int32)
+  first, end = jnp.tile(first, (1, len(plan))), jnp.tile(first + count, (1, len(plan)))
+  t0, t_end = jnp.maximum(first, lo), jnp.minimum(end, hi)
+  table = ws_mask.item_table(t0, jnp.maximum(t_end - t0, 0), kv * (h // kv // ITEM_HEADS))
+  extras = (table, summary, offset.reshape(1))
+  if masking.ids:
+    extras += (q_ids, kv_ids.reshape(b, skv // bkv, bkv))
+  return extras
 
 
 def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
@@ -301,16 +346,29 @@ class _Plan:
   deferred: bool  # a step's dq sent after the next step's ds^T fence (no mask)
   causal: bool
   interpret: bool
+  masking: ws_mask.Masking | None = None  # the masked path (window, segment ids): items and query tiles by a table
+
+  @property
+  def ids(self) -> bool:
+    """The masked path compares segment ids: their tiles travel with Q and K."""
+    return self.masking is not None and self.masking.ids
+
+  @property
+  def keys_pairs(self) -> int:
+    """Key pairs (items of a lane and chunk): the masked path's groups are chunk-major."""
+    return self.plan[0][2]
 
   @staticmethod
-  def make(q, k, causal: bool, blocks: BackwardBlocks, interpret: bool) -> _Plan:
+  def make(q, k, causal: bool, blocks: BackwardBlocks, interpret: bool,
+           masking: ws_mask.Masking | None = None) -> _Plan:
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
     bq, bkv = blocks.block_q, blocks.block_kv
     keys = CONSUMERS * bkv  # key rows per item
     nq, pairs = s // bq, k.shape[1] // keys
-    chunks = blocks.chunks(s, causal)
+    banded = causal or masking is not None  # the masked path's items are short: chunked as causal ones
+    chunks = blocks.chunks(s, banded)
     parts = g // ITEM_HEADS
     lanes = b * kv * parts
     plan = chunk_plan(nq, chunks, bq, keys, pairs, causal)
@@ -319,15 +377,16 @@ class _Plan:
     dq_cols = _dq_columns(d)
     scale = 1.0 / math.sqrt(d)
     return _Plan(b=b, s=s, h=h, d=d, kv=kv, g=g, dtype=q.dtype, bq=bq, bkv=bkv, slots=blocks.max_concurrent_steps,
-                 keys=keys, parts=parts, summed=blocks.summed(s, causal, g), lanes=lanes, plan=tuple(plan),
+                 keys=keys, parts=parts, summed=blocks.summed(s, banded, g), lanes=lanes, plan=tuple(plan),
                  starts=tuple(starts), per_head=per_head, work=lanes * per_head, grid=lanes * per_head,
                  dq_cols=dq_cols, split=dq_cols < d, scale=scale, scale_log2=LOG2E * scale,
-                 overlapped=not interpret, specialized=not causal, deferred=not causal, causal=causal,
-                 interpret=interpret)
+                 overlapped=not interpret, specialized=not banded, deferred=not banded, causal=causal,
+                 interpret=interpret, masking=masking)
 
 
-def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, interpret: bool):
-  p = _Plan.make(q, k, causal, blocks, interpret)
+def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, interpret: bool,
+            masking: ws_mask.Masking | None = None, extras: tuple = ()):
+  p = _Plan.make(q, k, causal, blocks, interpret, masking)
   bq, d, dtype, slots, keys = p.bq, p.d, p.dtype, p.slots, p.keys
   tiles = swizzled(d, dtype)
   ds_tiles = swizzled(bq, dtype)
@@ -340,13 +399,15 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, inte
              plgpu.SMEM((keys, d), dtype, transforms=tiles),  # v; dv on the way out
              plgpu.SMEM((2, keys, bq), dtype, transforms=ds_tiles),  # ds^T, two buffers
              plgpu.SMEM((CONSUMERS, bq, p.dq_cols), jnp.float32, transforms=dq_tiles),  # dq staging
-             plgpu.Barrier(),  # K loaded
+             plgpu.Barrier(num_arrivals=2 if p.ids else 1),  # K loaded (and its ids)
              plgpu.Barrier(),  # V loaded
-             plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # Q and lse loaded
+             plgpu.Barrier(num_arrivals=3 if p.ids else 2, num_barriers=slots),  # Q and lse loaded (and Q's ids)
              plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # dO and delta loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS),  # K/V SMEM free (dk, dv stored)
              plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' meetings
+  if p.ids:  # each slot's query ids, both consumers' key ids
+    scratch += [plgpu.SMEM((slots, bq), jnp.int32), plgpu.SMEM((CONSUMERS, p.bkv), jnp.int32)]
   # dq is added into a float32 buffer; in interpret mode one per CTA (no reduce-add stores there), summed after
   per_cta = (p.grid,) if interpret else ()
   dq_acc = jax.new_ref(jnp.zeros(per_cta + q.shape, jnp.float32))
@@ -356,7 +417,7 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, inte
       functools.partial(_body, p), out_type=[] if sums else [kv_type, kv_type], scratch_types=scratch,
       grid=(p.grid,), grid_names=("cta",), kernel_name=NAME, num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, do, lse2, delta, dq_acc, *sums)
+      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, do, lse2, delta, *extras, dq_acc, *sums)
   total = lambda ref: ref[...].sum(axis=0) if interpret else ref[...]
   dk, dv = [total(ref).astype(dtype) for ref in sums] if sums else outs
   return total(dq_acc), dk, dv
@@ -390,14 +451,30 @@ class _Refs:
   consumed: object  # [slot], both consumers arrive
   kv_free: object
   meeting: object
+  items: object = None  # the masked path (ws_mask): the items' table, the key tiles' summaries, the offset
+  k_summary: object = None
+  offset: object = None
+  q_ids: object = None  # with segment ids: [b, s_q], and [b, s_kv / block_kv, block_kv]
+  k_ids: object = None
+  qid_smem: object = None  # [slot]
+  kid_smem: object = None  # [consumer]
+
+  @staticmethod
+  def unpack(p: _Plan, *refs) -> _Refs:
+    refs = list(refs)
+    inputs, refs = refs[:6], refs[6:]
+    masked = [refs.pop(0) for _ in range(3)] if p.masking else []
+    ids = [refs.pop(0) for _ in range(2)] if p.ids else []
+    id_smem = [refs.pop(-2), refs.pop()] if p.ids else []
+    return _Refs(*inputs, *refs, *masked, *ids, *id_smem)  # refs: dq, dk, dv (sums or outputs), the scratch
 
 
 class _Items:
   """The items of CTA ``cta`` (traced): ``count`` of them in snake order, ``item(i)`` the ``i``-th, ``steps``
   over its query tiles."""
 
-  def __init__(self, p: _Plan, cta):
-    self.p = p
+  def __init__(self, p: _Plan, cta, table=None):
+    self.p, self.table = p, table
     self.count, self.rank_of = snake_order(p.work, p.grid, cta)
 
   def item(self, i):
@@ -406,6 +483,11 @@ class _Items:
     innermost; causal: in each chunk the first pairs see the most queries."""
     p = self.p
     rank = self.rank_of(i)
+    if p.masking:  # the table's row: its lane, group (chunk and key pair) and query tiles
+      lane, j, first, count = (self.table[rank, column] for column in range(ws_mask.TABLE))
+      kh = lax.rem(lane // p.parts, p.kv)
+      first_head = kh * p.g + lax.rem(lane, p.parts) * ITEM_HEADS
+      return lane // (p.kv * p.parts), kh, first_head, lax.rem(j, p.keys_pairs) * p.keys, first, first + count
     lane, j = rank // p.per_head, lax.rem(rank, p.per_head)
     (lo, hi, _), pair = p.plan[0], j
     for (first, end, _), start in zip(p.plan[1:], p.starts[1:]):  # the chunk holding j
@@ -427,10 +509,10 @@ class _Items:
 
 def _body(p: _Plan, *refs):
   """One CTA: its memory warpgroup (``_Producer``) and its two consumers (``_Consumer``)."""
-  refs = _Refs(*refs)
+  refs = _Refs.unpack(p, *refs)
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
-  items = _Items(p, cta)
+  items = _Items(p, cta, refs.items)
   pl.when(wg == CONSUMERS)(lambda: _Producer(p, refs, items).run())
   pl.when(wg < CONSUMERS)(lambda: _consumers(p, refs, items, cta, wg))
 
@@ -460,6 +542,8 @@ class _Producer:
     rows = pl.ds(kv0, p.keys)
     plgpu.copy_gmem_to_smem(refs.k.at[bi, rows, kh], refs.k_smem, refs.k_loaded)
     plgpu.copy_gmem_to_smem(refs.v.at[bi, rows, kh], refs.v_smem, refs.v_loaded)
+    if p.ids:  # both consumers' key ids, by key tile
+      plgpu.copy_gmem_to_smem(refs.k_ids.at[bi, pl.ds(kv0 // p.bkv, CONSUMERS)], refs.kid_smem, refs.k_loaded)
     return self.items.steps([(t0, t_end, None)], functools.partial(self.tile, bi, h0), loaded)
 
   def tile(self, bi, h0, j, t, _, loaded):
@@ -472,6 +556,8 @@ class _Producer:
     plgpu.copy_gmem_to_smem(refs.lse.at[bi, hq, qrows], refs.lse_smem.at[slot], refs.q_loaded.at[slot])
     plgpu.copy_gmem_to_smem(refs.do.at[bi, qrows, hq], refs.do_smem.at[slot], refs.do_loaded.at[slot])
     plgpu.copy_gmem_to_smem(refs.delta.at[bi, hq, qrows], refs.delta_smem.at[slot], refs.do_loaded.at[slot])
+    if p.ids:
+      plgpu.copy_gmem_to_smem(refs.q_ids.at[bi, qrows], refs.qid_smem.at[slot], refs.q_loaded.at[slot])
     return loaded + 1
 
 
@@ -577,14 +663,33 @@ class _Consumer:
     return pl.run_state(issue)((plgpu.ACC.init(dk), plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
 
   def probabilities(self, st, lse, mask_from):
-    """``p^T = exp2(s^T scale - lse)``, zero where a key is after its query (``mask_from``: causal tiles)."""
+    """``p^T = exp2(s^T scale - lse)``, zero where a key is after its query (``mask_from``: causal tiles; on the
+    masked path a function of ``p^T``: ``masked``)."""
     p = self.p
     pt = jnp.exp2(st * p.scale_log2 - lax.broadcast_in_dim(lse, (p.bkv, p.bq), [1]))
+    if callable(mask_from):
+      return mask_from(pt)
     if mask_from is None:
       return pt
     key = plgpu.broadcasted_iota(jnp.int32, (p.bkv, p.bq), 0, layout=plgpu.Layout.WGMMA)  # keep where
     query = plgpu.broadcasted_iota(jnp.int32, (p.bkv, p.bq), 1, layout=plgpu.Layout.WGMMA)  # query - key >= 0
     return jnp.where(query - key >= mask_from, pt, 0.0)
+
+  def masked(self, kind, slot, base, pt):
+    """The masked path's ``p^T`` of a tile of ``kind`` (``ws_mask.tile_kind``): zero where the pair is not kept
+    (equal ids of the slot's queries and this consumer's keys, and the band; ``base``: the tile's first query
+    position minus its first key's), unless the tile is kept whole (no compare)."""
+    p = self.p
+
+    def compare(pt):
+      iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, pt.shape, dim, layout=plgpu.Layout.WGMMA)
+      equal = None
+      if p.ids:
+        key_ids = plgpu.load(self.refs.kid_smem.at[self.wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        query_ids = plgpu.load(self.refs.qid_smem.at[slot], layout=self.col)
+        equal = (lax.broadcast_in_dim(key_ids, pt.shape, [0]) == lax.broadcast_in_dim(query_ids, pt.shape, [1]))
+      return jnp.where(p.masking.keep(equal, lambda: iota(1) - iota(0), base), pt, 0.0)
+    return lax.cond(kind == ws_mask.FULL, lambda pt: pt, compare, pt)
 
   # ---------------------------------------------------------------- ds^T and dq through shared and global memory
   def share(self, dst, buf, flush):
@@ -667,9 +772,19 @@ class _Consumer:
     plgpu.barrier_wait(refs.v_loaded)
     zeros = plgpu.layout_cast(jnp.zeros((p.bkv, p.d), jnp.float32), plgpu.Layout.WGMMA)
 
-    def one(j, t, masked, state):
-      n, carry = state
-      return n + 1, self.step(carry, n, bi, h0 + j, t, first_key - t * p.bq if masked else None)
+    if p.masking:  # each query tile by its kind for this consumer's key tile
+      summary = [refs.k_summary[bi, first_key // p.bkv, column] for column in range(ws_mask.SUMMARY)]
+      offset = refs.offset[0]
+
+      def one(j, t, masked, state):
+        n, carry = state
+        kind = ws_mask.tile_kind(summary.__getitem__, t * p.bq, t * p.bq + p.bq - 1)
+        mask = functools.partial(self.masked, kind, lax.rem(n, p.slots), t * p.bq + offset - first_key)
+        return n + 1, self.step(carry, n, bi, h0 + j, t, mask)
+    else:
+      def one(j, t, masked, state):
+        n, carry = state
+        return n + 1, self.step(carry, n, bi, h0 + j, t, first_key - t * p.bq if masked else None)
 
     runs = [(t0, t_vis, True), (t_vis, t_end, False)]
     none = (jnp.int32(0), jnp.int32(-1)) if p.deferred else None  # no dq staged

@@ -193,8 +193,9 @@ from jax import lax
 
 from jaxmercury.errors import PreconditionError
 from jaxmercury.kernels import fused_common
-from jaxmercury.kernels.attention import ring
+from jaxmercury.kernels.attention import ring, ws_mask
 from jaxmercury.kernels.attention.ring import (
+  LN2,
   LOG2E,
   SequenceOrder,
   finish,
@@ -267,7 +268,9 @@ def _named():
 
 def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = False, order: str = "natural",
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
-                            max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False):
+                            max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False,
+                            window: tuple[int, int] | None = None, q_segment_ids=None, kv_segment_ids=None,
+                            offset=0):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -289,6 +292,18 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
       ``INTERPRET_CTAS`` on a device without one); for several devices at
       least ``b * kv`` and at most the SM count.
     interpret: run in Mosaic GPU interpret mode (CPU); one device only.
+    window: ``(left, right)``: query ``x`` keeps keys ``x - left .. x + right``
+      (with ``causal``, ``.. x``); one device only (``axis_name`` None).
+    q_segment_ids, kv_segment_ids: ``[b, s]`` int32 (both or neither): a query
+      keeps the keys of its own id (packed sequences); one device only.
+    offset: with a window or segment ids, the position of the first query
+      minus that of the first key (a block of a ring schedule; int or traced
+      int32 scalar).
+
+  With a window or segment ids the kernel takes its masked path (``ws_mask``):
+  key tiles whose keys no query of an item keeps are not loaded, tiles no query
+  of a consumer's tile keeps not computed, tiles every query keeps whole not
+  compared; a row that keeps no key gets ``out = 0``, ``lse = -inf``.
 
   Returns:
     ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32, natural log``)``.
@@ -300,6 +315,9 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   with _named():
     n_dev = ring.check_inputs(q, k, v, axis_name, blocks, interpret)
     seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
+  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None)
+  if masking:
+    _check_masked(q, axis_name, q_segment_ids, kv_segment_ids)
   s = q.shape[1]
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
@@ -316,7 +334,36 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
     raise PreconditionError(
         f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
         "registers per thread) fills an SM, and the ring needs every CTA resident")
+  if masking:
+    return _masked(q, k, v, blocks, num_ctas, interpret, seq_order, masking, q_segment_ids, kv_segment_ids, offset)
   return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
+
+
+def _check_masked(q, axis_name, q_segment_ids, kv_segment_ids):
+  """A window or segment ids: one device, and ids of the rows' shape."""
+  if axis_name is not None:
+    raise PreconditionError(f"{NAME}: a window or segment ids are taken on one device only (axis_name=None), not "
+                            f"in a ring over {axis_name!r}; ring schedules run its blocks (ws_attention)")
+  b, s = q.shape[:2]
+  if q_segment_ids is None and kv_segment_ids is None:
+    return
+  for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+    if ids is None or ids.shape != (b, s) or not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise PreconditionError(f"{NAME}: {name} must be integer ids [b, s] = [{b}, {s}] (both ids or neither); got "
+                              f"{None if ids is None else (ids.shape, str(ids.dtype))}")
+
+
+def _masked(q, k, v, blocks: WsBlocks, num_ctas: int, interpret: bool, order: SequenceOrder,
+            masking: ws_mask.Masking, q_ids, kv_ids, offset):
+  """The masked path: the items' table and the query tiles' summaries (``ws_mask``), then the kernel."""
+  b, s = q.shape[:2]
+  ids = (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)) if masking.ids else (None, None)
+  offset = jnp.asarray(offset, jnp.int32)
+  summary = ws_mask.summaries(masking, *ids, offset, True, (b, s, s), blocks.block_q)
+  first, count = ws_mask.spans(summary, CONSUMERS, blocks.block_kv)
+  table = ws_mask.item_table(first, count, q.shape[2])
+  extras = (table, summary, offset.reshape(1)) + (ids if masking.ids else ())
+  return _kernel(q, k, v, None, 1, blocks, num_ctas, interpret, False, order, masking=masking, extras=extras)
 
 
 def needed_tiles(order: SequenceOrder, run: int, bkv: int, source, start: int, q_last, forwarding, causal: bool):
@@ -375,6 +422,12 @@ class _Plan:
   scale_log2: float
   dtype: np.dtype
   interpret: bool
+  masking: ws_mask.Masking | None = None  # the masked path (window, segment ids): items and key tiles by a table
+
+  @property
+  def ids(self) -> bool:
+    """The masked path compares segment ids: their tiles travel with Q and K."""
+    return self.masking is not None and self.masking.ids
 
   @property
   def starts(self) -> range:
@@ -387,7 +440,7 @@ class _Plan:
 
   @staticmethod
   def make(q, k, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool, order: SequenceOrder,
-           loopback: bool) -> _Plan:
+           loopback: bool, masking: ws_mask.Masking | None = None) -> _Plan:
     b, s_loc, h, d = q.shape
     kv = k.shape[2]
     bq, bkv, slots = blocks.block_q, blocks.block_kv, blocks.max_concurrent_steps
@@ -395,20 +448,22 @@ class _Plan:
     pairs = s_loc // rows
     grid = min(b * h * pairs, num_ctas)
     ring_ = n_dev > 1
-    lone = not (ring_ or causal)  # one device without a mask: no forwarding, every item as long
-    items = ItemOrder.make(b, h, kv, pairs, rows, grid, order, causal=causal, ring=ring_, key_tiles=s_loc // bkv)
-    prefetch = not (causal and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
+    lone = not (ring_ or causal or masking)  # one device without a mask: no forwarding, every item as long
+    items = ItemOrder.make(b, h, kv, pairs, rows, grid, order, causal=causal, ring=ring_, key_tiles=s_loc // bkv,
+                           table=masking is not None)
+    prefetch = not ((causal or masking) and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
     q_buffers = 2 if prefetch and blocks.smem_bytes(d, q.dtype.itemsize, 2) <= SMEM_BYTES else 1
     return _Plan(b=b, s_loc=s_loc, h=h, kv=kv, d=d, g=h // kv, bq=bq, bkv=bkv, slots=slots, rows=rows, grid=grid,
                  n_dev=n_dev, ring=ring_, peers=ring_ and not loopback, causal=causal, order=order,
                  run=order.segment if causal else s_loc, lag=slots - 1, items=items, q_buffers=q_buffers,
                  pipelined=lone, alternate=lone, scale_log2=LOG2E / math.sqrt(d), dtype=q.dtype,
-                 interpret=interpret)
+                 interpret=interpret, masking=masking)
 
 
 def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, interpret: bool, causal: bool,
-            order: SequenceOrder, loopback: bool = False):
-  """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies.
+            order: SequenceOrder, loopback: bool = False, masking: ws_mask.Masking | None = None, extras=()):
+  """The kernel for ``n_dev`` ring steps; ``loopback`` (tests, one device, one CTA): a ring of ``n_dev`` copies;
+  ``masking`` (one device): the masked path, ``extras`` its inputs (``_masked``).
 
   With ``loopback`` the forwarders store into this device's own ``received``
   (no ``remote_ref``, no semaphores: with one CTA the forwarder items run
@@ -418,7 +473,7 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
   """
   assert not loopback or num_ctas == 1, "loopback needs one CTA: the forwarders must run first"
   assert CONSUMERS * CONSUMER_REGISTERS + MEMORY_REGISTERS <= (CONSUMERS + 1) * LAUNCH_REGISTERS, "would hang"
-  p = _Plan.make(q, k, n_dev, blocks, num_ctas, interpret, causal, order, loopback)
+  p = _Plan.make(q, k, n_dev, blocks, num_ctas, interpret, causal, order, loopback, masking)
   dtype = p.dtype
   out_types = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((p.b, p.h, p.s_loc), jnp.float32)]
   if p.ring:  # received K and V, one slot per ring step after the first: filled by the right neighbour
@@ -427,12 +482,13 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     out_types += [jax.ShapeDtypeStruct((p.grid, 2, p.rows, p.d), dtype),
                   jax.ShapeDtypeStruct((p.grid, 2, p.rows), jnp.float32)]
   kv_transforms = swizzled(p.d, dtype)
+  with_ids = 2 if p.ids else 1  # arrivals on the Q and K barriers: the tiles' segment ids come with them
   scratch = [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((CONSUMERS, p.bq), jnp.float32),
-             plgpu.Barrier(num_barriers=CONSUMERS * p.q_buffers),  # Q tile loaded, per consumer and buffer
-             plgpu.Barrier(num_barriers=p.slots),  # K tile loaded
+             plgpu.Barrier(num_arrivals=with_ids, num_barriers=CONSUMERS * p.q_buffers),  # Q tile loaded
+             plgpu.Barrier(num_arrivals=with_ids, num_barriers=p.slots),  # K tile loaded
              plgpu.Barrier(num_barriers=p.slots),  # V tile loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # K slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # V slot released
@@ -440,11 +496,13 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
              plgpu.Barrier(num_barriers=CONSUMERS)]  # pipelined: consumer w's turn on the tensor cores
   if p.pipelined and interpret:
     scratch.append(plgpu.SMEM((CONSUMERS, p.bq, p.d), jnp.float32))  # the accumulators (on GPUs: registers)
+  if p.ids:  # each consumer's Q tile's segment ids (per buffer), each K slot's
+    scratch += [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq), jnp.int32), plgpu.SMEM((p.slots, p.bkv), jnp.int32)]
   results = plgpu.kernel(
       functools.partial(_body, p, axis_name), out_type=out_types, scratch_types=scratch, grid=(p.grid,),
       grid_names=("cta",), kernel_name=NAME, num_threads=CONSUMERS + 1, thread_name="wg",
       compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v)
+      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, v, *extras)
   if p.split:
     return _merge_parts(p.split, *results, **p.items.round_robin())
   return results[0], results[1]
@@ -475,14 +533,25 @@ class _Refs:
   schedule: object  # the consumers' meetings
   turn: object  # pipelined: [consumer]
   acc_smem: object  # interpret mode, pipelined: the accumulators
+  items: object = None  # the masked path (ws_mask): the items' table, the query tiles' summaries, the offset
+  q_summary: object = None
+  offset: object = None
+  q_ids: object = None  # with segment ids: [b, s] each
+  k_ids: object = None
+  qid_smem: object = None  # [consumer, buffer]: the Q tile's ids
+  kid_smem: object = None  # [slot]: the K tile's ids
 
   @staticmethod
-  def unpack(p: _Plan, q, k, v, out, lse, *rest) -> _Refs:
+  def unpack(p: _Plan, q, k, v, *rest) -> _Refs:
     rest = list(rest)
+    masked = [rest.pop(0) for _ in range(3)] if p.masking else []
+    ids = [rest.pop(0) for _ in range(2)] if p.ids else []
+    out, lse = rest.pop(0), rest.pop(0)
     recv = (rest.pop(0), rest.pop(0)) if p.ring else (None, None)
     part = (rest.pop(0), rest.pop(0)) if p.split else (None, None)
+    id_smem = [rest.pop(-2), rest.pop()] if p.ids else []
     acc_smem = rest.pop() if len(rest) > 11 else None
-    return _Refs(q, k, v, out, lse, *recv, *part, *rest, acc_smem)
+    return _Refs(q, k, v, out, lse, *recv, *part, *rest, acc_smem, *masked, *ids, *id_smem)
 
 
 class _Ring:
@@ -537,7 +606,7 @@ def _body(p: _Plan, axis_name, *refs):
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
   dev = lax.axis_index(axis_name) if p.peers else 0
-  items = CtaItems(p.items, cta)
+  items = CtaItems(p.items, cta, refs.items)
   c = _Cta(p, refs, cta, wg, _Ring(p, refs, dev), items)
   pl.when(wg == CONSUMERS)(lambda: _Producer(c).run())
   pl.when(wg < CONSUMERS)(lambda: _Consumer(c).run())
@@ -571,6 +640,10 @@ class _Producer:
     if p.split:
       first, count = self.c.items.span(i)
       return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, backward)
+    if p.masking:  # the item's span of key tiles, from its table row
+      first, count = self.c.items.keys(i)
+      ids = refs.k_ids.at[bi] if p.ids else None
+      return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, ids=ids)
     step = functools.partial(self.step, bi, kvh, forwards, q_last, backward)
     return self.c.ring.over_steps(step, loaded)
 
@@ -600,19 +673,20 @@ class _Producer:
           pl.semaphore_signal(ring_.arrived.at[s], device_id=ring_.left)
     return loaded
 
-  def stream(self, keys, values, count, loaded, forwarding, dest, first=0, backward=False):
-    """Loads ``count`` tiles of ``keys, values [r, d]``, from tile ``first`` (``backward``: from the last, down to
-    ``first``), into the slots after tile ``loaded``; forwards them."""
+  def stream(self, keys, values, count, loaded, forwarding, dest, first=0, backward=False, ids=None):
+    """Loads ``count`` tiles of ``keys, values [r, d]`` (and their segment ``ids [r]``), from tile ``first``
+    (``backward``: from the last, down to ``first``), into the slots after tile ``loaded``; forwards them."""
 
     @pl.loop(0, count + self.p.lag)
     def _tile(j):
-      pl.when(j < count)(lambda: self.issue(keys, values, count, loaded, first, backward, j))
+      pl.when(j < count)(lambda: self.issue(keys, values, count, loaded, first, backward, j, ids))
       pl.when(j >= self.p.lag)(lambda: self.landed(loaded, forwarding, dest, j))
 
     return loaded + count
 
-  def issue(self, keys, values, count, loaded, first, backward, j):
-    """The loads of tile ``j`` of a run into its slot, once both consumers (and a forwarder's stores) freed it."""
+  def issue(self, keys, values, count, loaded, first, backward, j, ids=None):
+    """The loads of tile ``j`` of a run into its slot, once both consumers (and a forwarder's stores) freed it;
+    its ids with its keys."""
     p, refs = self.p, self.refs
     tile = loaded + j
     slot = lax.rem(tile, p.slots)
@@ -626,6 +700,8 @@ class _Producer:
       if p.ring:  # that tile's stores (all but the newest `pending`) have read the slot
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
       plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], barrier.at[slot])
+    if ids is not None:  # the slot's K is free, so are its ids
+      plgpu.copy_gmem_to_smem(ids.at[src], refs.kid_smem.at[slot], refs.k_loaded.at[slot])
 
   def landed(self, loaded, forwarding, dest, j):
     """Tile ``j - lag`` of a run has landed: a forwarder stores it on from its slot."""
@@ -684,6 +760,9 @@ class _Consumer:
     buf = self.q_buffer(i)
     plgpu.copy_gmem_to_smem(refs.q.at[bi, pl.ds(pair * p.rows + wg * p.bq, p.bq), hi], refs.qo_smem.at[wg, buf],
                             refs.q_loaded.at[wg * p.q_buffers + buf])
+    if p.ids:
+      plgpu.copy_gmem_to_smem(refs.q_ids.at[bi, pl.ds(pair * p.rows + wg * p.bq, p.bq)], refs.qid_smem.at[wg, buf],
+                              refs.q_loaded.at[wg * p.q_buffers + buf])
 
   def load_q(self, i):
     """Item ``i``'s Q tile in this consumer's SMEM (the next item's started, with two buffers): the item's
@@ -711,8 +790,9 @@ class _Consumer:
     plgpu.barrier_wait(self.refs.k_loaded.at[slot])
     return slot
 
-  def update(self, carry, slot, q_smem, mask_from=None):
-    """One visible (``mask_from`` None) or partial tile: the scores, the online softmax, ``acc += P V``."""
+  def update(self, carry, slot, q_smem, mask_from=None, masked=None):
+    """One visible (``mask_from`` None) or partial tile: the scores, the online softmax, ``acc += P V``;
+    ``masked(qk, slot)``: the masked path's scores of a partial tile (it reads the slot's ids)."""
     p, refs = self.p, self.refs
     acc, m, l = carry
 
@@ -723,8 +803,14 @@ class _Consumer:
       return acc_ref[...]
 
     qk = pl.run_scoped(scores, plgpu.ACC((p.bq, p.bkv), jnp.float32))
+    if masked is not None:
+      qk = masked(qk, slot)
     plgpu.barrier_arrive(refs.k_consumed.at[slot])
-    m_new, l, alpha, p16 = self.online_softmax(qk, m, l, mask_from)
+    if masked is not None:
+      m_new, l, alpha, p16 = guarded_softmax_step(qk, m, l, p.scale_log2)
+      p16 = p16.astype(p.dtype)
+    else:
+      m_new, l, alpha, p16 = self.online_softmax(qk, m, l, mask_from)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     # The softmax is done before this consumer announces it, not sunk behind the barriers
     acc, m_new, l, p16 = lax.optimization_barrier((acc, m_new, l, p16))
@@ -758,6 +844,8 @@ class _Consumer:
     """Item ``i`` (its tiles after the ``loaded`` this CTA took before): every ring step's runs, then the
     epilogue; returns the new count."""
     p = self.p
+    if p.masking:
+      return self.masked_item(i, loaded)
     bi, hi, pair, forwards, q_last, q_rows, q_smem = self.load_q(i)
     q_first = p.order.first(self.c.ring.dev, pair * p.rows + self.wg * p.bq) if p.causal else None
     step = functools.partial(self.step, i, forwards, q_last, q_first, q_smem)
@@ -790,10 +878,49 @@ class _Consumer:
       loaded = loaded + count
     return loaded, carry
 
+  # ---------------------------------------------------------------- the masked path (window, segment ids)
+  def masked_item(self, i, loaded):
+    """Item ``i`` on the masked path: the key tiles of its span (its table row), each by its kind for this
+    consumer's query tile (``ws_mask.tile_kind``: hidden, full, partial), then the epilogue (rows that kept no key:
+    zeros); returns the new count."""
+    p, refs, wg = self.p, self.refs, self.wg
+    bi, hi, pair, _, _, q_rows, q_smem = self.load_q(i)
+    first, count = self.c.items.keys(i)
+    tile = pair * CONSUMERS + wg  # this consumer's query tile
+    summary = [refs.q_summary[bi, tile, column] for column in range(ws_mask.SUMMARY)]
+    q_ids = refs.qid_smem.at[wg, self.q_buffer(i)] if p.ids else None
+    base = tile * p.bq + refs.offset[0]  # the tile's first query position in the keys' frame
+    arrived = functools.partial(self.arrived, loaded)
+
+    def one(j, carry):
+      slot, k0 = arrived(j), (first + j) * p.bkv
+      masked = functools.partial(self.mask, q_ids, base - k0)
+      branches = [lambda carry: self.hidden(carry, slot), lambda carry: self.update(carry, slot, q_smem),
+                  lambda carry: self.update(carry, slot, q_smem, masked=masked)]
+      return lax.switch(ws_mask.tile_kind(summary.__getitem__, k0, k0 + p.bkv - 1), branches, carry)
+
+    carry = lax.fori_loop(0, count, one, initial_state(p.bq, p.d))
+    self.store(carry, i, bi, hi, q_rows, q_smem)
+    return loaded + count
+
+  def mask(self, q_ids, base, qk, slot):
+    """A partial tile's scores, those of pairs not kept ``-inf`` (``guarded_softmax_step``): equal ids (the Q
+    tile's and the slot's) and the band, ``base`` the tile's first query position minus its first key's."""
+    p = self.p
+    iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, qk.shape, dim, layout=plgpu.Layout.WGMMA)
+    equal = None
+    if p.ids:
+      row_ids = plgpu.load(q_ids, layout=plgpu.Layout.WGMMA.reduce(1))
+      col_ids = plgpu.load(self.refs.kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      equal = lax.broadcast_in_dim(row_ids, qk.shape, [0]) == lax.broadcast_in_dim(col_ids, qk.shape, [1])
+    return jnp.where(p.masking.keep(equal, lambda: iota(0) - iota(1), base), qk, -jnp.inf)
+
   def store(self, carry, i, bi, hi, q_rows, q_smem):
     """The epilogue: item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its
     slot."""
     refs = self.refs
+    if self.p.masking:  # rows may keep no key
+      return finish_kept(carry, q_smem, self.lse_row, refs.out.at[bi, q_rows, hi], refs.lse.at[bi, hi, q_rows])
     write = functools.partial(finish, carry, q_smem, self.lse_row)
     if not self.p.split:
       return write(refs.out.at[bi, q_rows, hi], refs.lse.at[bi, hi, q_rows])
@@ -863,6 +990,33 @@ class _Consumer:
     else:
       pl.run_state(attend)(plgpu.ACC.init(zeros))
     return loaded + tiles
+
+
+def guarded_softmax_step(qk, m, l, scale: float):
+  """``ring.softmax_step`` of scores whose masked pairs are ``-inf``, for rows that may have kept nothing so far
+  (``m = -inf``, ``l = 0``): their exponents are taken from 0, not from ``-inf``, so no ``exp2(-inf - -inf)``.
+
+  (``MASKED``, finite, does not do here: ``qk * scale - m_new`` is one FMA, whose unrounded product leaves a
+  fully masked row an error of about ``1e22`` in the exponent; the causal path never shows a row such a tile
+  first, the masked path does.)"""
+  m_new = jnp.maximum(m, qk.max(axis=1) * scale)
+  base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - base)
+  p = jnp.exp2(qk * scale - lax.broadcast_in_dim(base, qk.shape, [0]))
+  return m_new, l * alpha + p.sum(axis=1), alpha, p
+
+
+def finish_kept(carry, qo_smem, lse_smem, out_tile, lse_row):
+  """``ring.finish`` where rows may have kept no key (``l = 0``, ``acc = 0``): ``out = 0``, ``lse = -inf``."""
+  acc, m, l = carry
+  kept = l > 0
+  inverse = jnp.where(kept, 1.0 / l, 0.0)
+  qo_smem[...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(qo_smem.dtype)
+  lse_smem[...] = jnp.where(kept, m * LN2 + jnp.log(l), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(qo_smem, out_tile)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_row)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _merge_parts(split: SplitTail, out, lse, part_o, part_lse, **items):

@@ -17,7 +17,10 @@ in it, traced:
   ones), ranks by decreasing causal work in bands of query blocks head after
   head (``band``), a ring's forwarders first (``forwarders_first``);
 - folded (causal, one device, where a folding exists: ``Folded``): pairs of
-  rounds in which every CTA does the same work, reading one or two heads.
+  rounds in which every CTA does the same work, reading one or two heads;
+- a table (the masked path, ``ws_mask``: segment ids, windows): the items and
+  their key tiles listed heaviest first by the data (``ws_mask.item_table``),
+  an input of the kernel, taken in snake order.
 
 Zigzag chunks that a device does not hold in (early, late) pairs keep the
 round-robin order (``weights`` is None there).
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmercury.kernels.attention import ws_mask
 from jaxmercury.kernels.attention.ring import SequenceOrder, round_robin_item
 from jaxmercury.kernels.mosaic_gpu import snake_order
 
@@ -223,9 +227,9 @@ class Folded:
 
 @dataclasses.dataclass(frozen=True)
 class ItemOrder:
-  """The order of a call's ``work`` items over ``grid`` CTAs (module docstring): ``split`` or ``folded`` where
-  they apply, else ``balanced`` (``band`` blocks a band) where ``causal_work`` was given, else round-robin
-  (``leaders`` items first, one per K/V head; 0: heads in turn)."""
+  """The order of a call's ``work`` items over ``grid`` CTAs (module docstring): a ``table`` (the masked path),
+  ``split`` or ``folded`` where they apply, else ``balanced`` (``band`` blocks a band) where ``causal_work`` was
+  given, else round-robin (``leaders`` items first, one per K/V head; 0: heads in turn)."""
 
   work: int
   grid: int
@@ -241,12 +245,18 @@ class ItemOrder:
   folded: Folded | None
   balanced: bool
   band: int
+  table: bool = False  # the items in the order of an input table (ws_mask.item_table)
 
   @staticmethod
   def make(b: int, h: int, kv: int, pairs: int, rows: int, grid: int, order: SequenceOrder, *, causal: bool,
-           ring: bool, key_tiles: int) -> ItemOrder:
-    """The order of ``b h pairs`` items of ``rows`` query rows (``key_tiles`` K/V tiles each on one device)."""
+           ring: bool, key_tiles: int, table: bool = False) -> ItemOrder:
+    """The order of ``b h pairs`` items of ``rows`` query rows (``key_tiles`` K/V tiles each on one device);
+    ``table``: as an input table lists them (one device)."""
     g, work = h // kv, b * h * pairs
+    if table:
+      return ItemOrder(work=work, grid=grid, batch_heads=b * h, h=h, g=g, kv=kv, pairs=pairs,
+                       per_chunk=order.segment // rows, forwarders=0, leaders=0, split=None, folded=None,
+                       balanced=False, band=1, table=True)
     work_per_block = weights(order, pairs, rows, order.n) if causal else None
     balanced = work_per_block is not None  # without a mask every item is as long
     folded = Folded.make(work_per_block[0], b * h, grid) if balanced and not ring else None
@@ -264,12 +274,15 @@ class ItemOrder:
 
 class CtaItems:
   """The items of CTA ``cta`` (traced) in ``order``: ``count`` of them, ``item(i)`` the ``i``-th, and with a split
-  tail ``span(i)``, the key tiles it runs."""
+  tail ``span(i)``, with a ``table`` (``ws_mask.item_table``, in global memory) ``keys(i)``, the key tiles it
+  runs."""
 
-  def __init__(self, order: ItemOrder, cta):
-    self.order, self.cta = order, cta
+  def __init__(self, order: ItemOrder, cta, table=None):
+    self.order, self.cta, self.table = order, cta, table
     split, grid = order.split, order.grid
-    if split:  # the whole rounds, then the last round's items this CTA's units touch
+    if order.table:  # ranks in snake order, heaviest first
+      self.count, self.snake_rank = snake_order(order.work, grid, cta)
+    elif split:  # the whole rounds, then the last round's items this CTA's units touch
       self.first_unit, self.end_unit = split.start(cta), split.start(cta + 1)
       self.first_part = self.first_unit // split.tiles
       self.count = split.full + jnp.where(self.end_unit > self.first_unit,
@@ -285,6 +298,10 @@ class CtaItems:
     """Item ``i`` -> ``(batch, query head, query block, forwards)``."""
     o, cta = self.order, self.cta
     local_chunks = o.pairs // o.per_chunk
+    if o.table:
+      row = self.snake_rank(i)
+      bh = self.table[row, ws_mask.ROW]
+      return bh // o.h, lax.rem(bh, o.h), self.table[row, ws_mask.GROUP], False
     if o.folded:
       bh, weight_rank = o.folded.item(i, cta, self.tail_rank)
       pair = pair_by_weight(weight_rank, o.per_chunk, local_chunks)
@@ -296,6 +313,11 @@ class CtaItems:
     if o.split:  # a part of the last round's item first_part + (i - full)
       index = jnp.where(i < o.split.full, index, o.split.full * o.grid + self.first_part + i - o.split.full)
     return round_robin_item(index, **o.round_robin())
+
+  def keys(self, i):
+    """Item ``i``'s key tiles ``first .. first + count - 1`` (a table)."""
+    row = self.snake_rank(i)
+    return self.table[row, ws_mask.FIRST], self.table[row, ws_mask.COUNT]
 
   def span(self, i):
     """Item ``i``'s key tiles ``first .. first + count - 1`` (split tails only): all of them in the whole rounds,
