@@ -20,6 +20,8 @@
 #   tests-cudnn      cuDNN blocks in distributed schedules, the Mosaic kernels and their gradients; the plain programs
 #                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
 #   tests-packed     packed rows on cuDNN blocks: the rings that skip steps by segment ids, the balanced ring
+#   tests-cudnn-packed  kernel cudnn_packed (cuDNN's packed layout, Hopper): a block's output and log-sum-exp, whole
+#                    rows on one GPU and the ring, forward and gradients, B1 H8 KV2 D128 S 8K packed rows
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
 #   gemm             the GEMM suite: Llama-3 8B and 70B layers at M 8K and 32K (XLA's windowed einsum in a child)
 #   fused-gemm       the fused GEMM kernels against the unfused programs and JAX's kernel
@@ -38,6 +40,10 @@
 #                    skipping by segment ids, against Ulysses with the dense packed mask, B1 H32 KV8 D128 S 32K 128K,
 #                    uniform and long-tailed documents (benchmarks.packed); -training: training steps at S32K;
 #                    -tuned: with the tuner's winner too, S32K
+#   packed-one-gpu   one GPU, whole rows (issue 56's case: B1 H32 KV8 D128 bf16 S32K, ~10 documents of 512-8K tokens):
+#                    cuDNN with the dense packed mask, cuDNN causal over the whole row, jaxmercury untuned and kernel
+#                    cudnn_packed, interleaved in one process; forward, then training steps (benchmarks.packed
+#                    --one_gpu): ms, ratio to the dense mask, kept pairs' rate against cuDNN's causal rate
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
@@ -116,6 +122,7 @@ for stage in "$@"; do
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
     tests-packed) tests "$stage" 540 tests/gpu/test_packed_gpu.py ;;
+    tests-cudnn-packed) tests "$stage" 300 tests/gpu/test_cudnn_packed.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;
     fused-gemm) suite "$stage" 570 --suite fused --ops gemm ;;
@@ -138,6 +145,13 @@ for stage in "$@"; do
       timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" \
         --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    packed-one-gpu)
+      for step in forward training; do
+        limit=${STAGE_LIMIT:-280}
+        timeout "$limit" python3 -m benchmarks.packed --one_gpu --seqs 32K --mixes uniform --out "$W/$stage-$step.json" \
+          --time_budget $((limit - 60)) $([ $step = training ] && echo --training) > "$W/$stage-$step.log" 2>&1
+        echo "$stage-$step rc=$?" | tee -a "$W/stages.txt"
+      done ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;
     tuner) suite "$stage" 570 --suite tuner ;;
     llama-4096|llama-16384|llama-32768) suite "$stage" 570 --suite llama --seqs "${stage#llama-}" --measure_iters 5 \

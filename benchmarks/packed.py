@@ -2,6 +2,7 @@
 user runs.
 
     python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed] [--training]
+        [--one_gpu]
 
 Each case is one batch of rows (B1 H32 KV8 D128 bf16 by default) packed with documents, causal within them, split
 along the sequence over every GPU (the callers' layout, ``P(None, "gpu")``): ``uniform`` rows of documents of
@@ -16,6 +17,10 @@ the same inputs, timed in interleaved rounds (``benchmarks.harness``):
   ids need.
 * ``tuned`` (with ``--tune``): ``jm.autotune``'s winner, tuned on random packings.
 
+``--one_gpu``: whole rows on the first GPU instead, against cuDNN's calls (``one_gpu_contestants``), each
+contestant's speed-up over the dense-mask call and its kept pairs' rate against cuDNN's causal rate
+(``one_gpu_ratios``).
+
 Each case also records the time of the same rows' attention without documents (Ulysses and cuDNN causal over
 the whole row: the work packing saves), the kept pairs as a share of the causal square, and per schedule the
 busiest device's kept pairs over the mean and the ring steps run (``Schedule.data_run``). ``--training`` times
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -99,19 +105,9 @@ def trained(fn):
   return jax.jit(step)
 
 
-def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
-  b, h, kv, d = args.batch, args.heads, args.kv, args.head_dim
-  impl = "xla" if args.smoke else "cudnn"
-  dtype = jnp.float32 if args.smoke else jnp.bfloat16
-  shortest, longest = (s // 64, s // 4) if args.smoke else (512, 8192)
-  seg = np.concatenate([packing(np.random.default_rng(args.seed + r), s, mix, shortest, longest) for r in range(b)])
-  kept = float(np.mean([(np.square(np.bincount(row)).sum() + s) / 2 for row in seg]))  # documents are runs
-  spec = NamedSharding(mesh, P(None, "gpu"))
-  keys = jax.random.split(jax.random.key(args.seed), 4)
-  q = harness.random_array(keys[0], (b, s, h, d), dtype, spec)
-  k, v = (harness.random_array(key, (b, s, kv, d), dtype, spec) for key in keys[1:3])
-  ids = jax.device_put(jnp.asarray(seg), spec)
-  prog = jm.programs.attention(b, h, kv, s, s, d, causal=True, segment_ids=True, dtype=dtype)
+def split_contestants(args, mesh, prog, seg, impl) -> list:
+  """Ulysses with the dense mask (baseline) and the library's sequence-split strategies on every GPU."""
+  b, s, h, kv = args.batch, prog.params["q_len"], args.heads, args.kv
   runs, contestants = {}, []
   dense_bytes = b * s * s
   contestants.append(harness.Contestant(
@@ -130,6 +126,68 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
       runs[name] = {"balance": round(run.balance(), 3), "ring_steps": {k: list(v) for k, v in run.steps.items()}}
     contestants.append(harness.Contestant(name, "jaxmercury", lambda s=schedule: s.compile(),
                                           f"jaxmercury {name}", record={"strategy": name, **runs.get(name, {})}))
+  return contestants
+
+
+def one_gpu_contestants(args, mesh, prog, seg, impl) -> list:
+  """One GPU, whole rows: cuDNN with the dense packed mask (baseline, what a JAX user writes), cuDNN causal over
+  the whole row ignoring the documents (the work without packing: its output differs, so it is no baseline to
+  beat), jaxmercury untuned (``jm.ops.attention`` with segment ids, a fresh database) and kernel ``cudnn_packed``
+  (cuDNN's packed layout)."""
+  dense = jax.jit(lambda q, k, v, a, _: jax.nn.dot_product_attention(q, k, v, mask=dense_mask(a), implementation=impl))
+  whole = jax.jit(lambda q, k, v, a, _: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl))
+  db = jm.Database(os.path.join(tempfile.mkdtemp(), "untuned.db"))
+  untuned = jax.jit(lambda q, k, v, a, c: jm.ops.attention(q, k, v, mesh=mesh, causal=True, q_segment_ids=a,
+                                                            kv_segment_ids=c, database=db))
+  contestants = [
+      harness.Contestant("cudnn_dense_mask", "baseline", lambda: dense,
+                         "jax.nn.dot_product_attention, cuDNN, the dense packed mask"),
+      harness.Contestant("cudnn_causal_whole_row", "baseline", lambda: whole,
+                         "jax.nn.dot_product_attention, cuDNN causal over the whole row (ignores the documents)",
+                         record={"ignores_documents": True}),
+      harness.Contestant("jaxmercury_untuned", "jaxmercury", lambda: untuned,
+                         "jm.ops.attention with segment ids, untuned (a fresh database)")]
+  try:
+    packed = jm.library(prog, mesh)["ulysses"].patch("cudnn_packed")
+    contestants.append(harness.Contestant("cudnn_packed", "jaxmercury", packed.compile,
+                                          "jaxmercury, whole rows on kernel cudnn_packed (cuDNN's packed layout)",
+                                          record={"kernel": "cudnn_packed"}))
+  except jm.PreconditionError as e:
+    contestants.append(harness.Contestant("cudnn_packed", "jaxmercury", None, skip=str(e)))
+  return contestants
+
+
+def one_gpu_ratios(case: dict):
+  """Per timed contestant of a one-GPU case: its speed-up over the dense-mask call, and its kept pairs' rate as a
+  share of cuDNN's causal rate over the whole row (causal time x kept fraction / its time; issue 56's mark:
+  at least 2/3)."""
+  times = {r["name"]: r["median_ms"] for r in case["contestants"] if "median_ms" in r}
+  for r in case["contestants"]:
+    if "median_ms" not in r:
+      continue
+    if "cudnn_dense_mask" in times:
+      r["ratio_to_dense_mask"] = times["cudnn_dense_mask"] / r["median_ms"]
+    if "cudnn_causal_whole_row" in times:
+      r["kept_rate_of_causal_rate"] = times["cudnn_causal_whole_row"] * case["kept_fraction_of_causal"] / r[
+          "median_ms"]
+  return case
+
+
+def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
+  b, h, kv, d = args.batch, args.heads, args.kv, args.head_dim
+  impl = "xla" if args.smoke else "cudnn"
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  shortest, longest = (s // 64, s // 4) if args.smoke else (512, 8192)
+  seg = np.concatenate([packing(np.random.default_rng(args.seed + r), s, mix, shortest, longest) for r in range(b)])
+  kept = float(np.mean([(np.square(np.bincount(row)).sum() + s) / 2 for row in seg]))  # documents are runs
+  spec = NamedSharding(mesh, P(None, "gpu"))
+  keys = jax.random.split(jax.random.key(args.seed), 4)
+  q = harness.random_array(keys[0], (b, s, h, d), dtype, spec)
+  k, v = (harness.random_array(key, (b, s, kv, d), dtype, spec) for key in keys[1:3])
+  ids = jax.device_put(jnp.asarray(seg), spec)
+  prog = jm.programs.attention(b, h, kv, s, s, d, causal=True, segment_ids=True, dtype=dtype)
+  which = one_gpu_contestants if args.one_gpu else split_contestants
+  contestants = which(args, mesh, prog, seg, impl)
   inputs = (q, k, v, ids, ids)
   if args.training:
     cot = harness.random_array(keys[3], (b, s, h, d), dtype, spec)
@@ -146,6 +204,8 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   case = {"name": label, "batch": b, "seq": s, "heads": h, "kv_heads": kv, "head_dim": d, "mix": mix,
           "training": args.training, "kept_fraction_of_causal": kept / (s * (s + 1) / 2),
           "documents": int(seg.max()) + 1}
+  if args.one_gpu:
+    return one_gpu_ratios(harness.finish(case, records, ref))
   if not args.training and time.time() < deadline:  # the same rows without documents: the work packing saves
     whole = baselines.ulysses(mesh, ("gpu",), causal=True, impl=impl, heads=h, kv_heads=kv)
     case["unpacked_causal_ms"] = harness.time_call(whole, (q, k, v), iters=args.iters)
@@ -159,6 +219,8 @@ def main(argv=None):
   parser.add_argument("--mixes", nargs="+", default=["uniform", "long_tailed"], choices=["uniform", "long_tailed"])
   parser.add_argument("--training", action="store_true")
   parser.add_argument("--tune", action="store_true", help="also the tuner's winner (tuned on random packings)")
+  parser.add_argument("--one_gpu", action="store_true", help="whole rows on the first GPU: cuDNN's calls, "
+                      "jaxmercury untuned and kernel cudnn_packed (one_gpu_contestants)")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--kv", type=int, default=8)
@@ -176,7 +238,7 @@ def main(argv=None):
     flags = os.environ.get("XLA_FLAGS", "")  # before JAX makes its CPU client: 8 simulated devices
     os.environ["XLA_FLAGS"] = cpu_flags(flags, None if DEVICE_COUNT in flags else 8)
   start = time.time()
-  mesh = harness.make_mesh("")
+  mesh = harness.make_mesh("1" if args.one_gpu else "")
   out = harness.header("packed", [])
   out["command"] = "python -m benchmarks.packed " + " ".join(sys.argv[1:] if argv is None else argv)
   out["cases"] = []
