@@ -172,15 +172,14 @@ def plan(options: dict) -> list:
 
 
 def smoke_plan(suite: str) -> list:
-  """Tiny cases for the simulated CPU mesh: one level of 8 devices, and a (2, 4) mesh where USP runs."""
-  attention = [AttentionCase(1, 8, 8, 16, 64, False, "8"), AttentionCase(1, 8, 8, 16, 128, False, "8"),
-               AttentionCase(2, 8, 2, 16, 128, True, "2x4")]
-  gemm = [GemmCase("allgather", 256, 256, 512, "8", "tiny.up"), GemmCase("reducescatter", 256, 512, 256, "8",
-                                                                          "tiny.down")]
-  return {"attention": attention, "gemm": gemm,
-          "fused": [AttentionCase(1, 4, 2, 64, 128, True, "8")] + gemm,
-          "training": [AttentionCase(1, 8, 2, 16, 128, True, "8"), gemm[0]],
-          "kernels": [AttentionCase(1, 4, 4, 32, 128, True, "1"), AttentionCase(1, 4, 2, 32, 128, True, "1")],
+  """Tiny cases for the simulated CPU mesh, one per suite and operator: attention on a (2, 4) mesh where USP runs,
+  or on one level of 8 devices; the all-gather GEMM (gemm) and the reduce-scatter one (fused) on one level of 8."""
+  return {"attention": [AttentionCase(2, 8, 2, 16, 128, True, "2x4")],
+          "gemm": [GemmCase("allgather", 256, 256, 512, "8", "tiny.up")],
+          "fused": [AttentionCase(1, 4, 2, 64, 128, True, "8"), GemmCase("reducescatter", 256, 512, 256, "8",
+                                                                        "tiny.down")],
+          "training": [AttentionCase(1, 8, 2, 16, 128, True, "8")],
+          "kernels": [AttentionCase(1, 4, 2, 32, 128, True, "1")],
           "tuner": [AttentionCase(1, 8, 2, 16, 128, True, "8")]}[suite]
 
 

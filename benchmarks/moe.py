@@ -19,8 +19,9 @@ Cases, at Mixtral-8x7B layer sizes (d_model 4096, d_ff 14336, 8 experts, top-2, 
   TFLOP/s and ``ratio_to_ragged_dot`` (ragged_dot's time over its own: above 1, faster than ragged_dot). The
   Mosaic kernel needs a Hopper GPU: elsewhere it is skipped with the reason.
 
-``--smoke`` runs tiny versions on the simulated CPU mesh (one device; one case on 8, experts spread), the
-dispatched schedules also with their dense grouped GEMM (every local expert on every slot: not timed on GPUs).
+``--smoke`` runs one tiny case of each kind on the simulated CPU mesh (the layer on 8 devices, experts spread, at
+capacity factor 1.25; the down projection's grouped GEMMs forward + backward), the dispatched schedules also with
+their dense grouped GEMM (every local expert on every slot: not timed on GPUs).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def plan(args) -> list:
   kinds = getattr(args, "moe_kinds", None) or ("grouped_gemm", "layer")
   if args.smoke:
     tiny = dict(tokens=256, d_model=128, d_ff=256, experts=8, top_k=2)
-    out = [MoECase("layer", capacity_factor=1.25, **tiny), MoECase("layer", capacity_factor=None, mesh="8", **tiny)]
-    out += _grouped_cases(tiny)
+    out = [MoECase("layer", capacity_factor=1.25, mesh="8", **tiny),
+           MoECase("grouped_gemm", capacity_factor=None, projection="down", backward=True, **tiny)]
   else:
     out = _grouped_cases(MIXTRAL) + [MoECase("layer", capacity_factor=1.25, **MIXTRAL),
                                      MoECase("layer", capacity_factor=None, **MIXTRAL)]

@@ -1,17 +1,42 @@
-"""Test set-up: a simulated 8-device CPU platform, meshes and input helpers."""
+"""Test set-up: a simulated 8-device CPU platform, a compilation cache for the session, meshes and input helpers."""
 
 import os
+import shutil
+import tempfile
 
 from jaxmercury._cpu_flags import cpu_flags  # before JAX makes its CPU client, which reads XLA_FLAGS
 
-os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the simulated CPU devices, programs compile at LLVM's -O0 (XLA's own passes are unchanged, the code it emits
+# plainer): the suite compiles far more than it computes, interpret-mode kernels above all (near half their time).
+os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8) + (
+    " --xla_backend_optimization_level=0" if os.environ["JAX_PLATFORMS"] == "cpu"
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") else "")
+
+# JAX's persistent compilation cache, in a temporary folder named by the session's first process (pytest, or
+# xdist's controller) and read from the environment, when JAX starts, by every process of the session: xdist's
+# workers and the subprocesses of the tests (documents, notebooks, benchmark suites, tuner workers). A program
+# compiled once, in any of them, is read back by the others (the key is the compiled module and its devices,
+# not the Python function). A folder the caller names is used as it is, and kept.
+os.environ.setdefault("JAXMERCURY_TESTS_SESSION", str(os.getpid()))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jaxmercury-tests-compiled-{os.environ['JAXMERCURY_TESTS_SESSION']}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")  # most of the suite's programs
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+
+
+def pytest_unconfigure(config):
+  """The session's first process removes the compilation cache it named."""
+  session = str(os.getpid())
+  if os.environ["JAXMERCURY_TESTS_SESSION"] == session and os.environ["JAX_COMPILATION_CACHE_DIR"].endswith(
+      f"jaxmercury-tests-compiled-{session}"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
 
 MESH_SHAPES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("node", "gpu")), "4x2": ((4, 2), ("node", "gpu"))}
 
@@ -68,7 +93,7 @@ def assert_matches(schedule, inputs=None, reference=None):
   """Runs ``schedule`` and compares with the program's reference in float64 terms."""
   prog = schedule.program
   xs = inputs if inputs is not None else prog.random_inputs(fresh_key())
-  ref = reference if reference is not None else prog.reference(*xs)
+  ref = reference if reference is not None else jax.jit(prog.reference)(*xs)  # one compile, not one per op
   y = schedule.compile()(*xs)
   assert y.shape == ref.shape and y.dtype == ref.dtype
   assert np.all(np.isfinite(np.asarray(y, np.float32)))

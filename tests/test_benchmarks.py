@@ -16,8 +16,10 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import assert_matches
 
-from benchmarks import clocks, harness, kernel_trace, operators, run, ws_local
+import jaxmercury as jm
+from benchmarks import cases, clocks, harness, kernel_trace, operators, run, ws_local
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.autotuner import lowering_variants
@@ -89,27 +91,39 @@ def _floor(case, recs):
 
 
 def test_attention_suite(tmp_path):
-  """Tuned jaxmercury against every attention baseline; the sweep grows, replaying its winner above
-  --tune_max_tflop; USP runs on the two-level mesh only; the tuner's plot is drawn."""
+  """Tuned jaxmercury against every attention baseline on a two-level mesh (USP runs there); the tuner's plot is
+  drawn."""
   plots = tmp_path / "plots"
-  results = _smoke(tmp_path, "attention", "--tune_max_tflop", "1e-9", "--plots", str(plots))
-  cases = {c["name"]: c for c in results["cases"]}
-  mha = ["attention MHA B1 S64 H8 KV8 D16 mesh 8", "attention MHA B1 S128 H8 KV8 D16 mesh 8"]
-  gqa = "attention GQA B2 S128 H8 KV2 D16 causal mesh 2x4"
-  assert list(cases) == mha + [gqa]
-  for name in mha:
-    recs = _check(cases[name], ["cp_allgather", "ring", "ulysses", "jaxmercury"], {"usp": "two-level mesh"})
-    _floor(cases[name], recs)
-    assert cases[name]["mesh"] == {"gpu": 8}
-  recs = _check(cases[gqa], ["cp_allgather", "ring", "ulysses", "usp", "jaxmercury"])
-  _floor(cases[gqa], recs)
-  assert cases[gqa]["mesh"] == {"node": 2, "gpu": 4} and set(results["links"]) == {"8", "2x4"}
-  first, second = cases[mha[0]]["tuner"], cases[mha[1]]["tuner"]
-  assert first["winner"] and first["candidates"] and {c["status"] for c in first["candidates"]} <= {"ok", "pruned"}
-  assert "replayed" in second and "above --tune_max_tflop" in second["not_tuned"]
-  jm = _by_name(cases[mha[0]])["jaxmercury"]
-  assert jm["strategy"] and "kernel" in jm and "lowering_config" in jm  # the schedule as data
-  assert os.path.getsize(first["plot"]) > 10_000 and os.path.dirname(first["plot"]) == str(plots)
+  results = _smoke(tmp_path, "attention", "--plots", str(plots))
+  (case,) = results["cases"]
+  assert case["name"] == "attention GQA B2 S128 H8 KV2 D16 causal mesh 2x4"
+  recs = _check(case, ["cp_allgather", "ring", "ulysses", "usp", "jaxmercury"])
+  _floor(case, recs)
+  assert case["mesh"] == {"node": 2, "gpu": 4} and set(results["links"]) == {"2x4"}
+  tuner = case["tuner"]
+  assert tuner["winner"] and tuner["candidates"] and {c["status"] for c in tuner["candidates"]} <= {"ok", "pruned"}
+  assert recs["jaxmercury"]["strategy"] and "kernel" in recs["jaxmercury"] and "lowering_config" in recs["jaxmercury"]
+  assert os.path.getsize(tuner["plot"]) > 10_000 and os.path.dirname(tuner["plot"]) == str(plots)
+
+
+def test_the_sweep_replays_its_winner_above_the_tuning_limit(tmp_path):
+  """Above --tune_max_tflop a case is not tuned: the sweep's last winner, tuned at a smaller size, runs at this
+  one (and agrees with the program's reference); below it, or with no winner yet, the case is tuned."""
+  args = run.parse_args(["--suite", "attention", "--smoke", "--tune_max_tflop", "1e-9", "--out",
+                         str(tmp_path / "a.json")])
+  env = operators.Env(args, {"machines": {}}, deadline=time.time() + 600)
+  small, big = cases.AttentionCase(1, 4, 2, 16, 32, True, "8"), cases.AttentionCase(1, 4, 2, 16, 64, True, "8")
+  assert small.family == big.family
+  mesh = env.mesh(big.mesh)
+  ring = jm.library(operators.program(small), mesh)["ring"]
+  env.winners[small.family] = (small.flops, ring.to_json(), {"strategy": "ring", "origin": "library"})
+  prog = operators.program(big)
+  ins, out = operators.layouts(big, mesh)
+  rec = {}
+  contestant = operators.tuned(env, big, prog, mesh, ins, out, rec)
+  assert "above --tune_max_tflop 1e-09" in rec["tuner"]["not_tuned"] and "replayed" in rec["tuner"]
+  assert "winner" not in rec["tuner"] and contestant.record["strategy"] == "ring"
+  assert_matches(types.SimpleNamespace(program=prog, compile=contestant.build))  # it runs, and agrees
 
 
 def test_gemm_suite_and_its_windowed_einsum_child(tmp_path):
@@ -119,18 +133,16 @@ def test_gemm_suite_and_its_windowed_einsum_child(tmp_path):
   results = _smoke(tmp_path, "gemm")
   hopper = {f"pallas_mgpu[{'/'.join(map(str, c))}]": "Hopper" for c in
             ((128, 128, "N", 8, "N"), (128, 128, "M", 8, "M"), (256, 64, "N", 8, "N"), (128, 128, "N", 16, "M"))}
-  ag, rs = results["cases"]
+  (ag,) = results["cases"]
   _floor(ag, _check(ag, ["allgather_dot", "xla_auto", "jaxmercury", "xla_auto_windowed"], hopper))
-  _floor(rs, _check(rs, ["dot_psum_scatter", "xla_auto", "jaxmercury", "xla_auto_windowed"]))
   child = json.loads((tmp_path / "gemm.windowed.json").read_text())
   assert "--windowed_child" in child["command"] and child["seed"] == results["seed"]
   assert results["windowed"]["status"] == "exit 0"
-  for case in (ag, rs):
-    windowed = _by_name(case)["xla_auto_windowed"]
-    assert windowed["process"] == "separate" and windowed["xla_flags"] == WINDOWED_EINSUM_FLAGS
-    there = _by_name(next(c for c in child["cases"] if c["name"] == case["name"]))
-    assert there["xla_auto_windowed"]["median_ms"] == windowed["median_ms"]
-    assert there["program_reference"]["role"] == "reference"  # checked against the program there too
+  windowed = _by_name(ag)["xla_auto_windowed"]
+  assert windowed["process"] == "separate" and windowed["xla_flags"] == WINDOWED_EINSUM_FLAGS
+  there = _by_name(next(c for c in child["cases"] if c["name"] == ag["name"]))
+  assert there["xla_auto_windowed"]["median_ms"] == windowed["median_ms"]
+  assert there["program_reference"]["role"] == "reference"  # checked against the program there too
 
 
 def test_fused_suite(tmp_path):
@@ -138,7 +150,7 @@ def test_fused_suite(tmp_path):
   contestant, skipped on the CPU with the kernel's own reason; ``--trace_rounds``: each timed one traced after (on
   the CPU wall times only, no GPU lines)."""
   results = _smoke(tmp_path, "fused", "--trace_rounds", "1")
-  attention, ag, rs = results["cases"]
+  attention, rs = results["cases"]
   assert results["settings"]["trace_rounds"] == 1
   for case in results["cases"]:
     timed = [r for r in case["contestants"] if "median_ms" in r]
@@ -150,13 +162,23 @@ def test_fused_suite(tmp_path):
                  "ring_zigzag {fused_ring_attention_ws}": "zigzag chunk"})
   assert recs["ring {fused_ring_attention}"]["lowering"] == "fused_ring_attention"
   assert recs["ring"]["strategy"] == "ring" and recs["ring"]["lowering"] is None
-  fused_ag = [n for n in _by_name(ag) if n.startswith("async_tp {")]
-  assert len(fused_ag) == 4 and all("Hopper" in _by_name(ag)[n]["skipped"] for n in fused_ag)
-  _check(ag, ["allgather_dot", "xla_auto", "async_tp"], {n: "Hopper" for n in fused_ag} | {
-      n: "Hopper" for n in _by_name(ag) if n.startswith("pallas_mgpu")})
   fused_rs = [n for n in _by_name(rs) if n.startswith("async_tp_reducescatter {")]
   _check(rs, ["dot_psum_scatter", "xla_auto", "async_tp_reducescatter"], {n: "Hopper" for n in fused_rs})
   assert len(fused_rs) == 2
+
+
+def test_fused_suite_offers_every_all_gather_kernel():
+  """The all-gather GEMM's fused kernels are the fused suite's contestants beside the library schedule they lower,
+  each skipped on the CPU with the kernel's own reason (built, not run)."""
+  args = run.parse_args(["--suite", "fused", "--smoke"])
+  env = operators.Env(args, {}, deadline=time.time() + 60)
+  case = cases.GemmCase("allgather", 256, 256, 512, "8", "tiny.up")
+  mesh = env.mesh(case.mesh)
+  contestants = {c.name: c for c in operators.fused(env, case, operators.program(case), mesh,
+                                                    *operators.layouts(case, mesh))}
+  fused_ag = [n for n in contestants if n.startswith("async_tp {")]
+  assert len(fused_ag) == 4 and all("Hopper" in contestants[n].skip for n in fused_ag), contestants
+  assert set(contestants) == {"async_tp", *fused_ag} and contestants["async_tp"].skip is None
 
 
 def test_fused_training_tries_every_backward():
@@ -195,11 +217,9 @@ def test_an_unknown_fused_kernel_is_refused_before_any_work(capsys, monkeypatch)
 def test_training_suite(tmp_path):
   """Training steps (output and every input's gradient) of the baselines and of jaxmercury tuned for them agree."""
   results = _smoke(tmp_path, "training")
-  attention, gemm = results["cases"]
-  assert attention["training"] and gemm["training"] and "floor" not in attention
+  (attention,) = results["cases"]
+  assert attention["training"] and "floor" not in attention
   _check(attention, ["cp_allgather", "ring", "ulysses", "jaxmercury"], {"usp": "two-level"}, tolerance=3e-2)
-  _check(gemm, ["allgather_dot", "xla_auto", "jaxmercury"],
-         {n: "Hopper" for n in _by_name(gemm) if n.startswith("pallas_mgpu")}, tolerance=3e-2)
   assert attention["tuner"]["winner"]
 
 
@@ -207,15 +227,15 @@ def test_kernels_suite(tmp_path):
   """Every local attention kernel that runs on the CPU (Pallas interpret mode) against XLA's attention: the training
   step's output and gradients, so forward and backward."""
   results = _smoke(tmp_path, "kernels", "--training")
-  for case in results["cases"]:
-    assert case["training"] is True and case["config"]["mesh"] == "1"
-    recs = {r["name"]: r for r in case["contestants"]}
-    assert {"dot_product_attention", "xla", "pallas_attention"} <= set(recs) and case["reference"] == \
-        "dot_product_attention"
-    for r in recs.values():
-      assert r["numerics_ok"] and r["rel_err"] < 3e-2 and r["median_ms"] > 0 and r["tflops_per_device"] > 0, r
-    assert recs["pallas_attention"]["kernel"] == "pallas_attention"
-    assert "default_kernel" in case
+  (case,) = results["cases"]
+  assert case["training"] is True and case["config"]["mesh"] == "1"
+  recs = {r["name"]: r for r in case["contestants"]}
+  assert {"dot_product_attention", "xla", "pallas_attention"} <= set(recs) and case["reference"] == \
+      "dot_product_attention"
+  for r in recs.values():
+    assert r["numerics_ok"] and r["rel_err"] < 3e-2 and r["median_ms"] > 0 and r["tflops_per_device"] > 0, r
+  assert recs["pallas_attention"]["kernel"] == "pallas_attention"
+  assert "default_kernel" in case
 
 
 def test_tuner_suite(tmp_path):
@@ -256,10 +276,9 @@ def test_llama_reprice_of_recorded_gpu_runs(tmp_path):
   """The plans two 2 x H200 runs timed (4K and 32K tokens), rebuilt from their recorded choices and calibrated
   figures and priced by the current cost model: every recorded choice is still offered, and every prediction,
   forward and training step, lies within 15% of the measured time."""
-  files = [f"tests/data/2026-11-24-s11-llama_block-{seq}-2xH200.json" for seq in (4096, 32768)]
+  files = [os.path.join(ROOT, f"tests/data/2026-11-24-s11-llama_block-{seq}-2xH200.json") for seq in (4096, 32768)]
   out = tmp_path / "predictions.json"
-  proc = _run("--suite", "llama", "--reprice", *files, "--out", str(out))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert run.main(["--suite", "llama", "--reprice", *files, "--out", str(out)]) == 0  # in this process: no JAX run
   data = json.loads(out.read_text())
   assert data["command"].startswith("python -m benchmarks.run --suite llama --reprice")
   assert {(r["seq"], r["plan"]) for r in data["rows"]} == {(s, p) for s in (4096, 32768) for p in (
@@ -271,37 +290,36 @@ def test_llama_reprice_of_recorded_gpu_runs(tmp_path):
 
 
 @pytest.mark.parametrize("suite", ["fused", "gemm"])
-def test_suites_say_they_need_gpus(tmp_path, suite):
+def test_suites_say_they_need_gpus(tmp_path, capfd, suite):
   """Without --smoke on a CPU machine: one line saying so, exit status 2 (the gemm suite's child says it)."""
-  proc = _run("--suite", suite, "--out", str(tmp_path / "x.json"), timeout=300)
-  assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
-  assert proc.stderr.strip().splitlines() == [f"benchmarks.run --suite {suite} times GPUs; this machine has only CPU "
-                                              "devices: run it with --smoke for a check on a simulated CPU mesh"]
+  assert run.main(["--suite", suite, "--out", str(tmp_path / "x.json")]) == 2
+  out, err = capfd.readouterr()
+  assert out == "" and err.strip().splitlines() == [
+      f"benchmarks.run --suite {suite} times GPUs; this machine has only CPU devices: run it with --smoke for a "
+      "check on a simulated CPU mesh"], out + err
   assert not (tmp_path / "x.json").exists()
 
 
 def test_moe_suite(tmp_path):
   """The MoE layer (jaxmercury's dispatched schedules against the plain-JAX einsum dispatch, both checked against the
   dense reference); ragged_dot and the Mosaic grouped GEMM (skipped on CPUs, naming the device) against the padded
-  grouped GEMM, forward and forward + backward, for both projections."""
+  grouped GEMM, forward + backward."""
   results = _smoke(tmp_path, "moe")
-  kinds = [case["config"]["kind"] for case in results["cases"]]
-  assert kinds.count("layer") == 2 and kinds.count("grouped_gemm") == 4
-  grouped = {(c["config"]["projection"], c["config"]["backward"]) for c in results["cases"]
-             if c["config"]["kind"] == "grouped_gemm"}
-  assert grouped == {("gate", False), ("gate", True), ("down", False), ("down", True)}
+  layer, grouped = results["cases"]
+  assert layer["config"]["kind"] == "layer" and layer["config"]["capacity_factor"] == 1.25
+  assert (grouped["config"]["kind"], grouped["config"]["projection"], grouped["config"]["backward"]) == (
+      "grouped_gemm", "down", True)
+  recs = _by_name(layer)
+  timed = [n for n in recs if n != "dense_reference"]
+  assert {"einsum_dispatch", "expert_parallel[ragged_dot]", "expert_parallel[dense]"} <= set(timed)
+  _check(layer, timed, reference="dense_reference")
+  recs = _by_name(grouped)
+  assert grouped["reference"] == "padded_einsum" and grouped["agree"] and recs["ragged_dot"]["median_ms"] > 0
+  assert sum(grouped["group_sizes"]) == 512 and recs["ragged_dot"]["ratio_to_ragged_dot"] == 1.0
+  assert "cpu" in recs["mosaic_grouped_gemm"]["skipped"] and recs["mosaic_grouped_gemm"]["gemm"] == \
+      "mosaic_grouped_gemm"
   for case in results["cases"]:
-    recs = _by_name(case)
-    if case["config"]["kind"] == "layer":
-      timed = [n for n in recs if n != "dense_reference"]
-      assert {"einsum_dispatch", "expert_parallel[ragged_dot]", "expert_parallel[dense]"} <= set(timed)
-      _check(case, timed, reference="dense_reference")
-    else:
-      assert case["reference"] == "padded_einsum" and case["agree"] and recs["ragged_dot"]["median_ms"] > 0
-      assert sum(case["group_sizes"]) == 512 and recs["ragged_dot"]["ratio_to_ragged_dot"] == 1.0
-      assert "cpu" in recs["mosaic_grouped_gemm"]["skipped"] and recs["mosaic_grouped_gemm"]["gemm"] == \
-          "mosaic_grouped_gemm"
-    assert all(r["tflops_per_device"] > 0 for r in recs.values() if "median_ms" in r)
+    assert all(r["tflops_per_device"] > 0 for r in _by_name(case).values() if "median_ms" in r)
 
 
 def test_ws_local_smoke(tmp_path):

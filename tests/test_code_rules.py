@@ -76,3 +76,12 @@ def test_no_function_is_longer_than_200_lines():
           for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 200]
   assert long == []
+
+def test_ci_runs_the_readmes_test_command():
+  """``.ci/run`` runs the README's test command as written, which names its 25 slowest tests."""
+  root = PACKAGE.parent
+  readme = next(line for line in (root / "README.md").read_text().splitlines() if "python -m pytest" in line)
+  command = readme.split('pip install -e ".[test]" && ', 1)[1]
+  ci = [line for line in (root / ".ci" / "run").read_text().splitlines() if "python -m pytest" in line]
+  assert ci and all(line.endswith(command) for line in ci), (command, ci)
+  assert command.endswith("python -m pytest -n 2 --durations=25")

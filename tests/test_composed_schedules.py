@@ -2,21 +2,31 @@
 
 import random
 
+import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_matches, make_mesh
+from conftest import assert_matches, fresh_key, make_mesh
 
 import jaxmercury as jm
 from jaxmercury.tuner import enumerate_schedules
 
+# (the program, how many of its design-space schedules each mesh samples)
 PROGRAMS = {
-    "mha_causal": (lambda: jm.programs.attention(2, 4, 4, 32, 32, 8, causal=True), 14),
-    "gqa": (lambda: jm.programs.attention(1, 8, 2, 16, 32, 8), 10),
-    "mqa_causal": (lambda: jm.programs.attention(1, 4, 1, 32, 16, 8, causal=True), 8),
-    "matmul": (lambda: jm.programs.matmul(32, 16, 24), 12),
-    "matmul_ragged": (lambda: jm.programs.matmul(24, 16, 40), 6),
-    "weighted_sum": (lambda: jm.programs.weighted_sum(16, 24), 6),
+    "mha_causal": (lambda: jm.programs.attention(2, 4, 4, 32, 32, 8, causal=True), 9),
+    "gqa": (lambda: jm.programs.attention(1, 8, 2, 16, 32, 8), 6),
+    "mqa_causal": (lambda: jm.programs.attention(1, 4, 1, 32, 16, 8, causal=True), 5),
+    "matmul": (lambda: jm.programs.matmul(32, 16, 24), 7),
+    "matmul_ragged": (lambda: jm.programs.matmul(24, 16, 40), 4),
+    "weighted_sum": (lambda: jm.programs.weighted_sum(16, 24), 4),
 }
+
+
+def _check_all(prog, schedules):
+  """Each schedule against the reference, on one draw of fresh inputs for all of them."""
+  xs = prog.random_inputs(fresh_key())
+  ref = jax.jit(prog.reference)(*xs)
+  for schedule in schedules:
+    assert_matches(schedule, xs, ref)
 
 
 def _sample(prog, mesh, count):
@@ -33,18 +43,17 @@ def test_composed_schedules_match_reference(mesh_name, program):
   prog = build()
   schedules = _sample(prog, make_mesh(mesh_name), count)
   assert len(schedules) == count
-  for schedule in schedules:
-    assert_matches(schedule)
+  _check_all(prog, schedules)
 
 
-def test_more_than_fifty_composed_schedules_per_mesh():
-  assert sum(count for _, count in PROGRAMS.values()) >= 50
+def test_more_than_thirty_composed_schedules_per_mesh():
+  """A hundred in all over the three meshes (each schedule compiled and run: the suite's time)."""
+  assert sum(count for _, count in PROGRAMS.values()) >= 30
 
 
 def test_composed_schedules_bf16():
   prog = jm.programs.attention(1, 4, 2, 32, 32, 16, causal=True, dtype=jnp.bfloat16)
-  for schedule in _sample(prog, make_mesh("2x4"), 6):
-    assert_matches(schedule)
+  _check_all(prog, _sample(prog, make_mesh("2x4"), 6))
 
 
 def test_hand_written_compositions():
@@ -52,18 +61,16 @@ def test_hand_written_compositions():
   from jax.sharding import PartitionSpec as P
   mesh = make_mesh("2x4")
   prog = jm.programs.attention(2, 8, 4, 32, 48, 8, causal=True)
-  s = jm.Schedule(prog, mesh)
-  s.tile("i", 4).parallelize("i0", "gpu").tile("j", 4).shift("j0", "i0").tile("j1", 3)
-  s.reorder("j10", "b").tile("b", 2).parallelize("b0", "node")
-  assert_matches(s)
-  s = jm.Schedule(prog, mesh).tile("j", 4).tile("j1", 2).join("j10", "j11").parallelize("j0", "gpu")
-  s.tile("i", 2).parallelize("i0", "node").replicate("q", "i0")
-  assert_matches(s)
-  s = jm.Schedule(prog, mesh, in_shardings=(P(None, "gpu"), P(None, None, "node"), P()),
+  a = jm.Schedule(prog, mesh)
+  a.tile("i", 4).parallelize("i0", "gpu").tile("j", 4).shift("j0", "i0").tile("j1", 3)
+  a.reorder("j10", "b").tile("b", 2).parallelize("b0", "node")
+  b = jm.Schedule(prog, mesh).tile("j", 4).tile("j1", 2).join("j10", "j11").parallelize("j0", "gpu")
+  b.tile("i", 2).parallelize("i0", "node").replicate("q", "i0")
+  c = jm.Schedule(prog, mesh, in_shardings=(P(None, "gpu"), P(None, None, "node"), P()),
                   out_sharding=P("node", None, "gpu"))
-  s.tile("hk", 4).parallelize("hk0", "gpu").tile("i", 2).parallelize("i0", "node")
-  s.tile("j", 2).shift("j0", "i0").replicate("o", "i0")
-  assert_matches(s)
+  c.tile("hk", 4).parallelize("hk0", "gpu").tile("i", 2).parallelize("i0", "node")
+  c.tile("j", 2).shift("j0", "i0").replicate("o", "i0")
+  _check_all(prog, [a, b, c])
   m = jm.Schedule(jm.programs.matmul(32, 24, 40), mesh)
   m.tile("k", 4).parallelize("k0", "gpu").tile("m", 4).shift("m0", "k0").tile("n", 2).parallelize("n0", "node")
   m.shard("A", "n0", axis="m").replicate("C", "n0")

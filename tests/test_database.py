@@ -15,14 +15,13 @@ from conftest import fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType
 
 import jaxmercury as jm
-from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.tuner import cost, database, measure
 from jaxmercury.tuner.autotuner import Candidate
 
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": cpu_flags("", 8)}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+       "JAX_PLATFORMS": "cpu"}  # the tests' XLA flags: 8 devices
 
 
 def _quiet(_):

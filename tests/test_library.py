@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_matches, fresh_key, make_mesh
+from conftest import MESH_SHAPES, assert_matches, fresh_key, make_mesh
 
 import jaxmercury as jm
 
@@ -16,9 +16,22 @@ ATTENTION = {
 EXPECTED_ATTENTION = {"context_parallel", "ring", "tree"}
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", sorted(ATTENTION))
-def test_attention_library(mesh, config, causal):
+# Pairwise, not the full product: every config on every mesh, each mesh and each config with and without the mask.
+PAIRWISE = [(mesh, config, (i + j) % 2 == 1) for i, config in enumerate(sorted(ATTENTION))
+            for j, mesh in enumerate(sorted(MESH_SHAPES))]
+
+
+def _check_all(prog, schedules):
+  """Each schedule against the reference, on one draw of fresh inputs for all of them."""
+  xs = prog.random_inputs(fresh_key())
+  ref = jax.jit(prog.reference)(*xs)
+  for schedule in schedules:
+    assert_matches(schedule, xs, ref)
+
+
+@pytest.mark.parametrize("mesh_name,config,causal", PAIRWISE)
+def test_attention_library(mesh_name, config, causal):
+  mesh = make_mesh(mesh_name)
   prog = jm.programs.attention(**ATTENTION[config], causal=causal)
   lib = jm.library(prog, mesh)
   assert set(lib) >= EXPECTED_ATTENTION
@@ -26,8 +39,7 @@ def test_attention_library(mesh, config, causal):
     assert "ulysses" in lib and "head_parallel" in lib
   if len(mesh.axis_names) == 2 and config in ("mha", "mqa"):
     assert "usp" in lib
-  for schedule in lib.values():
-    assert_matches(schedule)
+  _check_all(prog, lib.values())
 
 
 @pytest.mark.parametrize("shape", [(64, 32, 48), (36, 20, 44), (8, 8, 8)], ids=["multiple", "ragged", "one-each"])
@@ -36,8 +48,7 @@ def test_matmul_library(mesh, shape):
   lib = jm.library(prog, mesh)
   assert set(lib) == {"allgather_matmul", "matmul_reducescatter", "async_tp", "async_tp_reducescatter",
                       "data_parallel"}
-  for schedule in lib.values():
-    assert_matches(schedule)
+  _check_all(prog, lib.values())
 
 
 @pytest.mark.parametrize("name", ["ring", "ulysses", "context_parallel", "tree"])
@@ -59,8 +70,7 @@ def test_weighted_sum_library(mesh):
   prog = jm.programs.weighted_sum(24, 40)
   lib = jm.library(prog, mesh)
   assert {"parallel_i", "parallel_j", "ring_j_over_i"} <= set(lib)
-  for schedule in lib.values():
-    assert_matches(schedule)
+  _check_all(prog, lib.values())
 
 
 def test_library_on_explicit_mesh():
@@ -72,13 +82,13 @@ def test_library_on_explicit_mesh():
   mesh = make_mesh("2x4", AxisType.Explicit)
   prog = jm.programs.attention(1, 8, 8, 32, 32, 8, causal=True)
   xs = [jax.device_put(x, NamedSharding(mesh, P(None, "gpu"))) for x in prog.random_inputs(fresh_key())]
-  want = prog.reference(*[jax.device_get(x) for x in xs])
+  want = jax.jit(prog.reference)(*[jax.device_get(x) for x in xs])
   for name, schedule in jm.library(prog, mesh).items():
     assert rel_err(schedule.compile()(*xs), want) < 2e-5, name
   with jax.set_mesh(mesh):
     f = jm.library(prog, mesh)["ring_zigzag"].compile()
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2)))(*xs)
-  want_grads = jax.grad(lambda *a: jnp.sum(prog.reference(*a)), argnums=(0, 1, 2))(
+  want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(prog.reference(*a)), argnums=(0, 1, 2)))(
       *[jax.device_get(x) for x in xs])
   for g, w in zip(grads, want_grads):
     assert rel_err(g, w) < 2e-5

@@ -45,7 +45,7 @@ EXPECTED = {
 def _cpu_env(tmp_path) -> dict:
   """The environment a notebook runs in: 8 simulated CPU devices, caches and files under ``tmp_path``."""
   path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": path,
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["XLA_FLAGS"], "PYTHONPATH": path,  # the tests': 8 devices
           "XDG_CACHE_HOME": str(tmp_path / "cache"), "MPLBACKEND": "Agg", "JUPYTER_PATH": str(tmp_path / "jupyter"),
           "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
 

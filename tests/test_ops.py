@@ -13,14 +13,17 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from jaxmercury.analysis.hlo import compiled_collectives
 
+ASSUMED = jm.tuner.Machine("assumed", flops_per_s=5e9, link_bytes_per_s={"*": 3e8})  # cost-model figures
+
 
 def test_untuned_ops_run_the_plain_program_then_the_stored_winner(tmp_path):
   """Nothing measured: the plain program as written (JAX's attention, nothing constrained); a stored winner: it."""
   mesh = make_mesh("8")
   db = jm.Database(str(tmp_path / "ops.db"))
   prog = jm.programs.attention(1, 4, 2, 64, 64, 16, causal=True)
+  db.store_machine(prog, mesh, ASSUMED)  # no calibration
   q, k, v = prog.random_inputs(fresh_key())
-  want = prog.reference(q, k, v)
+  want = jax.jit(prog.reference)(q, k, v)
   assert db.lookup(prog, mesh) is None
   out = jm.ops.attention(q, k, v, mesh=mesh, causal=True, database=db)
   assert rel_err(out, want) < 1e-5
@@ -118,6 +121,7 @@ def test_tuning_while_a_jitted_function_is_traced(tmp_path):
   operator in the trace finds it in the database (which the tuner's thread wrote)."""
   mesh, db = make_mesh("8"), jm.Database(tmp_path / "t.db")
   prog = jm.programs.matmul(64, 32, 48)
+  db.store_machine(prog, mesh, ASSUMED)  # no calibration
   a, b = prog.random_inputs(fresh_key())
   lines = []
 

@@ -15,7 +15,7 @@ def test_attention_reference_matches_jax(heads, kv_heads, causal):
   prog = jm.programs.attention(2, heads, kv_heads, 48, 40, 16, causal=causal)
   q, k, v = prog.random_inputs(fresh_key())
   ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
-  assert rel_err(prog.reference(q, k, v), ref) < 1e-5
+  assert rel_err(jax.jit(prog.reference)(q, k, v), ref) < 1e-5
 
 
 def test_matmul_and_weighted_sum_references():
@@ -54,3 +54,36 @@ def test_dsl_rejects_bad_declarations():
   prog = jm.programs.matmul(8, 8, 8)
   with pytest.raises(jm.ScheduleError, match="input B: expected shape"):
     prog.reference(jnp.ones((8, 8)), jnp.ones((4, 8)))
+
+
+def test_operators_declare_their_parameters():
+  """Each shipped operator builds its program from its declared parameters (defaults where not given); a value
+  outside a parameter's declaration, an unknown name or a bad declaration is refused, naming it."""
+  assert [op.name for op in jm.programs.operators()][:3] == ["attention", "matmul", "moe"]
+  for op in jm.programs.operators():
+    prog = op.program()
+    assert prog.pattern == op.name and prog.params["dtype"] == "float32"
+  prog = jm.programs.find_operator("attention").program(seq_len=48, kv_heads=2, causal=True)
+  assert (prog.params["q_len"], prog.params["kv_len"], prog.params["kv_heads"], prog.params["causal"]) == (
+      48, 48, 2, True)
+  moe = jm.programs.find_operator("moe")
+  assert moe.program(capacity_factor=1).routing.capacity == 128  # 512 tokens * top 2 / 8 experts
+  with pytest.raises(jm.ProgramError, match=r"moe: top_k=0 must be at least 1 \(experts each token"):
+    moe.program(top_k=0)
+  with pytest.raises(jm.ProgramError, match="must be between 1 and experts=8"):
+    moe.program(top_k=9)
+  with pytest.raises(jm.ProgramError, match="no parameter \\['heads'\\]; its parameters are tokens, d_model"):
+    moe.program(heads=2)
+  with pytest.raises(jm.ProgramError, match="dtype='float64' must be one of float32, bfloat16, float16"):
+    moe.program(dtype="float64")
+  with pytest.raises(jm.ProgramError, match="m=2.5 must be an integer"):
+    jm.programs.find_operator("matmul").program(m=2.5)
+  with pytest.raises(jm.UnknownNameError, match="unknown operator 'conv'; the operators are attention, matmul"):
+    jm.programs.find_operator("conv")
+  with pytest.raises(jm.ProgramError, match="default 0 must be at least 1"):
+    jm.programs.Param(name="n", default=0, minimum=1, help="n")
+  with pytest.raises(jm.ProgramError, match="needs its kind"):
+    jm.programs.Param(name="n", default=None, help="n")
+  with pytest.raises(jm.ProgramError, match="declares parameters \\['n'\\] twice"):
+    n = jm.programs.Param(name="n", default=1, help="n")
+    jm.programs.Operator(name="op", summary="", params=(n, n), build=dict)

@@ -22,12 +22,20 @@ ATTENTION = {
 }
 
 
-def _check_grads(schedule, tol=None):
-  prog = schedule.program
+def _grad_case(prog):
+  """Fresh inputs, a random cotangent and the reference's gradients (one jitted program): shared by the schedules of
+  ``prog`` a test checks."""
   xs = prog.random_inputs(fresh_key())
   cot = jax.random.normal(fresh_key(), prog.writes.shape).astype(prog.writes.dtype)
   args = tuple(range(len(xs)))
-  want = jax.grad(lambda *a: jnp.sum(prog.reference(*a).astype(jnp.float32) * cot), argnums=args)(*xs)
+  want = jax.jit(jax.grad(lambda *a: jnp.sum(prog.reference(*a).astype(jnp.float32) * cot), argnums=args))(*xs)
+  return xs, cot, want
+
+
+def _check_grads(schedule, tol=None, case=None):
+  prog = schedule.program
+  xs, cot, want = case or _grad_case(prog)
+  args = tuple(range(len(xs)))
   f = schedule.compile()
   got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), argnums=args))(*xs)
   for buf, g, w in zip(prog.reads, got, want):
@@ -36,28 +44,31 @@ def _check_grads(schedule, tol=None):
     assert err < (tol or tolerance(prog.writes.dtype)), f"d{buf.name}: rel err {err:.2e}\n{schedule}"
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", sorted(ATTENTION))
-@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+# Pairwise, not the full product: every config with and without the causal mask, and each of them on each mesh.
+@pytest.mark.parametrize("mesh_name,config,causal", [("8", "mha", False), ("2x4", "mha", True), ("2x4", "gqa", False),
+                                                     ("8", "gqa", True), ("8", "mqa", False), ("2x4", "mqa", True)])
 def test_attention_library_gradients(mesh_name, config, causal):
   prog = jm.programs.attention(**ATTENTION[config], causal=causal)
+  case = _grad_case(prog)
   for schedule in jm.library(prog, make_mesh(mesh_name)).values():
-    _check_grads(schedule)
+    _check_grads(schedule, case=case)
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "4x2"])
 def test_matmul_library_gradients(mesh_name):
   prog = jm.programs.matmul(32, 24, 40)
+  case = _grad_case(prog)
   for schedule in jm.library(prog, make_mesh(mesh_name)).values():
-    _check_grads(schedule)
+    _check_grads(schedule, case=case)
 
 
 def test_bf16_matmul_gradients_are_bf16_gemms():
   """The backward GEMMs take bf16 operands (float32 accumulation), not operands upcast to float32."""
   prog = jm.programs.matmul(64, 48, 32, dtype=jnp.bfloat16)
-  xs = prog.random_inputs(fresh_key())
+  case = _grad_case(prog)
+  xs = case[0]
   for name, schedule in jm.library(prog, make_mesh("8")).items():
-    _check_grads(schedule, tol=2e-2)
+    _check_grads(schedule, tol=2e-2, case=case)
     f = schedule.compile()
     text = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b).astype(jnp.float32)), argnums=(0, 1))).lower(*xs).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
@@ -71,8 +82,9 @@ def test_tuner_candidate_gradients(program):
   prog = (jm.programs.attention(1, 4, 2, 32, 32, 8, causal=True) if program == "attention"
           else jm.programs.matmul(32, 16, 24))
   space = enumerate_schedules(prog, make_mesh("2x4"))
+  case = _grad_case(prog)
   for schedule in random.Random(program).sample(space, 6):
-    _check_grads(schedule)
+    _check_grads(schedule, case=case)
 
 
 def test_bf16_ring_gradients():
@@ -153,8 +165,8 @@ def test_head_parallel_backward_is_one_fused_call(causal):
     assert collective not in text, collective
 
 
-@pytest.mark.parametrize("axis_type,inside", [(AxisType.Explicit, True), (AxisType.Auto, False)])
-def test_the_head_parallel_strategy_moves_nothing_and_trains_in_one_backward_call(axis_type, inside):
+@pytest.mark.parametrize("axis_type,inside,causal", [(AxisType.Explicit, True, True), (AxisType.Auto, False, False)])
+def test_the_head_parallel_strategy_moves_nothing_and_trains_in_one_backward_call(axis_type, inside, causal):
   """``head_parallel`` splits the kv heads over every level, at a length the mesh does not divide: no collective
   forward or backward for inputs in its layouts, the backward one call per device, the gradients right; where the
   kv heads do not divide over the devices it is not offered."""
@@ -166,17 +178,18 @@ def test_the_head_parallel_strategy_moves_nothing_and_trains_in_one_backward_cal
   both = ("node", "gpu")
   heads = P(None, None, both, None)
   assert "head_parallel" not in jm.library(jm.programs.attention(1, 16, 2, 36, 36, 8), mesh)
-  for prog in (jm.programs.attention(1, 16, 8, 36, 36, 8, causal=True), jm.programs.attention(2, 8, 8, 36, 36, 8)):
-    with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
-      schedule = jm.library(prog, mesh)["head_parallel"]
-      assert [schedule.plan().user_spec(b) for b in ("q", "k", "v", "o")] == [heads] * 4
-      assert local_reason(schedule) is None and "communication: none" in str(schedule)
-      _check_grads(schedule)
-      xs = [jax.device_put(x, NamedSharding(mesh, heads)) for x in prog.random_inputs(fresh_key())]
-      f = schedule.compile()
-      text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))).lower(*xs).as_text()
-      for collective in ("all_to_all", "collective_permute", "all_gather", "reduce_scatter", "all_reduce"):
-        assert collective not in text, collective
+  # each program under one axis type, inside jax.set_mesh or not: pairwise
+  prog = jm.programs.attention(1, 16, 8, 36, 36, 8, causal=True) if causal else jm.programs.attention(2, 8, 8, 36, 36, 8)
+  with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+    schedule = jm.library(prog, mesh)["head_parallel"]
+    assert [schedule.plan().user_spec(b) for b in ("q", "k", "v", "o")] == [heads] * 4
+    assert local_reason(schedule) is None and "communication: none" in str(schedule)
+    _check_grads(schedule)
+    xs = [jax.device_put(x, NamedSharding(mesh, heads)) for x in prog.random_inputs(fresh_key())]
+    f = schedule.compile()
+    text = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))).lower(*xs).as_text()
+    for collective in ("all_to_all", "collective_permute", "all_gather", "reduce_scatter", "all_reduce"):
+      assert collective not in text, collective
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ring_zigzag", "context_parallel", "tree"])
@@ -264,4 +277,4 @@ def test_a_ring_backward_computes_each_block_pair_once_and_moves_keys_once(strat
   assert calls == {"dq": steps, "dkv": steps, "joint": steps}, calls
   # the dq program's own ring of keys and values (and, zigzag, its own reordering of the six inputs)
   assert apart - joint == 2 * 7 if strategy == "ring" else apart - joint > 2 * 7
-  _check_grads(schedule)
+  # its gradients: test_attention_library_gradients

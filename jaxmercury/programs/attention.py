@@ -1,5 +1,6 @@
 """Multi-head attention (MHA, GQA, MQA) with the log-sum-exp merge over keys."""
 
+import dataclasses
 import functools
 import math
 
@@ -12,6 +13,7 @@ from jaxmercury.ir.dsl import Axis, grid, match_buffer
 from jaxmercury.ir.reductions import LogSumExp
 from jaxmercury.programs import packing
 from jaxmercury.programs.masks import KV_SEGMENTS, MASK, Q_SEGMENTS, AttentionMask
+from jaxmercury.programs.operator import DTYPE, Operator, Param
 
 
 def attention_block(ctx, q, k, v, *extras, causal: bool = False, mask: AttentionMask | None = None):
@@ -159,3 +161,19 @@ def attention(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, he
               flops=4.0 * batch * heads * q_len * kv_len * head_dim * mask.kept_share(q_len, kv_len),
               workspace=_workspace(mask), statement=statement,
               sample=sample)
+
+
+def _self_attention(*, batch, heads, kv_heads, seq_len, head_dim, causal, dtype):
+  return attention(batch, heads, kv_heads, seq_len, seq_len, head_dim, causal=causal, dtype=dtype)
+
+
+OPERATOR = Operator(
+    name="attention", summary="self-attention: MHA, GQA (fewer key/value heads) or MQA (one)",
+    build=_self_attention, params=(
+        Param(name="batch", default=1, minimum=1, help="batch"),
+        Param(name="heads", default=8, minimum=1, help="query heads"),
+        Param(name="kv_heads", default=8, minimum=1, help="key/value heads (GQA when fewer, MQA at 1)"),
+        Param(name="seq_len", default=256, minimum=1, help="query and key length"),
+        Param(name="head_dim", default=32, minimum=1, help="head dimension"),
+        Param(name="causal", default=False, help="causal mask"),
+        dataclasses.replace(DTYPE, help="element type (cuDNN attention needs a 16-bit type)")))

@@ -45,7 +45,7 @@ Q_SEGMENTS, KV_SEGMENTS, MASK = "q_segment_ids", "kv_segment_ids", "mask"
 MASK_AXES = ("b", "h", "i", "j")  # a mask array's possible axes, in order (h: query heads, hk * g)
 SCORE_AXES = ("b", "hk", "g", "i", "j")  # its canonical axes (h split into kv head and group)
 KINDS = ("causal", "window", "segment_ids", "mask")
-_PAD_QUERY = np.iinfo(np.int32).min  # the segment id of a query past query_seq_lengths: no key has it
+PAD_QUERY_SEGMENT = np.iinfo(np.int32).min  # the segment id of a query past query_seq_lengths: no key has it
 _PAD_KEY = np.iinfo(np.int32).min + 1  # the segment id of a key past key_value_seq_lengths
 
 
@@ -224,7 +224,7 @@ class AttentionMask:
     s = key.shape[1]
     out = []
     if self.segment_ids:
-      out += [_segments(q_segment_ids, query_seq_lengths, b, t, _PAD_QUERY),
+      out += [_segments(q_segment_ids, query_seq_lengths, b, t, PAD_QUERY_SEGMENT),
               _segments(kv_segment_ids, key_value_seq_lengths, b, s, _PAD_KEY)]
     if self.mask_axes is not None:
       dims, _ = _mask_dims(mask, mask_axes, query, key)

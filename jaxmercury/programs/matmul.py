@@ -6,6 +6,7 @@ import numpy as np
 
 from jaxmercury.ir.dsl import Axis, grid, match_buffer
 from jaxmercury.ir.reductions import Sum
+from jaxmercury.programs.operator import DTYPE, Operator, Param
 
 
 @jax.custom_vjp
@@ -53,3 +54,10 @@ def matmul(m: int, n: int, k: int, dtype=jnp.float32):
               reduction=Sum(), name="matmul", pattern="matmul",
               statement="C[m, n] += A[m, k] * B[k, n]",
               params=dict(m=m, n=n, k=k, dtype=str(np.dtype(dtype))))
+
+
+OPERATOR = Operator(name="matmul", summary="a GEMM, C = A @ B", build=matmul, params=(
+    Param(name="m", default=512, minimum=1, help="rows of A and C"),
+    Param(name="n", default=256, minimum=1, help="columns of B and C"),
+    Param(name="k", default=512, minimum=1, help="the reduction length"),
+    DTYPE))

@@ -36,6 +36,7 @@ from jaxmercury.errors import ProgramError
 from jaxmercury.ir.dsl import Axis, grid, match_buffer
 from jaxmercury.ir.reductions import Sum
 from jaxmercury.ir.routing import Routing
+from jaxmercury.programs.operator import DTYPE, Operator, Param
 
 
 def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float | None) -> int | None:
@@ -193,3 +194,17 @@ def moe(tokens: int, d_model: int, d_ff: int, experts: int, top_k: int, *, capac
               flops=2.0 * tokens * d_model * experts + 6.0 * tokens * top_k * d_model * d_ff,
               workspace=_workspace(np.dtype(dtype).itemsize),
               statement=f"y[t] += g[t, e] * ffn_e(x[t]), e in top-{top_k}(x[t] . router)")
+
+
+OPERATOR = Operator(
+    name="moe", summary="a mixture-of-experts layer: SwiGLU experts, each token summed over its router's top-k",
+    build=moe, params=(
+        Param(name="tokens", default=512, minimum=1, help="tokens (batch times sequence)"),
+        Param(name="d_model", default=64, minimum=1, help="model width"),
+        Param(name="d_ff", default=128, minimum=1, help="each expert's hidden width"),
+        Param(name="experts", default=8, minimum=1, help="experts"),
+        Param(name="top_k", default=2, minimum=1, help="experts each token is routed to (1 to experts)"),
+        Param(name="capacity_factor", default=None, kind=float,
+              help="each expert keeps at most capacity_factor * tokens * top_k / experts assignments (default: "
+                   "dropless)"),
+        DTYPE))

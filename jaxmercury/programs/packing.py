@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmercury.programs.masks import _PAD_QUERY, KV_SEGMENTS, Q_SEGMENTS
+from jaxmercury.programs.masks import KV_SEGMENTS, PAD_QUERY_SEGMENT, Q_SEGMENTS
 
 SHORTEST, LONGEST = 64, 4  # random_packing's document lengths: row length / 64 to row length / 4
 
@@ -72,7 +72,7 @@ def keeps(xp, q_ids, q_pos, q_real, k_ids, k_pos, k_real, band):
     k_ids, k_pos, k_real: the keys'.
     band: ``(lo, hi)``: pairs ``lo <= query - key <= hi`` are kept (None: unbounded).
   """
-  q_ids = xp.where(q_real, q_ids, _PAD_QUERY)  # an id no key has
+  q_ids = xp.where(q_real, q_ids, PAD_QUERY_SEGMENT)  # an id no key has
   order = xp.lexsort((q_pos, q_ids))
   ids, pos = q_ids[order], q_pos[order]
   search = np.searchsorted if xp is np else functools.partial(jnp.searchsorted, method="scan_unrolled")  # no loop
