@@ -18,7 +18,7 @@ from jax._src.cudnn.fused_attention_stablehlo import (
   _normalize_layout,
   combine_bias_and_mask,
 )
-from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: F401
+from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 from jax.experimental.pallas.ops.gpu import attention_mgpu
 
 

@@ -41,7 +41,7 @@ padding ids (positions no key matches) may repeat.
 
 cuDNN's packed layout needs a Hopper (compute capability 9.0) or newer GPU,
 bf16 or fp16, head dimension at most 256 and a multiple of 8
-(``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``).
+(JAX's private cuDNN module, reached through ``_compat``, checks them).
 The cuDNN calls are module functions (``_packed``, ``_packed_backward``, in
 JAX's packed layout) so that tests on CPU can stand them in with XLA.
 """
@@ -64,11 +64,10 @@ from jaxmercury.kernels.config import param
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.kernels.work import Block, Work, body_share
 from jaxmercury.programs.attention_backward import dq_dkv_block
-from jaxmercury.programs.masks import mask_of
+from jaxmercury.programs.masks import PAD_QUERY_SEGMENT, mask_of
 
 NAME = "cudnn_packed"
 HALF = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
-_NO_KEY = np.iinfo(np.int32).min  # the id of a padded query: no key has it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,7 +206,7 @@ def packed_attention_block(ctx, q, k, v, q_ids, kv_ids, *, mask, config: PackedC
   """One attention block (``attention_block``'s contract) through cuDNN's packed layout."""
   if not causal_blocks.takes_whole(ctx, backward=False):
     return fallback(ctx, q, k, v, q_ids, kv_ids)  # padded keys, or a block spanning zigzag chunks
-  q_ids = jnp.where(ctx.valid("i")[None, :], q_ids, _NO_KEY)  # padded queries keep nothing
+  q_ids = jnp.where(ctx.valid("i")[None, :], q_ids, PAD_QUERY_SEGMENT)  # padded queries keep nothing
   run = lambda causal, window: lambda *x: packed_forward(*x, q_ids, kv_ids, causal=causal, window=window,
                                                          m=config.max_documents)
   return dispatch(ctx, mask, (q, k, v), run=run, empty=causal_blocks.empty_state,
@@ -320,5 +319,5 @@ CUDNN_PACKED = Kernel(
     masks=frozenset({"causal", "window", "segment_ids"}), mask_problem=_mask_problem,
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, own=True),
     unverified="not yet run on a GPU (tests/gpu/test_cudnn_packed.py, gpu_checks.sh stage tests-cudnn-packed)",
-    description="cuDNN's packed flash attention (jax._src): segment ids as segments, only their pairs computed; "
-                "causal within documents, a causal window (left, 0) on the diagonal")
+    description="cuDNN's packed flash attention (JAX's private cuDNN module): segment ids as segments, only their "
+                "pairs computed; causal within documents, a causal window (left, 0) on the diagonal")
