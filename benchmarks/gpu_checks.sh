@@ -21,6 +21,8 @@
 #                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
 #   tests-packed     packed rows on cuDNN blocks: the rings that skip steps by segment ids, the balanced ring; our
 #                    ws kernels reading segment ids on one GPU (forward, backward, ws_attention training)
+#   tests-cudnn-packed  kernel cudnn_packed (cuDNN's packed layout, Hopper): a block's output and log-sum-exp, whole
+#                    rows on one GPU and the ring, forward and gradients, B1 H8 KV2 D128 S 8K packed rows
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
 #   gemm             the GEMM suite: Llama-3 8B and 70B layers at M 8K and 32K (XLA's windowed einsum in a child)
 #   fused-gemm       the fused GEMM kernels against the unfused programs and JAX's kernel
@@ -39,10 +41,11 @@
 #                    skipping by segment ids, against Ulysses with the dense packed mask, B1 H32 KV8 D128 S 32K 128K,
 #                    uniform and long-tailed documents (benchmarks.packed); -training: training steps at S32K;
 #                    -tuned: with the tuner's winner too, S32K
-#   packed-1gpu      one GPU: packed rows on ws_attention (our kernels reading the segment ids) and on cuDNN with the
-#                    packed mask as a bias, against jax.nn.dot_product_attention (cuDNN) with the dense mask and cuDNN
-#                    causal over the whole row, B1 H32 KV8 D128 S 32K 128K, uniform and long-tailed documents and a
-#                    row of one document; -training: training steps at S32K (uniform, one document)
+#   packed-1gpu      one GPU: packed rows on ws_attention (our kernels reading the segment ids), cuDNN's packed layout
+#                    (cudnn_packed) and cuDNN with the packed mask as a bias, and jm.ops.attention untuned, against
+#                    jax.nn.dot_product_attention (cuDNN) with the dense mask and cuDNN causal over the whole row, B1
+#                    H32 KV8 D128 S 32K 128K, uniform and long-tailed documents and a row of one document; -training:
+#                    training steps at S32K (uniform, one document)
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
@@ -121,6 +124,7 @@ for stage in "$@"; do
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
     tests-packed) tests "$stage" 540 tests/gpu/test_packed_gpu.py ;;
+    tests-cudnn-packed) tests "$stage" 300 tests/gpu/test_cudnn_packed.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;
     fused-gemm) suite "$stage" 570 --suite fused --ops gemm ;;
@@ -147,7 +151,7 @@ for stage in "$@"; do
       args=(--seqs 32K 128K --mixes uniform long_tailed one)
       [ $stage = packed-1gpu-training ] && args=(--seqs 32K --training --mixes uniform one)
       timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" --mesh 1 \
-        --kernels ws_attention cudnn_attention --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
+        --kernels ws_attention cudnn_packed cudnn_attention --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
         > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;

@@ -2,7 +2,7 @@
 user runs.
 
     python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed one] [--training]
-    python -m benchmarks.packed --out packed-1gpu.json --mesh 1 --kernels ws_attention   # one GPU: the kernels
+    python -m benchmarks.packed --out packed-1gpu.json --mesh 1 --kernels ws_attention cudnn_packed  # one GPU
 
 Each case is one batch of rows (B1 H32 KV8 D128 bf16 by default) packed with documents, causal within them, split
 along the sequence over every GPU (the callers' layout, ``P(None, "gpu")``): ``uniform`` rows of documents of
@@ -19,8 +19,13 @@ the same inputs, timed in interleaved rounds (``benchmarks.harness``):
 * ``tuned`` (with ``--tune``): ``jm.autotune``'s winner, tuned on random packings.
 * ``local_<kernel>`` (with ``--kernels``, one device: ``--mesh 1``): the whole row on one local kernel
   (``ws_attention``: our warp-specialized kernels reading the segment ids, skipping the tiles no document spans;
-  ``cudnn_attention``: cuDNN with the packed mask as a bias). On one device the library's rings do not apply and
-  ``ulysses_dense`` is ``jax.nn.dot_product_attention`` with the dense mask on the whole row.
+  ``cudnn_attention``: cuDNN with the packed mask as a bias; ``cudnn_packed``: cuDNN's packed layout, documents as
+  offsets and lengths). On one device the library's rings do not apply, ``ulysses_dense`` is
+  ``jax.nn.dot_product_attention`` with the dense mask on the whole row, and ``jaxmercury_untuned`` is
+  ``jm.ops.attention`` with the segment ids on a fresh database.
+
+Each contestant's record carries its speed-up over ``ulysses_dense`` and, on the forward, its rate on the kept pairs
+as a share of cuDNN's causal rate over the whole row (``with_ratios``).
 
 Each case also records the time of the same rows' attention without documents (Ulysses and cuDNN causal over
 the whole row, on one device cuDNN causal alone: the work packing saves), the kept pairs as a share of the causal
@@ -35,6 +40,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -120,6 +126,31 @@ def local_contestant(prog, mesh, kernel: str) -> harness.Contestant:
   return harness.Contestant(name, "jaxmercury", lambda: schedule.compile(), label, record={"kernel": kernel})
 
 
+def untuned_contestant(mesh) -> harness.Contestant:
+  """``jm.ops.attention`` with the segment ids on a fresh database: what a user's untuned call runs."""
+  database = jm.Database(os.path.join(tempfile.mkdtemp(), "untuned.db"))
+  call = jax.jit(lambda q, k, v, a, c: jm.ops.attention(q, k, v, mesh=mesh, causal=True, q_segment_ids=a,
+                                                         kv_segment_ids=c, database=database))
+  return harness.Contestant("jaxmercury_untuned", "jaxmercury", lambda: call,
+                            "jm.ops.attention with segment ids, untuned (a fresh database)")
+
+
+def with_ratios(case: dict) -> dict:
+  """Per timed contestant: its speed-up over the dense-mask call (``ulysses_dense``) and, where the unpacked causal
+  time was measured, its rate on the kept pairs as a share of cuDNN's causal rate over the whole row (the causal
+  time times the kept fraction, over its time)."""
+  times = {r["name"]: r["median_ms"] for r in case["contestants"] if "median_ms" in r}
+  for r in case["contestants"]:
+    if "median_ms" not in r:
+      continue
+    if "ulysses_dense" in times:
+      r["ratio_to_dense_mask"] = round(times["ulysses_dense"] / r["median_ms"], 3)
+    if "unpacked_causal_ms" in case:
+      r["kept_rate_of_causal_rate"] = round(case["unpacked_causal_ms"] * case["kept_fraction_of_causal"]
+                                            / r["median_ms"], 3)
+  return case
+
+
 def trained(fn):
   """``step(q, k, v, seg, cotangent) -> (o, dq, dk, dv)``: ``fn``'s forward and pullback, jitted."""
   def step(q, k, v, seg, cotangent):
@@ -161,6 +192,8 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
     contestants.append(harness.Contestant(name, "jaxmercury", lambda s=schedule: s.compile(),
                                           f"jaxmercury {name}", record={"strategy": name, **runs.get(name, {})}))
   contestants += [local_contestant(prog, mesh, kernel) for kernel in args.kernels]
+  if mesh.size == 1:
+    contestants.append(untuned_contestant(mesh))
   inputs = (q, k, v, ids, ids)
   if args.training:
     cot = harness.random_array(keys[3], (b, s, h, d), dtype, spec)
@@ -180,7 +213,7 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   if not args.training and time.time() < deadline:  # the same rows without documents: the work packing saves
     whole = baselines.ulysses(mesh, ("gpu",), causal=True, impl=impl, heads=h, kv_heads=kv)
     case["unpacked_causal_ms"] = harness.time_call(whole, (q, k, v), iters=args.iters)
-  return harness.finish(case, records, ref)
+  return with_ratios(harness.finish(case, records, ref))
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_matches
 
 import jaxmercury as jm
-from benchmarks import cases, clocks, harness, kernel_trace, operators, run, ws_local
+from benchmarks import cases, clocks, harness, kernel_trace, operators, packed, run, ws_local
 from jaxmercury.kernels import registry
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.autotuner import lowering_variants
@@ -460,3 +460,22 @@ def test_kernel_trace_reads_kernels_by_call():
   assert both[("ws {a:b}", 0)]["kernels"] == [("fwd", 10, 30), ("bwd", 30, 50), ("peer", 20, 70)]
   assert kernel_trace.gpu_lines({"traceEvents": events}) == [
       "/device:GPU:0: Stream #14(Compute)", "/device:GPU:0: XLA Ops", "/device:GPU:1: Stream #14(Compute)"]
+
+
+def test_packed_one_gpu_smoke(tmp_path):
+  """``benchmarks.packed --mesh 1``: the dense-mask call is the reference and the baseline, the untuned call agrees
+  with it; ratios to the dense mask and the kept pairs' rate from the records; kernel cudnn_packed skipped on the
+  CPU with its reason."""
+  out = tmp_path / "one.json"
+  packed.main(["--smoke", "--mesh", "1", "--kernels", "cudnn_packed", "--mixes", "uniform", "--out", str(out)])
+  results = json.loads(out.read_text())
+  assert results["command"].startswith("python -m benchmarks.packed --smoke --mesh 1")
+  (case,) = results["cases"]
+  rec = {r["name"]: r for r in case["contestants"]}
+  assert case["reference"] == case["best_baseline"] == "ulysses_dense" and 0 < case["kept_fraction_of_causal"] < 1
+  assert rec["jaxmercury_untuned"]["numerics_ok"]
+  dense, untuned = rec["ulysses_dense"]["median_ms"], rec["jaxmercury_untuned"]
+  assert untuned["ratio_to_dense_mask"] == pytest.approx(dense / untuned["median_ms"], rel=1e-2)
+  assert untuned["kept_rate_of_causal_rate"] == pytest.approx(
+      case["unpacked_causal_ms"] * case["kept_fraction_of_causal"] / untuned["median_ms"], rel=1e-2)
+  assert "skipped" in rec["local_cudnn_packed"]

@@ -26,6 +26,7 @@ from jaxmercury.kernels.work import Block, Work
 # Local kernels, in the order the tuner tries them.
 register(xla.XLA)
 register(attention.cudnn.CUDNN_ATTENTION)
+register(attention.cudnn_packed.CUDNN_PACKED)
 register(attention.pallas.PALLAS_ATTENTION)
 register(attention.triton.TRITON_ATTENTION)
 register(attention.mosaic.MOSAIC_ATTENTION)

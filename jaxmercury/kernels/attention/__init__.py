@@ -1,6 +1,7 @@
 """Attention kernels, one module each (registry names in brackets):
 
 - ``cudnn``: cuDNN's flash attention on blocks, every mask of ``programs.masks`` (``cudnn_attention``);
+- ``cudnn_packed``: cuDNN's packed layout, segment ids as segments, only their pairs computed (``cudnn_packed``);
 - ``pallas``: flash attention written in portable Pallas, Triton backend or interpret mode (``pallas_attention``);
 - ``triton``: the same forward written in Triton, through jax-triton (``triton_attention``);
 - ``mosaic``: JAX's Mosaic GPU FlashAttention-3 kernels, ``attention_mgpu`` (``mosaic_attention``);
@@ -12,4 +13,4 @@
 - ``causal_blocks``: how a local kernel takes a causal block at traced offsets.
 """
 
-from jaxmercury.kernels.attention import cudnn, mosaic, pallas, ring, triton, ws, ws_forward  # noqa: F401  (registered)
+from jaxmercury.kernels.attention import cudnn, cudnn_packed, mosaic, pallas, ring, triton, ws, ws_forward  # noqa: F401  (registered)
