@@ -151,7 +151,8 @@ for stage in "$@"; do
       args=(--seqs 32K 128K --mixes uniform long_tailed one)
       [ $stage = packed-1gpu-training ] && args=(--seqs 32K --training --mixes uniform one)
       timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" --mesh 1 \
-        --kernels ws_attention cudnn_packed cudnn_attention --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
+        --kernels ws_attention cudnn_packed cudnn_attention --dense_limit $((32 << 30)) \
+        --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
         > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;

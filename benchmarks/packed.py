@@ -98,6 +98,17 @@ def ulysses_dense(mesh, heads: int, kv_heads: int, impl: str):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False))
 
 
+def dense_call(mesh, heads: int, kv_heads: int, impl: str):
+  """``f(q, k, v, seg, _) -> o`` with the dense packed mask: Ulysses over the mesh, or on one device the call
+  itself (what a user writes there)."""
+  if mesh.size == 1:
+    call = jax.jit(lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, mask=dense_mask(seg),
+                                                                     implementation=impl))
+  else:
+    call = ulysses_dense(mesh, heads, kv_heads, impl)
+  return lambda q, k, v, a, _: call(q, k, v, a)
+
+
 def schedule_of(prog, mesh, name: str, tune: bool):
   """A library strategy of ``prog`` on the preferred local kernel, or (``"tuned"``) the tuner's winner.
 
@@ -175,8 +186,9 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   runs, contestants = {}, []
   dense_bytes = b * s * s
   contestants.append(harness.Contestant(
-      "ulysses_dense", "baseline", lambda: (lambda q, k, v, a, _: ulysses_dense(mesh, h, kv, impl)(q, k, v, a)),
-      "Ulysses, jax.nn.dot_product_attention with the dense packed mask",
+      "ulysses_dense", "baseline", lambda: dense_call(mesh, h, kv, impl),
+      "Ulysses, jax.nn.dot_product_attention with the dense packed mask" if mesh.size > 1 else
+      "jax.nn.dot_product_attention with the dense packed mask",
       skip=None if dense_bytes <= args.dense_limit else f"the dense mask ({dense_bytes / 2**30:.0f} GiB) is over "
       f"--dense_limit"))
   schedules = SCHEDULES if mesh.size > 1 else ()  # one device: the whole row, no ring

@@ -8,8 +8,9 @@ whole arrays with the program's own shapes and dtypes.
 
 - matmul: ``jnp.dot(a, b, preferred_element_type=<the output's dtype>)``;
 - attention: ``jax.nn.dot_product_attention``, with cuDNN on GPUs for
-  half-precision inputs (causal masks and causal windows), with XLA otherwise
-  (a window, segment ids or a mask array passed as one boolean mask);
+  half-precision inputs (causal masks and causal windows as cuDNN's own
+  options; segment ids, mask arrays and other windows as one dense boolean
+  mask, as a user passes them), with XLA otherwise (the mask likewise);
 - moe: ``programs.moe.einsum_dispatch`` (capacity-based one-hot dispatch and combine einsums, as Flax's and
   MaxText's MoE layers write it) where its dispatch tensor fits 1 GiB, and the program's dense reference;
 - any other program: its ``reference`` (the loop nest run whole).
@@ -74,7 +75,7 @@ def _dot(program):
 def _attention(implementation: str):
   def make(program):
     mask = mask_of(program.params)
-    if implementation == CUDNN or mask.kinds <= {"causal"}:
+    if not mask.data and (implementation == CUDNN or mask.kinds <= {"causal"}):
       return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal,
                                                           local_window_size=mask.window,
                                                           implementation=implementation)
@@ -94,9 +95,7 @@ def _cudnn_why_not(program, platform: str) -> str | None:
   if program.writes.dtype not in HALF:
     return f"cuDNN attention takes bfloat16 or float16, not {program.writes.dtype}"
   mask = mask_of(program.params)
-  if mask.data:
-    return f"the plain cuDNN attention here takes causal masks and windows, not {mask.describe()}"
-  if mask.window is not None and not (mask.causal and mask.window[1] == 0):
+  if not mask.data and mask.window is not None and not (mask.causal and mask.window[1] == 0):
     return f"cuDNN's sliding window is causal (a window (left, 0) with causal), not {mask.describe()}"
   return None
 
@@ -115,6 +114,9 @@ def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
   Before / after (a sequence split, 8 kv heads, mesh ``x=2``)::
 
     q [b, i@x, h, d], k, v [b, j@x, hk, d]   ->   q [b, i, h@x, d], k, v [b, j, hk@x, d]
+
+  A data mask's inputs (segment ids, a mask array) are split over the batch levels alone: the dense mask built
+  from them is whole along both sequences, as cuDNN's partitioner takes it.
   """
   q, k, v = (tuple(spec) + (None,) * (4 - len(spec)) for spec in specs[:3])
   batch = spec_levels(q[0]) if q[0] == k[0] == v[0] else ()
@@ -128,7 +130,8 @@ def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
   elif moved and b % split(batch + moved) == 0:
     batch += moved
   spec = PartitionSpec(_entry(batch), None, _entry(heads), None)
-  return (spec,) * 3 + tuple(specs[3:])
+  extras = [PartitionSpec(_entry(batch), *(None,) * (len(b.dims) - 1)) for b in program.reads[3:]]
+  return (spec,) * 3 + tuple(extras)
 
 
 def _xla_attention_why_not(program, platform: str) -> str | None:

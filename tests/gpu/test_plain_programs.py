@@ -69,3 +69,19 @@ def test_untuned_fsdp_block_has_the_plain_blocks_collectives(tmp_path):
       texts.append(jax.jit(jax.value_and_grad(loss)).lower(state, x).compile().as_text())
   plain, routed = (compiled_collectives(t) for t in texts)
   assert all(n <= plain.get(kind, 0) for kind, n in routed.items()), (routed, plain)
+
+
+@pytest.mark.parametrize("mask", ["segment_ids", "mask"])
+def test_cudnn_attention_with_a_data_mask_split_by_sequence(mask):
+  """cuDNN's attention with segment ids or a mask array as one dense boolean mask (what a user passes), bf16,
+  sequence-split callers: the plain program a packed call runs untuned, forward and training step."""
+  mesh = _explicit_mesh()
+  n = len(jax.devices())
+  prog = jm.programs.attention(1, 4 * n, n, 1024 * n, 1024 * n, 64, causal=True, dtype=jnp.bfloat16, **{mask: True})
+  seq = P(None, "x", None, None)
+  extras = (P(None, "x"),) * 2 if mask == "segment_ids" else (P(None, "x", None),)
+  plains = plain_programs(prog, mesh, (seq,) * 3 + extras, seq)
+  assert plains[0].plain.implementation == "cudnn"
+  for training in (False, True):
+    result = _measured(plains[0], training)
+    assert result.status == measure.OK, (training, result.reason)

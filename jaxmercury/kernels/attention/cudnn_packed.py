@@ -318,6 +318,5 @@ CUDNN_PACKED = Kernel(
     platforms=frozenset({"gpu"}), supports=_device_problem, work=packed_work, workspace=_workspace,
     masks=frozenset({"causal", "window", "segment_ids"}), mask_problem=_mask_problem,
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, own=True),
-    unverified="not yet run on a GPU (tests/gpu/test_cudnn_packed.py, gpu_checks.sh stage tests-cudnn-packed)",
     description="cuDNN's packed flash attention (JAX's private cuDNN module): segment ids as segments, only their "
                 "pairs computed; causal within documents, a causal window (left, 0) on the diagonal")
