@@ -178,3 +178,17 @@ def test_as_written_leaves_unknown_layouts_to_xla(kind):
   _check(given, (ROWS, COLS), inside=False)
   again = jm.tuner.plain.runnable_from_json(GEMM, mesh, free.to_json())
   assert again.in_shardings == (None, None) and again.to_json() == free.to_json()
+
+
+def test_a_training_step_with_segment_ids_is_checked_without_their_gradients():
+  """A plain training step of packed attention: the segment ids' gradients (``float0``, no values) are left out of
+  the check, the rest compared with the reference."""
+  from jaxmercury.tuner.reference import trial  # the tuner's own trial inputs, as a tune checks a candidate
+  mesh = _mesh("explicit")
+  prog = jm.programs.attention(1, 8, 8, 256, 256, 16, causal=True, segment_ids=True)
+  seq = P(None, "x", None, None)
+  (plain,) = plain_programs(prog, mesh, (seq,) * 3 + (P(None, "x"),) * 2, seq)
+  inputs, cot, ref = trial(prog, int(jax.random.randint(fresh_key(), (), 0, 2 ** 30)), jax.devices()[0],
+                           training=True)
+  result = measure.measure(plain, inputs, ref, iters=2, cotangent=cot)
+  assert result.status == measure.OK, result.reason
