@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jaxmercury as jm
 from jaxmercury.tuner import measure
 from jaxmercury.tuner.plain import as_written, plain_programs
+from jaxmercury.tuner.reference import trial
 
 KINDS = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 _MESHES = {}
@@ -183,7 +184,6 @@ def test_as_written_leaves_unknown_layouts_to_xla(kind):
 def test_a_training_step_with_segment_ids_is_checked_without_their_gradients():
   """A plain training step of packed attention: the segment ids' gradients (``float0``, no values) are left out of
   the check, the rest compared with the reference."""
-  from jaxmercury.tuner.reference import trial  # the tuner's own trial inputs, as a tune checks a candidate
   mesh = _mesh("explicit")
   prog = jm.programs.attention(1, 8, 8, 256, 256, 16, causal=True, segment_ids=True)
   seq = P(None, "x", None, None)
