@@ -51,6 +51,11 @@ HEADLINES = (
     ("MoE layer (Mixtral-8x7B) against an einsum dispatch", "2026-11-25-moe_layer-H200.json"),
     ("the same, training step", "2026-11-25-moe_layer_training-H200.json"),
     ("its grouped GEMMs against a padded einsum", "2026-11-25-moe_grouped_gemm-H200.json"),
+    ("rows of 1-31 documents (segment ids) against cuDNN with the dense mask, S 32K-128K",
+     "2026-11-29-packed_one_gpu-12fcb52-H200.json"),
+    ("the same, training step S32K", "2026-11-29-packed_one_gpu_training-12fcb52-H200.json"),
+    ("tuner: seconds to decide (the model's with calibration), tuned against plain",
+     "2026-11-29-tune_speed-12fcb52-H200.json"),
 )
 
 
@@ -114,9 +119,25 @@ def tune_cli(data: dict) -> str:
   return f"winner {w['name']}: {w['time_ms']:.3f} ms ({data.get('objective', 'forward')})"
 
 
+def tune_marks(data: dict) -> str:
+  """A ``benchmarks.tune_speed`` file: each case's seconds (a mark it missed named) and the tuned programs' span
+  against the plain ones."""
+  seconds, ratios = [], []
+  for case in data["cases"]:
+    for mark in case.get("marks", []):
+      if mark["what"].startswith("ratio_to_plain"):
+        ratios.append(mark["value"])
+        continue
+      missed = "" if mark["met"] else f" (mark {mark['at_most']:g} s: missed)"
+      seconds.append(f"{case['op']} {mark['value']:.1f} s{missed}")
+  return ", ".join(seconds) + (f"; {_span(ratios)} of the plain program" if ratios else "")
+
+
 def headline(data: dict, versus: str = " of the best baseline") -> str | None:
   """The file's headline, by its format (``versus`` follows a ratio to the best baseline); None for a format
   without one."""
+  if data.get("suite") == "tune_speed":
+    return tune_marks(data)
   if data.get("rows") and "forward_measured_ms" in data["rows"][0]:
     return llama_predictions(data)
   if isinstance(data.get("winner"), dict) and "time_ms" in data["winner"]:
