@@ -118,3 +118,19 @@ def body_share(block: Block, causal: bool = False) -> float:
   band, or a causal one) hides it all."""
   band = block.band or (CAUSAL if causal else None)
   return 0.0 if band and block.band_case(band=band) == "hidden" else 1.0
+
+
+def band_work(block: Block, whole: bool, cut) -> Work:
+  """The work of a kernel that takes ``block`` (``whole``) under the block's band: the body's share where it does
+  not take it, all of it without a band or where the band keeps every pair, none where the band hides every pair,
+  and ``cut(block) -> Work`` (the kernel's own rule) where the band cuts the block."""
+  if not whole:
+    return Work(fast=0.0, fallback=body_share(block))
+  if block.band is None:
+    return Work()
+  case = block.band_case()
+  if case == "visible":
+    return Work()
+  if case == "hidden":
+    return Work(fast=0.0)
+  return cut(block)

@@ -39,7 +39,7 @@ import numpy as np
 from jaxmercury._compat import MaskType, cudnn_attention, cudnn_attention_backward
 from jaxmercury.kernels.attention import causal_blocks
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
-from jaxmercury.kernels.work import Block, Work, body_share
+from jaxmercury.kernels.work import Block, Work, band_work
 from jaxmercury.programs.attention_backward import dq_dkv_block
 from jaxmercury.programs.masks import KINDS, AttentionMask, mask_of
 
@@ -192,22 +192,15 @@ def cudnn_backward_block(ctx, q, k, v, o, do, lse, *extras, mask: AttentionMask,
 
 # ------------------------------------------------------------------ work, for the cost model
 def _work(block: Block, whole: bool) -> Work:
-  """What ``_dispatch`` runs for ``block``: cuDNN's share (a band on the diagonal: the pairs it keeps; a bias:
-  the whole block), the XLA body's, none where the band hides it all. Data masks count as keeping every pair
-  their band keeps (an upper bound: which blocks they hide is data)."""
-  if not whole:
-    return Work(fast=0.0, fallback=body_share(block))
-  if block.band is None:
-    return Work()
-  case = block.band_case()
-  if case == "visible":
-    return Work()
-  if case == "hidden":
-    return Work(fast=0.0)
-  tq, tk = block.sizes["i"], block.sizes["j"]
-  if _band_window(block.band, block.data, tq, tk)[0] and block.span("i")[0] == block.span("j")[0]:
-    return Work(fast=block.band_share())
-  return Work() if tq % 2 == 0 and tk % 2 == 0 else Work(fast=0.0, fallback=1.0)
+  """What ``_dispatch`` runs for ``block`` (``band_work``): where the band cuts it, cuDNN's share of a band on the
+  diagonal (the pairs it keeps), else the whole block as a bias. Data masks count as keeping every pair their band
+  keeps (an upper bound: which blocks they hide is data)."""
+  def cut(block):
+    tq, tk = block.sizes["i"], block.sizes["j"]
+    if _band_window(block.band, block.data, tq, tk)[0] and block.span("i")[0] == block.span("j")[0]:
+      return Work(fast=block.band_share())
+    return Work() if tq % 2 == 0 and tk % 2 == 0 else Work(fast=0.0, fallback=1.0)
+  return band_work(block, whole, cut)
 
 
 def cudnn_work(block: Block, *, causal: bool, config=None) -> Work:

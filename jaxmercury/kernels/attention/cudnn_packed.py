@@ -62,7 +62,7 @@ from jaxmercury.kernels.attention import causal_blocks
 from jaxmercury.kernels.attention import packed_segments as ps
 from jaxmercury.kernels.config import param
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
-from jaxmercury.kernels.work import Block, Work, body_share
+from jaxmercury.kernels.work import Block, Work, band_work
 from jaxmercury.programs.attention_backward import dq_dkv_block
 from jaxmercury.programs.masks import PAD_QUERY_SEGMENT, mask_of
 
@@ -251,20 +251,14 @@ def _device_problem(device) -> str | None:
 
 
 def _work(block: Block, whole: bool) -> Work:
-  """What ``dispatch`` runs for ``block``: cuDNN's share (the band's pairs; a data mask's are known only when
-  running, counted as the band's, an upper bound), the body's where cuDNN cannot take it, none where hidden."""
-  if not whole:
-    return Work(fast=0.0, fallback=body_share(block))
-  if block.band is None:
-    return Work()
-  case = block.band_case()
-  if case == "visible":
-    return Work()
-  if case == "hidden":
-    return Work(fast=0.0)
-  tq, tk = block.sizes["i"], block.sizes["j"]
-  diagonal = block.band[1] is None or block.span("i")[0] == block.span("j")[0]
-  return Work(fast=block.band_share()) if tq == tk and diagonal else Work(fast=0.0, fallback=1.0)
+  """What ``dispatch`` runs for ``block`` (``band_work``): where the band cuts it, cuDNN's share on the diagonal
+  (the band's pairs; a data mask's are known only when running, counted as the band's, an upper bound), else the
+  body's."""
+  def cut(block):
+    tq, tk = block.sizes["i"], block.sizes["j"]
+    diagonal = block.band[1] is None or block.span("i")[0] == block.span("j")[0]
+    return Work(fast=block.band_share()) if tq == tk and diagonal else Work(fast=0.0, fallback=1.0)
+  return band_work(block, whole, cut)
 
 
 def packed_work(block: Block, *, causal: bool, config=None) -> Work:
