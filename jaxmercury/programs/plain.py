@@ -115,8 +115,8 @@ def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
 
     q [b, i@x, h, d], k, v [b, j@x, hk, d]   ->   q [b, i, h@x, d], k, v [b, j, hk@x, d]
 
-  A data mask's inputs (segment ids, a mask array) are split over the batch levels alone: the dense mask built
-  from them is whole along both sequences, as cuDNN's partitioner takes it.
+  A data mask's inputs (segment ids, a mask array) are split as q is over batch and heads, and whole along both
+  sequences: the dense mask built from them is then split as cuDNN's partitioner takes it.
   """
   q, k, v = (tuple(spec) + (None,) * (4 - len(spec)) for spec in specs[:3])
   batch = spec_levels(q[0]) if q[0] == k[0] == v[0] else ()
@@ -130,7 +130,8 @@ def _cudnn_layout(program, specs, sizes: dict) -> tuple[PartitionSpec, ...]:
   elif moved and b % split(batch + moved) == 0:
     batch += moved
   spec = PartitionSpec(_entry(batch), None, _entry(heads), None)
-  extras = [PartitionSpec(_entry(batch), *(None,) * (len(b.dims) - 1)) for b in program.reads[3:]]
+  levels = {("b",): _entry(batch), ("hk", "g"): _entry(heads)}  # a mask array's batch and query heads, as q's
+  extras = [PartitionSpec(*(levels.get(tuple(a.name for a in dim)) for dim in buf.dims)) for buf in program.reads[3:]]
   return (spec,) * 3 + tuple(extras)
 
 
