@@ -26,6 +26,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")  # mo
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType
 
@@ -78,6 +79,23 @@ def assert_grads_match(got, want, tol=1e-4):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape
     assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), whole / 100)
+
+
+def adam_losses(loss, params, steps: int = 3, learning_rate: float = 1e-2) -> list[float]:
+  """The losses of ``steps`` jitted ``optax.adam`` steps of ``loss(params)``, from ``params``."""
+  tx = optax.adam(learning_rate)
+
+  @jax.jit
+  def step(p, state):
+    value, grads = jax.value_and_grad(loss)(p)
+    updates, state = tx.update(grads, state, p)
+    return value, optax.apply_updates(p, updates), state
+
+  p, state, losses = params, tx.init(params), []
+  for _ in range(steps):
+    value, p, state = step(p, state)
+    losses.append(float(value))
+  return losses
 
 
 def assert_trains_alike(got, want):

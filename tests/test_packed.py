@@ -14,9 +14,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from conftest import assert_trains_alike, fresh_key, make_mesh, rel_err, store_library_winners
+from conftest import adam_losses, assert_trains_alike, fresh_key, make_mesh, rel_err, store_library_winners
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from test_masks import dense
@@ -328,19 +327,7 @@ def test_packed_attention_routes_and_trains(style, tmp_path):
     return jnp.mean(jnp.sin(fn(q, k, v, seg)))
 
   def train(fn):
-    tx = optax.adam(1e-2)
-
-    @jax.jit
-    def step(p, state):
-      value, grads = jax.value_and_grad(lambda p: loss(fn, p))(p)
-      updates, state = tx.update(grads, state, p)
-      return value, optax.apply_updates(p, updates), state
-
-    p, state, losses = params, tx.init(params), []
-    for _ in range(3):
-      value, p, state = step(p, state)
-      losses.append(float(value))
-    return losses
+    return adam_losses(lambda p: loss(fn, p), params)
 
   db = jm.Database(str(tmp_path / "db"))
   routed = jm.distribute(attend, mesh=mesh, database=db)

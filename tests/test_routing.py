@@ -12,6 +12,7 @@ import optax
 import pytest
 import routing_models as rm
 from conftest import (
+  adam_losses,
   assert_grads_match,
   assert_trains_alike,
   fresh_key,
@@ -106,19 +107,7 @@ def test_plain_function(place, tmp_path):
       return jnp.mean((fn(p, x) - target) ** 2)
 
     def train(fn):
-      tx = optax.adam(1e-2)
-
-      @jax.jit
-      def step(p, state):
-        value, grads = jax.value_and_grad(lambda q: loss(fn, q))(p)
-        updates, state = tx.update(grads, state, p)
-        return value, optax.apply_updates(p, updates), state
-
-      p, state, losses = params, tx.init(params), []
-      for _ in range(3):
-        value, p, state = step(p, state)
-        losses.append(float(value))
-      return losses
+      return adam_losses(lambda q: loss(fn, q), params)
 
     def grads(fn):
       return jax.jit(jax.grad(lambda p: loss(fn, p)))(params)

@@ -7,9 +7,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from conftest import assert_grads_match, assert_trains_alike, fresh_key, make_mesh, rel_err, tolerance
+from conftest import adam_losses, assert_grads_match, assert_trains_alike, fresh_key, make_mesh, rel_err, tolerance
 from jax.sharding import AxisType
 
 import jaxmercury as jm
@@ -127,19 +126,8 @@ def test_optax_training_step_matches_reference():
     v = jnp.einsum("bsc,chd->bshd", x, params["wv"])
     return jnp.mean((attention(q, k, v) - target) ** 2)
 
-  opt = optax.adam(1e-2)
-
   def train(attention):
-    @jax.jit
-    def step(p, s):
-      value, grads = jax.value_and_grad(loss)(p, attention)
-      updates, s = opt.update(grads, s, p)
-      return optax.apply_updates(p, updates), s, value
-    p, s, losses = params, opt.init(params), []
-    for _ in range(4):
-      p, s, value = step(p, s)
-      losses.append(float(value))
-    return np.array(losses)
+    return np.array(adam_losses(lambda p: loss(p, attention), params, steps=4))
 
   grads = jax.jit(jax.grad(loss), static_argnums=1)
   assert_grads_match(grads(params, attend), grads(params, prog.reference))
