@@ -1,7 +1,11 @@
 """Test set-up: a simulated 8-device CPU platform, a compilation cache for the session, meshes and input helpers."""
 
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 
 from jaxmercury._cpu_flags import cpu_flags  # before JAX makes its CPU client, which reads XLA_FLAGS
@@ -79,6 +83,37 @@ def assert_grads_match(got, want, tol=1e-4):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape
     assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), whole / 100)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_processes(script: str, argvs, *, devices: int, timeout: float = 300) -> list:
+  """``python -c script PROCESS_ID PORT *argv``, one process per ``argv`` of ``argvs`` (ids 0, 1, ...; one free port
+  for ``jax.distributed``), each on ``devices`` simulated CPU devices with the repository on its path; each must
+  exit 0 within ``timeout`` seconds. Returns each one's report: the JSON after ``REPORT `` on its output."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+         "XLA_FLAGS": cpu_flags("", devices), "JAX_PLATFORMS": "cpu"}
+  procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(port), *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i, argv in enumerate(argvs)]
+  try:
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    outs = [p.communicate()[0] for p in procs]
+    pytest.fail(f"the processes did not finish in {timeout} s:\n" + "\n".join(o[-3000:] for o in outs))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-5000:]
+  return [json.loads(next(line[len("REPORT "):] for line in out.splitlines() if line.startswith("REPORT ")))
+          for out in outs]
 
 
 def adam_losses(loss, params, steps: int = 3, learning_rate: float = 1e-2) -> list[float]:

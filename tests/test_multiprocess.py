@@ -12,22 +12,14 @@ lockstep, so that both processes see the same times and pick the same
 winner, never one measured slower than the plain program.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
-from conftest import fresh_key, make_mesh
+from conftest import fresh_key, make_mesh, run_processes
 
 import jaxmercury as jm
-from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.tuner import measure
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROCESS = textwrap.dedent("""
     import json, os, sys
@@ -89,34 +81,9 @@ PROCESS = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_agree_on_process_zeros_schedule(tmp_path):
-  port = _free_port()
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-  env["XLA_FLAGS"] = cpu_flags("", 4)
   stored = {0: "allgather_matmul", 1: "async_tp"}
-  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(tmp_path / f"p{i}.db"), stored[i]],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-  try:
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    outs = [p.communicate()[0] for p in procs]
-    pytest.fail("the processes did not finish in 300 s:\n" + "\n".join(o[-3000:] for o in outs))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-5000:]
-  reports = [json.loads(next(line[len("REPORT "):] for line in out.splitlines() if line.startswith("REPORT ")))
-             for out in outs]
+  reports = run_processes(PROCESS, [[str(tmp_path / f"p{i}.db"), stored[i]] for i in (0, 1)], devices=4)
   assert [r["process"] for r in reports] == [0, 1]
   assert all(r["devices"] == 8 and r["local"] == 4 and r["shards"] == 4 for r in reports)
 

@@ -4,24 +4,26 @@ segment ids, the balanced split, and routing packed models.
 Shapes are tiny and candidate sets small: each test runs in seconds.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import adam_losses, assert_trains_alike, fresh_key, make_mesh, rel_err, store_library_winners
+from conftest import (
+  adam_losses,
+  assert_trains_alike,
+  fresh_key,
+  make_mesh,
+  rel_err,
+  run_processes,
+  store_library_winners,
+)
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from test_masks import dense
 
 import jaxmercury as jm
-from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.analysis import placements
 from jaxmercury.analysis.packed import sample_run
 from jaxmercury.kernels import registry
@@ -371,22 +373,5 @@ PROCESS = textwrap.dedent("""
 def test_the_ring_decides_its_steps_alike_on_two_processes():
   """Two processes of two CPU devices (gloo): the steps a ring runs are decided over the whole mesh, so both
   processes make the same collectives, and each one's shards of the output are right."""
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-         "XLA_FLAGS": cpu_flags("", 2)}
-  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-  try:
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-5000:]
-  for out in outs:
-    report = json.loads(next(line[len("REPORT "):] for line in out.splitlines() if line.startswith("REPORT ")))
+  for report in run_processes(PROCESS, [[], []], devices=2):
     assert report["steps"] == [0, 3] and report["err"] < 1e-5, report

@@ -1,24 +1,18 @@
 """Untuned is plain: a route nothing was measured for runs the user's own call; ``tune=True`` tunes each distinct
 operator of a model once, within a time budget."""
 
-import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import fresh_key, make_mesh, rel_err
+from conftest import fresh_key, make_mesh, rel_err, run_processes
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
-from jaxmercury._cpu_flags import cpu_flags
 from jaxmercury.analysis.hlo import compiled_collectives
 from jaxmercury.tuner import cost
 
@@ -142,22 +136,7 @@ PROCESS = textwrap.dedent("""
 def test_processes_agree_on_a_spent_budget(tmp_path):
   """Under ``jax.distributed`` process 0's clock decides whether a tune starts: here its budget is spent, the other
   process's is not, and neither tunes (a process tuning alone would wait for the other forever)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-         "XLA_FLAGS": cpu_flags("", 4), "JAX_PLATFORMS": "cpu"}
-  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(tmp_path / f"p{i}.db")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
-  try:
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  assert all(p.returncode == 0 for p in procs), [out[-3000:] for out in outs]
-  logs = [json.loads(next(line[7:] for line in out.splitlines() if line.startswith("REPORT "))) for out in outs]
+  logs = run_processes(PROCESS, [[str(tmp_path / f"p{i}.db")] for i in (0, 1)], devices=4, timeout=120)
   for log, budget in zip(logs, ("0", "1e+09")):
     assert log[0].startswith("== operator 1 of 1: matmul 16x32 32x32") and log[0].endswith(
         f"not tuned, the time budget of {budget} s was spent; runs plain jnp.dot (XLA)"), log
