@@ -41,6 +41,28 @@ def position_case(ctx):
   return jnp.where(ks + tk - 1 <= qs, VISIBLE, jnp.where(ks > qs + tq - 1, HIDDEN, PARTIAL))
 
 
+def band_cover(ctx, band):
+  """``(hidden, visible)``: whether ``band`` (``lo <= query - key <= hi``, None unbounded) keeps none or all of the
+  block's pairs, from its extremes of query - key; Python bools where the block's starts are static, else
+  traced."""
+  lo, hi = band
+  qs, ks = ctx.start("i"), ctx.start("j")
+  d_min, d_max = qs - ks - (ctx.sizes["j"] - 1), qs - ks + (ctx.sizes["i"] - 1)
+  hidden, visible = False, True
+  if lo is not None:
+    hidden, visible = hidden | (d_max < lo), visible & (d_min >= lo)
+  if hi is not None:
+    hidden, visible = hidden | (d_min > hi), visible & (d_max <= hi)
+  return hidden, visible
+
+
+def causal_window(band, tq: int):
+  """cuDNN's ``sliding_window_length`` for a causal ``band`` (``(0, hi)``) on a diagonal block of ``tq`` queries:
+  None where the window covers the block (plain causal)."""
+  hi = band[1]
+  return hi + 1 if hi is not None and hi < tq - 1 else None
+
+
 def dispatch(ctx, operands, *, visible, hidden, partial):
   """``visible(*operands)``, ``hidden(*operands)`` or ``partial(*operands)`` by the block's ``position_case``."""
   return jax.lax.switch(position_case(ctx), [visible, hidden, partial], *operands)

@@ -131,7 +131,7 @@ def _band_window(band, data: bool, tq: int, tk: int):
   lo, hi = band
   if data or tq != tk or lo != 0:
     return False, None
-  return True, (hi + 1 if hi is not None and hi < tq - 1 else None)
+  return True, causal_blocks.causal_window(band, tq)
 
 
 def _dispatch(ctx, mask: AttentionMask, extras, operands, *, run, empty, fallback):
@@ -147,21 +147,14 @@ def _dispatch(ctx, mask: AttentionMask, extras, operands, *, run, empty, fallbac
     partly = (lambda *x: run(*x, keep=keep)) if biased else fallback
     case = jnp.where(~jnp.any(keep), 1, jnp.where(jnp.all(keep), 0, 2))
     return jax.lax.switch(case, [unmasked, empty, partly], *operands)
-  lo, hi = mask.band
-  qs, ks = ctx.start("i"), ctx.start("j")
-  d_min, d_max = qs - ks - (tk - 1), qs - ks + (tq - 1)  # the block's extremes of query - key
-  hidden, visible = jnp.asarray(False), jnp.asarray(True)
-  if lo is not None:
-    hidden, visible = hidden | (d_max < lo), visible & (d_min >= lo)
-  if hi is not None:
-    hidden, visible = hidden | (d_min > hi), visible & (d_max <= hi)
+  hidden, visible = causal_blocks.band_cover(ctx, mask.band)
   partly = (lambda *x: run(*x, keep=mask.keep(ctx, ()))) if biased else fallback
   branches = [unmasked, empty, partly]
   case = jnp.where(hidden, 1, jnp.where(visible, 0, 2))
   takes, window = _band_window(mask.band, False, tq, tk)
   if takes:
     branches.append(lambda *x: run(*x, causal=True, window=window))
-    case = jnp.where((case == 2) & (qs == ks), 3, case)
+    case = jnp.where((case == 2) & (ctx.start("i") == ctx.start("j")), 3, case)
   return jax.lax.switch(case, branches, *operands)
 
 

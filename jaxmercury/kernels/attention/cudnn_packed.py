@@ -82,6 +82,7 @@ class PackedConfig:
     if not isinstance(self.max_documents, int) or self.max_documents < 2:
       raise ValueError(f"{NAME}: max_documents must be an int of at least 2, got {self.max_documents!r}")
 
+
 def _refuse_conflicts(segs: ps.Segments):
   """An ``InputError`` when running, where an id forms several runs (``Segments.conflict``)."""
   def fail(rows):
@@ -163,26 +164,16 @@ def packed_backward(q, k, v, o, do, lse, q_ids, kv_ids, *, causal: bool, window,
 VISIBLE, HIDDEN, DIAGONAL, OTHER = range(4)
 
 
-def _window(band, tq: int):
-  """cuDNN's ``sliding_window_length`` for a causal band ``(0, hi)`` on a diagonal block of ``tq`` (None: plain
-  causal)."""
-  hi = band[1]
-  return hi + 1 if hi is not None and hi < tq - 1 else None
-
-
 def _case(ctx, band):
   """The block's path (``VISIBLE``: the band keeps all its pairs, ``HIDDEN``, ``DIAGONAL`` or ``OTHER``): a Python
   int where its positions are static, else traced."""
-  lo, hi = band
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   qs, ks = ctx.start("i"), ctx.start("j")
   static = isinstance(qs, int) and isinstance(ks, int)
   xp = np if static else jnp
-  d_min, d_max = qs - ks - (tk - 1), qs - ks + (tq - 1)
-  hidden = (d_max < lo) | ((d_min > hi) if hi is not None else False)
-  visible = (d_min >= lo) & ((d_max <= hi) if hi is not None else True)
+  hidden, visible = causal_blocks.band_cover(ctx, band)
   # blocks of one size start at multiples of it: one partly kept by a causal band alone is the diagonal
-  diagonal = (qs == ks) if hi is not None else True
+  diagonal = (qs == ks) if band[1] is not None else True
   case = xp.where(hidden, HIDDEN, xp.where(visible, VISIBLE, xp.where(tq == tk and diagonal, DIAGONAL, OTHER)))
   return int(case) if static else case
 
@@ -193,7 +184,7 @@ def dispatch(ctx, mask, operands, *, run, empty, fallback):
   if not mask.causal:
     return run(False, None)(*operands)
   band = mask.band
-  branches = [run(False, None), empty, run(True, _window(band, ctx.sizes["i"])), fallback]
+  branches = [run(False, None), empty, run(True, causal_blocks.causal_window(band, ctx.sizes["i"])), fallback]
   case = _case(ctx, band)
   if isinstance(case, int):
     return branches[case](*operands)
