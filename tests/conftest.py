@@ -136,9 +136,10 @@ def adam_losses(loss, params, steps: int = 3, learning_rate: float = 1e-2) -> li
 def assert_trains_alike(got, want):
   """Losses of a few optimizer steps, routed and plain. The first is a forward on equal parameters: tight. Adam
   then moves each element by about its learning rate whatever its gradient's size, so rounding in a near-zero
-  gradient may move it either way: later losses agree loosely (compare gradients tightly apart)."""
-  assert got[0] == pytest.approx(want[0], rel=1e-5)
-  assert got[1:] == pytest.approx(want[1:], rel=1e-3)
+  gradient may move it either way: later losses agree loosely (compare gradients tightly apart). A loss that is a
+  mean of terms of either sign may sit near zero, where float32 rounding of its terms is absolute, not relative."""
+  assert got[0] == pytest.approx(want[0], rel=1e-5, abs=1e-6)
+  assert got[1:] == pytest.approx(want[1:], rel=1e-3, abs=1e-5)
   assert want[-1] < want[0]
 
 
