@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +45,29 @@ class Sharding:
   axes: str | tuple[str, ...]
 
   @property
+  def names(self) -> tuple[str, ...]:
+    """The mesh axes' names, major first."""
+    return (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+
+  @property
   def entry(self):
     """``axes`` as one ``PartitionSpec`` entry."""
-    return self.axes if isinstance(self.axes, str) else tuple(self.axes)
+    return self.names[0] if len(self.names) == 1 else self.names
 
   def place(self, weight):
-    """``weight`` split along its first dimension (FSDP's storage)."""
+    """``weight`` split along its first dimension (FSDP's storage).
+
+    Raises:
+      ValueError: no mesh is set (``jax.set_mesh``), or the mesh's ``axes`` do not divide that dimension.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("models.llama.Sharding: build the model under jax.set_mesh(mesh); its weights are placed "
+                       "split over the mesh as they are created")
+    devices = math.prod(mesh.shape[name] for name in self.names)
+    if weight.shape[0] % devices:
+      raise ValueError(f"models.llama.Sharding: a weight of shape {weight.shape} does not split over mesh axes "
+                       f"{self.names} ({devices} devices): its first dimension must be a multiple of {devices}")
     return jax.sharding.reshard(weight, P(self.entry))
 
   def initializer(self, init):

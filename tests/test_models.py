@@ -107,6 +107,16 @@ def test_model_routes_and_trains_as_undecorated(name, kind, tmp_path):
   assert "collective_permute" in trained.text  # the rings of the stored schedule: really distributed
 
 
+def test_llama_sharding_refuses_what_it_cannot_place():
+  """The FSDP Llama built outside ``jax.set_mesh``, or with a weight the mesh does not divide: a clear error."""
+  config = dataclasses.replace(CONFIGS["tiny"], layers=1, sharding=Sharding("x"))
+  with pytest.raises(ValueError, match=r"build the model under jax.set_mesh\(mesh\)"):
+    Llama(config, rngs=nnx.Rngs(0))
+  with jax.set_mesh(make_mesh("8", AxisType.Explicit)), pytest.raises(
+      ValueError, match=r"shape \(250, 64\) does not split over mesh axes \('x',\) \(8 devices\)"):
+    Llama(dataclasses.replace(config, vocab=250), rngs=nnx.Rngs(0))
+
+
 def test_gemma_explain_and_the_undecorated_instance(tmp_path):
   """``jm.explain`` of Gemma: its two attention calls per forward with their module paths, source lines and
   masks (a sliding window with the padding mask of ``make_causal_attn_mask``, then the causal mask with it), every
