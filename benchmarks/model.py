@@ -299,17 +299,9 @@ def _graph_step(env, case, mesh, config, tokens, info: dict):
 
   model = Llama(config, rngs=nnx.Rngs(0))
   for layer in model.blocks:
-    for key, param in block_params_of(layer).items():
+    for key, param in bg.block_variables(layer).items():
       param.set_value(jax.device_put(param[...], NamedSharding(mesh, specs.get(key, P()))))
   nnx.update(model, jax.device_put(nnx.state(model, nnx.Not(nnx.PathContains("blocks"))), NamedSharding(mesh, P())))
   step, (state, _) = step_of(model, tokens, loss)
   step_args = (state, jax.device_put(tokens, NamedSharding(mesh, P())))
   return step.lower(*step_args).compile(), step_args  # compiled here: the caller's mesh is the Explicit one
-
-
-def block_params_of(layer) -> dict:
-  """A decoder block's parameter variables by graph parameter key (``models.block_graph.PARAMS``)."""
-  a, m = layer.attention, layer.mlp
-  return {"attention_norm": layer.attention_norm.weight, "wq": a.wq.kernel, "wk": a.wk.kernel, "wv": a.wv.kernel,
-          "wo": a.wo.kernel, "mlp_norm": layer.mlp_norm.weight, "w_gate": m.w_gate.kernel, "w_up": m.w_up.kernel,
-          "w_down": m.w_down.kernel}
