@@ -3,8 +3,9 @@
 Per case (a ``models.CONFIGS`` config cut to ``--model_layers`` layers, ``--seqs`` tokens, batch 1) the contestants
 run on the same parameters and tokens. The step is the loss and the gradients of every parameter
 (``nnx.value_and_grad`` of ``models.train.loss_fn``), jitted; the optimizer's update is the same elementwise work
-in all and is left out. The record keeps the tuning's wall time (calibration included on a fresh database) and
-what each operator chose (the tuner's ``== operator i of n`` lines).
+in all and is left out. The record keeps the tuning's wall time (from the decoration to the compiled step,
+calibration included on a fresh database) and what each operator chose (the tuner's ``== operator i of n`` lines
+and each call's route).
 
 Without ``--fsdp``, on ``--mesh`` (default one device): ``plain`` (the model as written, its attention through
 ``jax.nn.dot_product_attention`` with cuDNN on GPUs and XLA on CPUs) and ``jaxmercury`` (the same model, its
