@@ -53,6 +53,13 @@
 #   one-gpu-gemm     never slower, one GPU: Llama-3 8B layers at M 8K, and `python -m jaxmercury.tune` on a GEMM
 #                    8192^3 (calibrating, then again with the calibration stored)
 #   model            the models/ Llama (2 layers, 8B widths, 4K tokens) decorated against undecorated, training step
+#   model-4gpu-32K model-4gpu-128K  every GPU (issue 55 item 2): the models/ Llama at Llama-3 8B widths, 4 layers,
+#                    batch 1, 32K or 128K tokens, one training step, FSDP weights and sequence-split activations on
+#                    JAX's default (Explicit) mesh: jm.distribute(tune=True, training=True) against the plain-JAX
+#                    model with Ulysses + cuDNN and with all-gathered K/V + cuDNN attention, and jm.graph's block
+#                    plan run for every block; tokens/s per GPU, MFU, tune time, the routes (mark: >= 1.05x of the
+#                    best plain model). 128K reads the 32K stage's tuning database (its calibration): run 32K first
+#   model-1gpu       one GPU: the same at 2 layers and 8K tokens
 #   tune-speed       one GPU: how fast the tuner decides and that it never loses (benchmarks.tune_speed, issue 52's
 #                    marks): calibration (<= 40 s), tune time once calibrated of attention B1 H32 KV8 D128 S32K causal
 #                    forward (<= 10 s) and training step (<= 20 s), GEMM 8192^3 (<= 5 s), the decorated models/ Llama
@@ -170,6 +177,9 @@ for stage in "$@"; do
         echo "$stage-cli-$run rc=$?" | tee -a "$W/stages.txt"
       done ;;
     model) suite "$stage" 570 --suite model ;;
+    model-4gpu-32K|model-4gpu-128K) suite "$stage" 570 --suite model --fsdp --model_layers 4 \
+        --seqs "${stage##*-}" --db "$W/model-4gpu.tuning.db" ;;
+    model-1gpu) suite "$stage" 570 --suite model --fsdp --mesh 1 --model_layers 2 --seqs 8K ;;
     tune-speed)
       timeout "${STAGE_LIMIT:-590}" python3 -m benchmarks.tune_speed --out "$W/$stage.json" \
         --time_budget $((${STAGE_LIMIT:-590} - 60)) > "$W/$stage.log" 2>&1

@@ -230,6 +230,13 @@ def finish(case: dict, records: list[dict], reference: str | None, *, floor_ms: 
   return case
 
 
+def mark(what: str, value: float, *, at_most: float | None = None, at_least: float | None = None) -> dict:
+  """A case's mark: ``what`` measured ``value``, its bound, and whether it was met."""
+  met = (at_most is None or value <= at_most) and (at_least is None or value >= at_least)
+  bound = {"at_most": at_most} if at_most is not None else {"at_least": at_least}
+  return {"what": what, "value": round(value, 3), **bound, "met": met}
+
+
 def finished(case: dict) -> bool:
   """Whether ``--resume`` keeps a case: it ran, and nothing of it was left out for time."""
   return case.get("status") in ("ok", "failed") and not case.get("out_of_time")
@@ -238,13 +245,14 @@ def finished(case: dict) -> bool:
 # ------------------------------------------------------------------ inputs, meshes, floors
 
 
-def make_mesh(spec: str):
-  """``""``: one level ``"gpu"`` over every device; ``"8"``: one level of 8; ``"2x4"``: levels ``node`` x ``gpu``."""
+def make_mesh(spec: str, axis_type: AxisType = AxisType.Auto):
+  """``""``: one level ``"gpu"`` over every device; ``"8"``: one level of 8; ``"2x4"``: levels ``node`` x ``gpu``;
+  every level of ``axis_type``."""
   shape = (len(jax.devices()),) if not spec else tuple(int(p) for p in spec.lower().split("x"))
   if len(shape) not in (1, 2) or min(shape) < 1 or math.prod(shape) > len(jax.devices()):
     raise ValueError(f"mesh {spec!r}: expected N or AxB of at most {len(jax.devices())} devices")
   names = ("gpu",) if len(shape) == 1 else ("node", "gpu")
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape),
                        devices=jax.devices()[:math.prod(shape)])
 
 

@@ -14,7 +14,8 @@ Suites (``--help`` lists every flag; each suite's module says what it times):
 * ``tuner``: the tuner's winner against every library strategy, and its cost model's ranking
   (``benchmarks.tuner``).
 * ``model``: the ``models/`` Llama decorated by ``jm.distribute`` against the same model undecorated, one training
-  step (``benchmarks.model``).
+  step; ``--fsdp``: FSDP weights and sequence-split activations on an Explicit mesh, against the plain-JAX model
+  (Ulysses, all-gathered K/V) and the graph search's block plan (``benchmarks.model``).
 * ``moe``: the mixture-of-experts layer at Mixtral-8x7B sizes on one GPU against a plain-JAX einsum-dispatch MoE,
   and ``ragged_dot`` against the Pallas Mosaic GPU grouped GEMM (and a padded einsum), forward and forward +
   backward (``benchmarks.moe``).
@@ -111,6 +112,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   g.add_argument("--moe_kinds", nargs="+", choices=("grouped_gemm", "layer"), help="moe: which cases (default both): "
                  "the grouped GEMMs side by side, the MoE layer")
   g.add_argument("--config", default="llama3_8b", help="llama, model: the sizes (models.CONFIGS)")
+  g.add_argument("--model_layers", type=int, help="model: decoder blocks (default 2)")
+  g.add_argument("--fsdp", action="store_true", help="model: weights split over the mesh (FSDP) and activations "
+                 "along the sequence, on Explicit axes; against the plain-JAX model and the graph search's plan")
   g.add_argument("--machines", choices=("calibrated", "reference"), help="llama: cost-model figures measured on "
                  "the mesh, or the reference H200 ones (default: calibrated on GPUs)")
   g.add_argument("--measure_iters", type=int, default=0, help="llama: time every operator candidate first")

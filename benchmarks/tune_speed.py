@@ -197,7 +197,7 @@ def run_calibration(env, name: str) -> dict:
   first = seconds["attention mesh"] + seconds["attention kernels"]
   return {"name": name, "status": "ok", "op": "calibration", "calibration_s": seconds,
           "first_training_tune_s": round(first + seconds["attention backward"], 2),
-          "marks": [_mark("calibration_s (mesh and attention kernels: a first tune's)", first,
+          "marks": [harness.mark("calibration_s (mesh and attention kernels: a first tune's)", first,
                           at_most=CALIBRATION_S)], "contestants": []}
 
 
@@ -222,7 +222,7 @@ def run_operator(env, name: str) -> dict:
                    "winner": result.best and result.best.name,
                    "timed": sum(1 for c in result.candidates if c.status == measure.OK),
                    "candidates": len(result.candidates), "from_database": result.from_database}}
-  marks = [_mark("tune_s", tune_s, at_most=TUNE_S[name])]
+  marks = [harness.mark("tune_s", tune_s, at_most=TUNE_S[name])]
   if result.best is None or result.baseline is None:
     rec.update(status="failed", error=result.summary(), marks=marks)
     return rec
@@ -242,7 +242,7 @@ def run_operator(env, name: str) -> dict:
   harness.finish(rec, records, ref, flops_per_device=prog.flops * (3 if training else 1) / mesh.devices.size)
   mine = next(r for r in records if r["name"] == "jaxmercury")
   if "ratio_to_best_baseline" in mine:
-    marks.append(_mark("ratio_to_plain", mine["ratio_to_best_baseline"], at_least=RATIO))
+    marks.append(harness.mark("ratio_to_plain", mine["ratio_to_best_baseline"], at_least=RATIO))
   rec["marks"] = marks
   return rec
 
@@ -281,19 +281,13 @@ def run_model(env, name: str) -> dict:
   rec = {"name": case.name, "op": name, "config": dataclasses.asdict(case), "mesh": dict(env.mesh.shape),
          "training": True, "tuning": tuning}
   harness.finish(rec, records, ref, flops_per_device=case.flops / env.mesh.devices.size)
-  marks = [_mark("tune_s (decorated model to its compiled training step, calibration included)",
+  marks = [harness.mark("tune_s (decorated model to its compiled training step, calibration included)",
                  tuning.get("wall_s", float("inf")), at_most=TUNE_S[name])]
   mine = next(r for r in records if r["name"] == "jaxmercury")
   if "ratio_to_best_baseline" in mine:
-    marks.append(_mark("ratio_to_plain", mine["ratio_to_best_baseline"], at_least=RATIO))
+    marks.append(harness.mark("ratio_to_plain", mine["ratio_to_best_baseline"], at_least=RATIO))
   rec["marks"] = marks
   return rec
-
-
-def _mark(what: str, value: float, *, at_most: float | None = None, at_least: float | None = None) -> dict:
-  met = (at_most is None or value <= at_most) and (at_least is None or value >= at_least)
-  bound = {"at_most": at_most} if at_most is not None else {"at_least": at_least}
-  return {"what": what, "value": round(value, 3), **bound, "met": met}
 
 
 RUNNERS = {"calibration": run_calibration, "attention": run_operator, "attention-training": run_operator,

@@ -101,12 +101,17 @@ def block_graph(config: LlamaConfig, *, batch: int, seq: int, mesh, machines, re
   return g
 
 
+def block_variables(block) -> dict:
+  """The parameter variables of a ``models.llama.DecoderBlock`` by graph parameter key (``PARAMS``)."""
+  a, m = block.attention, block.mlp
+  return {"attention_norm": block.attention_norm.weight, "wq": a.wq.kernel, "wk": a.wk.kernel, "wv": a.wv.kernel,
+          "wo": a.wo.kernel, "mlp_norm": block.mlp_norm.weight, "w_gate": m.w_gate.kernel, "w_up": m.w_up.kernel,
+          "w_down": m.w_down.kernel}
+
+
 def block_params(block) -> dict:
   """The parameters of a ``models.llama.DecoderBlock`` by graph parameter key."""
-  a, m = block.attention, block.mlp
-  return {"attention_norm": block.attention_norm.weight[...], "wq": a.wq.kernel[...], "wk": a.wk.kernel[...],
-          "wv": a.wv.kernel[...], "wo": a.wo.kernel[...], "mlp_norm": block.mlp_norm.weight[...],
-          "w_gate": m.w_gate.kernel[...], "w_up": m.w_up.kernel[...], "w_down": m.w_down.kernel[...]}
+  return {key: variable[...] for key, variable in block_variables(block).items()}
 
 
 def planned_block(plan):

@@ -4,16 +4,101 @@ The math lives in plain functions (``rms_norm``, ``rotary``, ``swiglu``,
 ``attend``) that the modules and the graph-level plan (``models.block_graph``)
 share. ``Attention`` follows ``nnx.MultiHeadAttention``'s convention of an
 ``attention_fn`` attribute, so ``jaxmercury.distribute`` routes it.
+``LlamaConfig.sharding`` (a ``Sharding``) shards the model as a user does on
+JAX's default mesh (Explicit axes): FSDP weights and sequence-split
+activations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.linear import default_embed_init
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """How a user shards the model on a mesh of Explicit axes (``jax.make_mesh``'s default, under ``jax.set_mesh``).
+
+  FSDP: every weight matrix is stored split along its first dimension over
+  ``axes`` and gathered (``jax.sharding.reshard`` to unsplit) right before it
+  is used, so that its gradient is reduce-scattered back to the split; the
+  norms' scales stay whole. Sequence parallelism: the tokens are split along
+  the sequence over ``axes`` before the embedding lookup, and every
+  activation after it stays so split. Attention is written out (scores,
+  causal mask, softmax, values), each product given the ``out_sharding`` that
+  keeps the queries' split: on Explicit axes JAX refuses
+  ``jax.nn.dot_product_attention`` of sequence-split keys (both products'
+  results would be split twice over one axis). Build the model under
+  ``jax.set_mesh``: the weights are placed as they are created.
+
+  Attributes:
+    axes: the mesh axis name, or names (major first), that split the weights and the sequence.
+  """
+
+  axes: str | tuple[str, ...]
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The mesh axes' names, major first."""
+    return (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+
+  @property
+  def entry(self):
+    """``axes`` as one ``PartitionSpec`` entry."""
+    return self.names[0] if len(self.names) == 1 else self.names
+
+  def place(self, weight):
+    """``weight`` split along its first dimension (FSDP's storage).
+
+    Raises:
+      ValueError: no mesh is set (``jax.set_mesh``), or the mesh's ``axes`` do not divide that dimension.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("models.llama.Sharding: build the model under jax.set_mesh(mesh); its weights are placed "
+                       "split over the mesh as they are created")
+    devices = math.prod(mesh.shape[name] for name in self.names)
+    if weight.shape[0] % devices:
+      raise ValueError(f"models.llama.Sharding: a weight of shape {weight.shape} does not split over mesh axes "
+                       f"{self.names} ({devices} devices): its first dimension must be a multiple of {devices}")
+    return jax.sharding.reshard(weight, P(self.entry))
+
+  def initializer(self, init):
+    """``init`` whose result is placed split (``place``)."""
+    return lambda key, shape, dtype: self.place(init(key, shape, dtype))
+
+  def dot_general(self, lhs, rhs, dimension_numbers, **kwargs):
+    """``jax.lax.dot_general`` with the weight ``rhs`` gathered first (``nnx.Linear``'s ``dot_general``)."""
+    return jax.lax.dot_general(lhs, jax.sharding.reshard(rhs, P()), dimension_numbers, **kwargs)
+
+  def embed(self, table, tokens):
+    """The rows of the gathered ``table [vocab, dim]`` at ``tokens [batch, seq]``, split along the sequence."""
+    tokens = jax.sharding.reshard(tokens, P(None, self.entry))
+    return jax.sharding.reshard(table, P()).at[tokens].get(out_sharding=P(None, self.entry, None))
+
+  def attend(self, query, key, value, *, is_causal: bool = False):
+    """Grouped-query attention of sequence-split ``[batch, seq, heads, head_dim]`` arrays, its result so split.
+
+    The keys' split is left to XLA (each product's ``out_sharding`` keeps only the queries'); a causal mask is
+    top-left aligned on the global sequence.
+    """
+    b, t, h, d = query.shape
+    s, kv = key.shape[1], key.shape[2]
+    grouped = query.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32,
+                        out_sharding=P(None, None, None, self.entry, None)) * d ** -0.5
+    if is_causal:
+      scores = jnp.where(jnp.arange(t)[:, None] >= jnp.arange(s)[None, :], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, value, out_sharding=P(None, self.entry))
+    return out.reshape(b, t, h, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +117,7 @@ class LlamaConfig:
     norm_eps: RMSNorm epsilon.
     dtype: activation dtype.
     param_dtype: parameter dtype.
+    sharding: how the model is sharded on a mesh of Explicit axes (``Sharding``); None: as the arrays come.
   """
 
   dim: int
@@ -45,6 +131,7 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   dtype: object = jnp.float32
   param_dtype: object = jnp.float32
+  sharding: Sharding | None = None
 
   def with_dtype(self, dtype) -> "LlamaConfig":
     """The same sizes with activations and parameters in ``dtype``."""
@@ -101,8 +188,12 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(config: LlamaConfig, rngs: nnx.Rngs, n_in: int, n_out: int) -> nnx.Linear:
+  init, sharding = nnx.initializers.normal(n_in ** -0.5), config.sharding
+  if sharding is None:
+    return nnx.Linear(n_in, n_out, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
+                      kernel_init=init)
   return nnx.Linear(n_in, n_out, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-                    kernel_init=nnx.initializers.normal(n_in ** -0.5))
+                    kernel_init=sharding.initializer(init), dot_general=sharding.dot_general)
 
 
 class Attention(nnx.Module):
@@ -115,7 +206,7 @@ class Attention(nnx.Module):
     self.wk = _linear(c, rngs, c.dim, c.kv_heads * c.head_dim)
     self.wv = _linear(c, rngs, c.dim, c.kv_heads * c.head_dim)
     self.wo = _linear(c, rngs, c.heads * c.head_dim, c.dim)
-    self.attention_fn = attend
+    self.attention_fn = attend if c.sharding is None else c.sharding.attend
 
   def __call__(self, x, positions):
     c = self.config
@@ -163,13 +254,15 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     c = config
     self.config = c
-    self.embed = nnx.Embed(c.vocab, c.dim, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+    placed = {} if c.sharding is None else {"embedding_init": c.sharding.initializer(default_embed_init)}
+    self.embed = nnx.Embed(c.vocab, c.dim, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs, **placed)
     self.blocks = nnx.List([DecoderBlock(c, rngs=rngs) for _ in range(c.layers)])
     self.norm = RMSNorm(c.dim, eps=c.norm_eps, param_dtype=c.param_dtype, rngs=rngs)
     self.lm_head = _linear(c, rngs, c.dim, c.vocab)
 
   def __call__(self, tokens):
-    x = self.embed(tokens)
+    c = self.config
+    x = self.embed(tokens) if c.sharding is None else c.sharding.embed(self.embed.embedding[...], tokens)
     positions = jnp.arange(tokens.shape[1])
     for block in self.blocks:
       x = block(x, positions)

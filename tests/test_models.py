@@ -1,7 +1,8 @@
 """Flax's own example models routed by ``jm.distribute``: Gemma 3 (grouped heads, a sliding-window layer then a
 global one, right-padded rows), the ViT and MiniGPT tutorials, and a ``jax.nn.dot_product_attention`` decoder with
-``nnx.Einsum`` projections, on Auto and Explicit axes inside ``jax.set_mesh``: every attention routed, and each
-trains three Adam steps as the undecorated model does (``model_checks.train_alike``)."""
+``nnx.Einsum`` projections, on Auto and Explicit axes inside ``jax.set_mesh``, and the ``models/`` Llama sharded as a
+user does on Explicit axes (FSDP weights, sequence-split activations): every attention routed, and each trains
+three Adam steps as the undecorated model does (``model_checks.train_alike``)."""
 
 import contextlib
 import dataclasses
@@ -20,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 from model_checks import spec, store_winners, train_alike
 
 import jaxmercury as jm
+from models import CONFIGS, Llama
+from models.llama import Sharding
 
 AXES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -55,6 +58,11 @@ def _split(mesh, *xs):
   return tuple(jax.device_put(x, NamedSharding(mesh, P("x"))) for x in xs)
 
 
+def _llama(kind):
+  """A one-layer tiny Llama, FSDP and sequence-split (``models.llama.Sharding``: Explicit axes only)."""
+  return Llama(dataclasses.replace(CONFIGS["tiny"], layers=1, sharding=Sharding("x")), rngs=nnx.Rngs(0))
+
+
 def _vit(kind):
   sharding = um.ViTSharding.fsdp_sharding("x") if kind == AxisType.Explicit else um.ViTSharding()
   return um.VisionTransformer(um.ViTConfig(sharding=sharding), rngs=nnx.Rngs(0))
@@ -73,11 +81,14 @@ MODELS = {
                      [("transformer_blocks.layers.0.mha", "causal")]),
     "decoder": Model(lambda kind: rm.Decoder(1, nnx.Rngs(0)), lambda mesh: _tokens(8, 16, rm.VOCAB), _loss,
                      [("blocks.0", "causal")]),
+    "llama_fsdp": Model(_llama, lambda mesh: _tokens(1, 64, CONFIGS["tiny"].vocab), _loss,
+                        [("blocks.0.attention", "causal")]),
 }
+EXPLICIT_ONLY = {"llama_fsdp"}  # its reshards and out_shardings are Explicit axes' types
 
 
-@pytest.mark.parametrize("kind", sorted(AXES))
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name,kind", [(name, kind) for name in sorted(MODELS) for kind in sorted(AXES)
+                                       if kind == "explicit" or name not in EXPLICIT_ONLY])
 def test_model_routes_and_trains_as_undecorated(name, kind, tmp_path):
   model = MODELS[name]
   mesh = make_mesh("8", AXES[kind])
@@ -94,6 +105,16 @@ def test_model_routes_and_trains_as_undecorated(name, kind, tmp_path):
     routed = jm.distribute(nnx.clone(plain), mesh=mesh, database=db)  # its own parameters, to train apart
     trained = train_alike(plain, routed, model.loss, batch, mesh=mesh, lower=True)
   assert "collective_permute" in trained.text  # the rings of the stored schedule: really distributed
+
+
+def test_llama_sharding_refuses_what_it_cannot_place():
+  """The FSDP Llama built outside ``jax.set_mesh``, or with a weight the mesh does not divide: a clear error."""
+  config = dataclasses.replace(CONFIGS["tiny"], layers=1, sharding=Sharding("x"))
+  with pytest.raises(ValueError, match=r"build the model under jax.set_mesh\(mesh\)"):
+    Llama(config, rngs=nnx.Rngs(0))
+  with jax.set_mesh(make_mesh("8", AxisType.Explicit)), pytest.raises(
+      ValueError, match=r"shape \(250, 64\) does not split over mesh axes \('x',\) \(8 devices\)"):
+    Llama(dataclasses.replace(config, vocab=250), rngs=nnx.Rngs(0))
 
 
 def test_gemma_explain_and_the_undecorated_instance(tmp_path):
