@@ -6,8 +6,9 @@ arrays' types. Library schedules forward and backward, padded shapes,
 MultiHeadAttention, a caller's ``out_sharding``) and training, the tuner and
 the graph search run on each, with inputs made inside and outside
 ``jax.set_mesh``; routed results carry the type the undecorated operation
-gives; and no decorated training step makes XLA rematerialize a tensor
-(a subprocess reads the compiler's log).
+gives; calls inside ``jax.sharding.auto_axes`` route on the region's types;
+and no decorated training step makes XLA rematerialize a tensor (a
+subprocess reads the compiler's log).
 """
 
 import contextlib
@@ -262,3 +263,33 @@ def test_decorated_training_steps_rematerialize_nothing(kind):
                        timeout=600)
   assert run.returncode == 0 and "steps ran" in run.stdout, run.stderr[-3000:]
   assert "rematerialization" not in run.stderr, [line for line in run.stderr.splitlines() if "remat" in line][:3]
+
+
+class _AutoRegion(nnx.Module):
+  """Attention and a projection inside ``jax.sharding.auto_axes`` on a mesh of Explicit axes: the region's
+  arrays are Auto-typed, the caller's outside it Explicit."""
+
+  def __init__(self, d, heads, rngs):
+    self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+    self.heads = heads
+
+  def __call__(self, x):
+    def region(x, kernel):
+      q, k, v = jnp.split((x @ kernel).reshape(*x.shape[:2], 3 * self.heads, -1), 3, axis=2)
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.sharding.auto_axes(region, out_sharding=P("x"))(x, self.qkv.kernel[...])
+
+
+def test_routes_inside_auto_axes_on_an_explicit_mesh(tmp_path):
+  """A model's auto_axes region routes on the mesh retyped as the region's (Auto): forward, gradients and three
+  Adam steps as undecorated, the ring really run."""
+  mesh = _mesh("8", "explicit")
+  db = jm.Database(str(tmp_path / "region.db"))
+  with jax.set_mesh(mesh):
+    plain = _AutoRegion(32, 4, nnx.Rngs(0))
+    x = jax.device_put(jax.random.normal(fresh_key(), (8, 16, 32)), NamedSharding(mesh, P("x")))
+    assert store_library_winners(db, lambda: jm.explain(plain, x, mesh=mesh, database=db)) == 2
+    assert all(e.routed for e in jm.explain(plain, x, mesh=mesh, database=db))
+    routed = jm.distribute(nnx.clone(plain), mesh=mesh, database=db)
+    trained = train_alike(plain, routed, _mse, (x,), mesh=mesh, lower=True)
+  assert "collective_permute" in trained.text

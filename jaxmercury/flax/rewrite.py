@@ -79,7 +79,24 @@ def _std_shape(shape, order, groups):
   return tuple(out)
 
 
+def _region(routing: Routing, operands) -> Routing:
+  """``routing`` for a match whose operands' mesh has other axis types than ``routing.mesh`` (a call inside
+  ``jax.sharding.auto_axes`` or ``explicit_axes``): the same devices with the region's types."""
+  for ref in operands:
+    mesh = None if isinstance(ref, Lit) else getattr(getattr(View.aval(ref), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty and tuple(mesh.axis_types) != tuple(routing.mesh.axis_types):
+      retyped = jax.sharding.Mesh(routing.mesh.devices, routing.mesh.axis_names, axis_types=mesh.axis_types)
+      return dataclasses.replace(routing, mesh=retyped)
+  return routing
+
+
 def _decide(view, match, routing, scope: str = "", tuning=None) -> Decision:
+  region = _region(routing, match.operands)
+  with jax.sharding.use_abstract_mesh(region.mesh.abstract_mesh):
+    return _decide_in(view, match, region, scope, tuning)
+
+
+def _decide_in(view, match, routing, scope: str, tuning) -> Decision:
   m = match
   common = dict(kind=m.kind, where=m.where, shapes=m.shapes, module=module_path(view, m.anchor) or scope)
   if m.kind == "attention":
@@ -513,17 +530,19 @@ def evaluate(program: Plan, routing: Routing, args):
         run_body = [functools.partial(evaluate, p, routing) for _, p in program.bodies[id(site)]]
         write(site.outs, loops.rebuild(eqn, [read(r) for r in site.ins], run_body))
       elif id(site) in anchors:
-        d = anchors[id(site)]
-        vals = [types.cotangent_like(read(r), routing.mesh) for r in d.match.operands]
-        aval = View.aval(site.outs[0])
-        if d.match.kind == "attention":
-          extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
-          out = _attention(d, routing, *vals, aval, extras)
-        else:
-          out = _matmul(d, routing, *vals, site.params, aval)
-        write(site.outs, [out])
+        write(site.outs, [_routed(anchors[id(site)], site)])
       else:
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
+
+  def _routed(d, site):
+    region = _region(routing, d.match.operands)
+    with jax.sharding.use_abstract_mesh(region.mesh.abstract_mesh):
+      vals = [types.cotangent_like(read(r), region.mesh) for r in d.match.operands]
+      aval = View.aval(site.outs[0])
+      if d.match.kind == "attention":
+        extras = [[read(r) for r in t.refs] for t in (d.match.mask.terms if d.match.mask else ())]
+        return _attention(d, region, *vals, aval, extras)
+      return _matmul(d, region, *vals, site.params, aval)
 
   def _remat(eqn, site, body, body_consts, path):
     def rewritten(*vals):
