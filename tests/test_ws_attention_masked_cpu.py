@@ -144,7 +144,7 @@ def test_bad_inputs_are_named():
   ring = jax.shard_map(lambda q, a: fused_ring_attention_ws(q, q, q, "x", q_segment_ids=a, kv_segment_ids=a,
                                                             interpret=True)[0], mesh=mesh,
                        in_specs=(jax.P(None, "x"),) * 2, out_specs=jax.P(None, "x"), check_vma=False)
-  with pytest.raises(PreconditionError, match="a window or segment ids are taken on one device only"):
+  with pytest.raises(PreconditionError, match="segment ids or a mask array are taken on one device only"):
     jax.eval_shape(ring, q, ids)
 
 
