@@ -440,8 +440,8 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, inte
              plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' meetings
   if p.ids:  # each slot's query ids, both consumers' key ids
     scratch += [plgpu.SMEM((slots, bq), jnp.int32), plgpu.SMEM((CONSUMERS, p.bkv), jnp.int32)]
-  if p.array:  # each slot's mask tiles, one per consumer's keys
-    scratch.append(plgpu.SMEM((slots, CONSUMERS, p.bkv, bq), jnp.uint8))
+  if p.array:  # each slot's mask tiles, one per consumer's keys (swizzled: the loads' rows hit every bank)
+    scratch.append(plgpu.SMEM((slots, CONSUMERS, p.bkv, bq), jnp.uint8, transforms=swizzled(bq, jnp.uint8)))
   # dq is added into a float32 buffer; in interpret mode one per CTA (no reduce-add stores there), summed after
   per_cta = (p.grid,) if interpret else ()
   dq_acc = jax.new_ref(jnp.zeros(per_cta + q.shape, jnp.float32))
@@ -843,7 +843,8 @@ class _Consumer:
     zeros = plgpu.layout_cast(jnp.zeros((p.bkv, p.d), jnp.float32), plgpu.Layout.WGMMA)
 
     if p.masking:  # each query tile by its kind for this consumer's key tile
-      summary = [refs.k_summary[bi, first_key // p.bkv, column] for column in range(ws_mask.SUMMARY)]
+      summary = None if p.array else [refs.k_summary[bi, first_key // p.bkv, column]
+                                      for column in range(ws_mask.SUMMARY)]
       offset = refs.offset[0]
 
       def one(j, entry, masked, state):

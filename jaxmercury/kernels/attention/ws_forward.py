@@ -534,8 +534,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     scratch.append(plgpu.SMEM((CONSUMERS, p.bq, p.d), jnp.float32))  # the accumulators (on GPUs: registers)
   if p.ids:  # each consumer's Q tile's segment ids (per buffer), each K slot's
     scratch += [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq), jnp.int32), plgpu.SMEM((p.slots, p.bkv), jnp.int32)]
-  if p.array:  # each K slot's mask tile, both consumers' rows
-    scratch.append(plgpu.SMEM((p.slots, CONSUMERS, p.bq, p.bkv), jnp.uint8))
+  if p.array:  # each K slot's mask tiles, one per consumer's rows (swizzled: the loads' rows hit every bank)
+    scratch.append(plgpu.SMEM((p.slots, CONSUMERS, p.bq, p.bkv), jnp.uint8, transforms=swizzled(p.bkv, jnp.uint8)))
   results = plgpu.kernel(
       functools.partial(_body, p, axis_name), out_type=out_types, scratch_types=scratch, grid=(p.grid,),
       grid_names=("cta",), kernel_name=NAME, num_threads=CONSUMERS + 1, thread_name="wg",
@@ -958,7 +958,7 @@ class _Consumer:
     bi, hi, pair, _, _, q_rows, q_smem = self.load_q(i)
     first, count = self.c.items.keys(i)
     tile = pair * CONSUMERS + wg  # this consumer's query tile
-    summary = [refs.q_summary[bi, tile, column] for column in range(ws_mask.SUMMARY)]
+    summary = None if p.array else [refs.q_summary[bi, tile, column] for column in range(ws_mask.SUMMARY)]
     q_ids = refs.qid_smem.at[wg, self.q_buffer(i)] if p.ids else None
     base = tile * p.bq + refs.offset[0]  # the tile's first query position in the keys' frame
     arrived = functools.partial(self.arrived, loaded)
