@@ -130,22 +130,14 @@ def schedule_of(prog, mesh, name: str, tune: bool):
   return s.patch(kernel) if kernel else s
 
 
-def local_contestant(prog, mesh, kernel: str) -> harness.Contestant:
-  """The whole row on one local ``kernel`` (``Schedule.patch``), one device only."""
+def local_contestant(prog, mesh, kernel: str, *, mask_array: bool = False, skip: str | None = None
+                     ) -> harness.Contestant:
+  """The whole row on one local ``kernel`` (``Schedule.patch``), one device only; ``mask_array``: ``prog`` is a
+  ``mask=True`` program, given the packed mask as its mask array (built in the call from the segment ids);
+  ``skip``: a reason to leave it out."""
   name, label = f"local_{kernel}", f"jaxmercury, the whole row on {kernel}"
-  if mesh.size != 1:
-    return harness.Contestant(name, "jaxmercury", None, label, skip="local kernels are timed on one device (--mesh 1)")
-  try:
-    schedule = jm.Schedule(prog, mesh).patch(kernel)
-  except jm.ScheduleError as e:
-    return harness.Contestant(name, "jaxmercury", None, label, skip=str(e))
-  return harness.Contestant(name, "jaxmercury", lambda: schedule.compile(), label, record={"kernel": kernel})
-
-
-def mask_contestant(prog, mesh, kernel: str, skip: str | None) -> harness.Contestant:
-  """The whole row on one local ``kernel`` of ``prog`` (a ``mask=True`` program) with the packed mask as its mask
-  array, one device only; ``skip``: why the dense mask is left out (its bytes)."""
-  name, label = f"local_{kernel}_mask_array", f"jaxmercury, the whole row on {kernel}, the packed mask as an array"
+  if mask_array:
+    name, label = f"{name}_mask_array", f"{label}, the packed mask as an array"
   if mesh.size != 1:
     return harness.Contestant(name, "jaxmercury", None, label, skip="local kernels are timed on one device (--mesh 1)")
   try:
@@ -155,8 +147,9 @@ def mask_contestant(prog, mesh, kernel: str, skip: str | None) -> harness.Contes
 
   def build():
     run = schedule.compile()
-    return jax.jit(lambda q, k, v, seg, _: run(q, k, v, dense_mask(seg)[:, 0]))
-  return harness.Contestant(name, "jaxmercury", build, label, record={"kernel": kernel, "mask": "array"}, skip=skip)
+    return jax.jit(lambda q, k, v, seg, _: run(q, k, v, dense_mask(seg)[:, 0])) if mask_array else run
+  record = {"kernel": kernel, **({"mask": "array"} if mask_array else {})}
+  return harness.Contestant(name, "jaxmercury", build, label, record=record, skip=skip)
 
 
 def untuned_contestant(mesh) -> harness.Contestant:
@@ -227,7 +220,8 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
                                           f"jaxmercury {name}", record={"strategy": name, **runs.get(name, {})}))
   contestants += [local_contestant(prog, mesh, kernel) for kernel in args.kernels]
   masked = jm.programs.attention(b, h, kv, s, s, d, causal=True, mask=True, dtype=dtype)
-  contestants += [mask_contestant(masked, mesh, kernel, too_dense) for kernel in args.mask_kernels]
+  contestants += [local_contestant(masked, mesh, kernel, mask_array=True, skip=too_dense)
+                  for kernel in args.mask_kernels]
   if mesh.size == 1:
     contestants.append(untuned_contestant(mesh))
   inputs = (q, k, v, ids, ids)
