@@ -39,7 +39,7 @@ and the ids' (``pair_kinds``, ``combine``). An item then lists the tiles it
 loads (``tile_lists``: those some row tile of the item does not hide, in
 order), and its table row holds its range in that list; the kernels read a
 tile's kind from the combined kinds, and a partial tile's elements (bytes,
-loaded beside K or Q, ``mask_tiles``).
+loaded beside K or Q, ``mask_bytes``).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def mask_bytes(mask):
 
 
 def array_index(kinds, rows: int, bi, hi):
-  """Batch ``bi`` and query head ``hi``'s index in ``mask_tiles``' first dimension (``rows`` of them), the
+  """Batch ``bi`` and query head ``hi``'s index in ``mask_bytes``' first dimension (``rows`` of them), the
   mask's head count read off its ``kinds [kb, mh, ...]`` (``mask_kinds``); traced."""
   mh = kinds.shape[1]
   return (bi if rows > mh else 0) * mh + (hi if mh > 1 else 0)
