@@ -21,6 +21,8 @@
 #                    in the caller's layouts on Explicit axes (tensor-parallel GEMMs, sequence-split attention)
 #   tests-packed     packed rows on cuDNN blocks: the rings that skip steps by segment ids, the balanced ring; our
 #                    ws kernels reading segment ids on one GPU (forward, backward, ws_attention training)
+#   tests-ws-mask    our ws kernels reading mask arrays on one GPU (forward, backward, ws_attention training), B1 H32
+#                    KV8 D128 S 4K 8K, masks with hidden, full and partial tiles, over every head or broadcast
 #   tests-cudnn-packed  kernel cudnn_packed (cuDNN's packed layout, Hopper): a block's output and log-sum-exp, whole
 #                    rows on one GPU and the ring, forward and gradients, B1 H8 KV2 D128 S 8K packed rows
 #   attention        the attention suite: tuned jaxmercury against every baseline, B1, S 8K 32K 128K
@@ -46,6 +48,9 @@
 #                    jax.nn.dot_product_attention (cuDNN) with the dense mask and cuDNN causal over the whole row, B1
 #                    H32 KV8 D128 S 32K 128K, uniform and long-tailed documents and a row of one document; -training:
 #                    training steps at S32K (uniform, one document)
+#   packed-1gpu-mask one GPU: the same rows with the packed mask as a mask array on ws_attention (its tiles alone:
+#                    no segment ids), against the dense-mask call, S32K uniform and one document; -training: training
+#                    steps
 #   kernels          the local attention kernels against cuDNN on one GPU, every configuration
 #   tuner            the tuner's winner against every library strategy, and its cost model's ranking
 #   llama-4096 llama-16384 llama-32768  one Llama-3 8B block, calibrated figures, operator candidates measured
@@ -131,6 +136,7 @@ for stage in "$@"; do
     tests-cudnn) tests "$stage" 540 tests/gpu/test_cudnn_attention.py tests/gpu/test_plain_programs.py tests/gpu/test_mosaic_kernels.py \
         tests/gpu/test_pallas_attention_gpu.py ;;
     tests-packed) tests "$stage" 540 tests/gpu/test_packed_gpu.py ;;
+    tests-ws-mask) tests "$stage" 540 tests/gpu/test_ws_mask_array_gpu.py ;;
     tests-cudnn-packed) tests "$stage" 300 tests/gpu/test_cudnn_packed.py ;;
     attention) suite "$stage" 570 --suite attention --batches 1 --seqs 8K 32K 128K ;;
     gemm) suite "$stage" 570 --suite gemm --gemm_m 8K 32K ;;
@@ -161,6 +167,12 @@ for stage in "$@"; do
         --kernels ws_attention cudnn_packed cudnn_attention --dense_limit $((32 << 30)) \
         --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" \
         > "$W/$stage.log" 2>&1
+      echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
+    packed-1gpu-mask|packed-1gpu-mask-training)
+      args=(--seqs 32K --mixes uniform one)
+      [ $stage = packed-1gpu-mask-training ] && args+=(--training)
+      timeout "${STAGE_LIMIT:-570}" python3 -m benchmarks.packed --out "$W/$stage.json" --mesh 1 \
+        --mask_kernels ws_attention --time_budget $((${STAGE_LIMIT:-570} - 60)) "${args[@]}" > "$W/$stage.log" 2>&1
       echo "$stage rc=$?" | tee -a "$W/stages.txt" ;;
     kernels) suite "$stage" 570 --suite kernels --configs ;;
     tuner) suite "$stage" 570 --suite tuner ;;

@@ -3,6 +3,7 @@ user runs.
 
     python -m benchmarks.packed --out packed.json [--seqs 32K 128K] [--mixes uniform long_tailed one] [--training]
     python -m benchmarks.packed --out packed-1gpu.json --mesh 1 --kernels ws_attention cudnn_packed  # one GPU
+    python -m benchmarks.packed --out packed-mask.json --mesh 1 --mask_kernels ws_attention  # a mask array
 
 Each case is one batch of rows (B1 H32 KV8 D128 bf16 by default) packed with documents, causal within them, split
 along the sequence over every GPU (the callers' layout, ``P(None, "gpu")``): ``uniform`` rows of documents of
@@ -23,6 +24,10 @@ the same inputs, timed in interleaved rounds (``benchmarks.harness``):
   offsets and lengths). On one device the library's rings do not apply, ``ulysses_dense`` is
   ``jax.nn.dot_product_attention`` with the dense mask on the whole row, and ``jaxmercury_untuned`` is
   ``jm.ops.attention`` with the segment ids on a fresh database.
+* ``local_<kernel>_mask_array`` (with ``--mask_kernels``, one device): the whole row on one local kernel of a
+  program that reads the packed mask as a mask array (``mask=True``, ``[B, S, S]``, built in the call from the
+  segment ids as the dense baseline builds its own): what the kernel skips by a mask array's tiles alone
+  (``ws_attention``: hidden tiles not loaded, full ones not compared).
 
 Each contestant's record carries its speed-up over ``ulysses_dense`` and, on the forward, its rate on the kept pairs
 as a share of cuDNN's causal rate over the whole row (``with_ratios``).
@@ -125,16 +130,26 @@ def schedule_of(prog, mesh, name: str, tune: bool):
   return s.patch(kernel) if kernel else s
 
 
-def local_contestant(prog, mesh, kernel: str) -> harness.Contestant:
-  """The whole row on one local ``kernel`` (``Schedule.patch``), one device only."""
+def local_contestant(prog, mesh, kernel: str, *, mask_array: bool = False, skip: str | None = None
+                     ) -> harness.Contestant:
+  """The whole row on one local ``kernel`` (``Schedule.patch``), one device only; ``mask_array``: ``prog`` is a
+  ``mask=True`` program, given the packed mask as its mask array (built in the call from the segment ids);
+  ``skip``: a reason to leave it out."""
   name, label = f"local_{kernel}", f"jaxmercury, the whole row on {kernel}"
+  if mask_array:
+    name, label = f"{name}_mask_array", f"{label}, the packed mask as an array"
   if mesh.size != 1:
     return harness.Contestant(name, "jaxmercury", None, label, skip="local kernels are timed on one device (--mesh 1)")
   try:
     schedule = jm.Schedule(prog, mesh).patch(kernel)
   except jm.ScheduleError as e:
     return harness.Contestant(name, "jaxmercury", None, label, skip=str(e))
-  return harness.Contestant(name, "jaxmercury", lambda: schedule.compile(), label, record={"kernel": kernel})
+
+  def build():
+    run = schedule.compile()
+    return jax.jit(lambda q, k, v, seg, _: run(q, k, v, dense_mask(seg)[:, 0])) if mask_array else run
+  record = {"kernel": kernel, **({"mask": "array"} if mask_array else {})}
+  return harness.Contestant(name, "jaxmercury", build, label, record=record, skip=skip)
 
 
 def untuned_contestant(mesh) -> harness.Contestant:
@@ -173,7 +188,7 @@ def trained(fn):
 def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   b, h, kv, d = args.batch, args.heads, args.kv, args.head_dim
   impl = "xla" if args.smoke else "cudnn"
-  dtype = jnp.float32 if args.smoke and not args.kernels else jnp.bfloat16
+  dtype = jnp.float32 if args.smoke and not (args.kernels or args.mask_kernels) else jnp.bfloat16
   shortest, longest = (s // 64, s // 4) if args.smoke else (512, 8192)
   seg = np.concatenate([packing(np.random.default_rng(args.seed + r), s, mix, shortest, longest) for r in range(b)])
   kept = float(np.mean([(np.square(np.bincount(row)).sum() + s) / 2 for row in seg]))  # documents are runs
@@ -185,12 +200,12 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
   prog = jm.programs.attention(b, h, kv, s, s, d, causal=True, segment_ids=True, dtype=dtype)
   runs, contestants = {}, []
   dense_bytes = b * s * s
+  too_dense = None if dense_bytes <= args.dense_limit else (f"the dense mask ({dense_bytes / 2**30:.0f} GiB) is "
+                                                             "over --dense_limit")
   contestants.append(harness.Contestant(
       "ulysses_dense", "baseline", lambda: dense_call(mesh, h, kv, impl),
       "Ulysses, jax.nn.dot_product_attention with the dense packed mask" if mesh.size > 1 else
-      "jax.nn.dot_product_attention with the dense packed mask",
-      skip=None if dense_bytes <= args.dense_limit else f"the dense mask ({dense_bytes / 2**30:.0f} GiB) is over "
-      f"--dense_limit"))
+      "jax.nn.dot_product_attention with the dense packed mask", skip=too_dense))
   schedules = SCHEDULES if mesh.size > 1 else ()  # one device: the whole row, no ring
   for name in schedules + (("tuned",) if args.tune else ()):
     try:
@@ -204,6 +219,9 @@ def run_case(args, mesh, s: int, mix: str, deadline: float) -> dict:
     contestants.append(harness.Contestant(name, "jaxmercury", lambda s=schedule: s.compile(),
                                           f"jaxmercury {name}", record={"strategy": name, **runs.get(name, {})}))
   contestants += [local_contestant(prog, mesh, kernel) for kernel in args.kernels]
+  masked = jm.programs.attention(b, h, kv, s, s, d, causal=True, mask=True, dtype=dtype)
+  contestants += [local_contestant(masked, mesh, kernel, mask_array=True, skip=too_dense)
+                  for kernel in args.mask_kernels]
   if mesh.size == 1:
     contestants.append(untuned_contestant(mesh))
   inputs = (q, k, v, ids, ids)
@@ -238,6 +256,8 @@ def main(argv=None):
   parser.add_argument("--tune", action="store_true", help="also the tuner's winner (tuned on random packings)")
   parser.add_argument("--mesh", default="", help="devices: '' every one (default), '1' one GPU")
   parser.add_argument("--kernels", nargs="*", default=[], help="local kernels timed on the whole row (one device)")
+  parser.add_argument("--mask_kernels", nargs="*", default=[],
+                      help="local kernels timed on the whole row with the packed mask as a mask array (one device)")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--kv", type=int, default=8)
@@ -252,7 +272,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.smoke:
     args.seqs, args.heads, args.kv, args.head_dim, args.iters, args.min_timing_s = ["256"], 8, 8, 16, 3, 0.0
-    if args.kernels:  # what the kernels take, in interpret mode
+    if args.kernels or args.mask_kernels:  # what the kernels take, in interpret mode
       args.heads, args.kv, args.head_dim, args.iters = 2, 1, 64, 1
     flags = os.environ.get("XLA_FLAGS", "")  # before JAX makes its CPU client: 8 simulated devices
     os.environ["XLA_FLAGS"] = cpu_flags(flags, None if DEVICE_COUNT in flags else 8)

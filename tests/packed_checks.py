@@ -46,6 +46,18 @@ def segment_ids(kind: str, b: int, s: int):
   return q, q
 
 
+def mask_array(mb: int, mh: int, s_q: int, s_kv: int, block: int = 64):
+  """A fresh boolean mask array ``[mb, mh, s_q, s_kv]`` whose ``block`` x ``block`` blocks are, at random, all
+  hidden, all kept or mixed (random pairs, a few rows keeping nothing): tiles of every kind for the kernels'
+  summaries at any tile size that ``block`` divides, and some rows of no key."""
+  rng = np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2 ** 31 - 1)))
+  kinds = rng.integers(0, 3, (mb, mh, s_q // block, s_kv // block))
+  mixed = rng.random((mb, mh, s_q, s_kv)) < 0.5
+  mixed[..., rng.integers(0, s_q, 3), :] = False
+  up = lambda x: np.repeat(np.repeat(x, block, axis=2), block, axis=3)
+  return np.where(up(kinds) == 0, False, np.where(up(kinds) == 1, True, mixed))
+
+
 def keep_mask(q_ids, kv_ids, *, causal=False, window=None, offset=0, s_q=None, s_kv=None):
   """bool ``[b or 1, s_q, s_kv]``: the pairs kept (equal ids where given; ``causal`` and ``window (left, right)``
   on positions, query ``p`` at ``p + offset`` in the keys' frame)."""
@@ -62,14 +74,21 @@ def keep_mask(q_ids, kv_ids, *, causal=False, window=None, offset=0, s_q=None, s
   return keep
 
 
+def by_head(keep):
+  """A kept-pairs mask ``[b or 1, s, t]`` (every head's) or ``[b or 1, h or 1, s, t]`` as the latter, NumPy."""
+  keep = np.asarray(keep)
+  return keep[:, None] if keep.ndim == 3 else keep
+
+
 def attention(q, k, v, keep):
   """``(out [b, s, h, d], lse [b, h, s])`` float32 of ``q [b, s, h, d]`` over ``k, v [b, t, kv, d]`` keeping the
-  pairs ``keep [b or 1, s, t]``; a row that keeps no key: ``out = 0``, ``lse = -inf``."""
+  pairs ``keep [b or 1, s, t]`` or ``[b or 1, h or 1, s, t]``; a row that keeps no key: ``out = 0``,
+  ``lse = -inf``."""
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   g = q.shape[2] // k.shape[2]
   k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
   scores = jnp.einsum("bshd,bthd->bhst", q, k) / math.sqrt(q.shape[-1])
-  scores = jnp.where(jnp.asarray(keep)[:, None], scores, -jnp.inf)
+  scores = jnp.where(jnp.asarray(by_head(keep)), scores, -jnp.inf)
   top = jnp.max(scores, axis=-1, keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   p = jnp.exp(scores - top)
@@ -92,9 +111,9 @@ def assert_forward(out, lse, q, k, v, keep, tol=GRAD_TOL):
   out, lse = np.asarray(out, np.float32), np.asarray(lse)
   assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
   assert not np.isnan(out).any() and not np.isnan(lse).any()
-  empty = np.broadcast_to(~np.asarray(keep).any(axis=-1), (q.shape[0], q.shape[1]))  # [b, s]
-  np.testing.assert_array_equal(np.isneginf(lse), np.broadcast_to(empty[:, None], lse.shape))
-  assert not np.any(out[empty])
+  empty = np.broadcast_to(~by_head(keep).any(axis=-1), lse.shape)  # [b, h, s]
+  np.testing.assert_array_equal(np.isneginf(lse), empty)
+  assert not np.any(out[np.transpose(empty, (0, 2, 1))])
   assert rel_err(out, want_out) < tol
   finite = np.isfinite(np.asarray(want_lse))
   assert rel_err(lse[finite], np.asarray(want_lse)[finite]) < 1e-3

@@ -464,16 +464,17 @@ def test_kernel_trace_reads_kernels_by_call():
 
 def test_packed_one_gpu_smoke(tmp_path):
   """``benchmarks.packed --mesh 1``: the dense-mask call is the reference and the baseline, the untuned call agrees
-  with it; ratios to the dense mask and the kept pairs' rate from the records; kernel cudnn_packed skipped on the
-  CPU with its reason."""
+  with it, and so does ws_attention with the packed mask as a mask array (interpret mode); ratios to the dense mask
+  and the kept pairs' rate from the records; kernel cudnn_packed skipped on the CPU with its reason."""
   out = tmp_path / "one.json"
-  packed.main(["--smoke", "--mesh", "1", "--kernels", "cudnn_packed", "--mixes", "uniform", "--out", str(out)])
+  packed.main(["--smoke", "--mesh", "1", "--kernels", "cudnn_packed", "--mask_kernels", "ws_attention", "--mixes",
+               "uniform", "--out", str(out)])
   results = json.loads(out.read_text())
   assert results["command"].startswith("python -m benchmarks.packed --smoke --mesh 1")
   (case,) = results["cases"]
   rec = {r["name"]: r for r in case["contestants"]}
   assert case["reference"] == case["best_baseline"] == "ulysses_dense" and 0 < case["kept_fraction_of_causal"] < 1
-  assert rec["jaxmercury_untuned"]["numerics_ok"]
+  assert rec["jaxmercury_untuned"]["numerics_ok"] and rec["local_ws_attention_mask_array"]["numerics_ok"]
   dense, untuned = rec["ulysses_dense"]["median_ms"], rec["jaxmercury_untuned"]
   assert untuned["ratio_to_dense_mask"] == pytest.approx(dense / untuned["median_ms"], rel=1e-2)
   assert untuned["kept_rate_of_causal_rate"] == pytest.approx(

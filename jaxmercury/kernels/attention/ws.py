@@ -17,12 +17,15 @@ query and key blocks of different lengths (forward), lengths that are not
 multiples of the tiles, keys that may hold padding, blocks spanning zigzag
 chunks, a head dimension the backward does not take (64 and 128 only).
 
-Segment ids and sliding windows (with or without causal) take the kernels'
-masked path (``ws_mask``) at any offset: a block its positions hide is
-skipped; any other runs with the block's offset (its first query's position
-minus its first key's), and the kernels skip the tiles that keep no pair,
-compare only those kept in part, and give rows that keep no key ``out = 0``,
-``lse = -inf``.
+Segment ids, mask arrays and sliding windows (with or without causal) take
+the kernels' masked path (``ws_mask``) at any offset: a block its positions
+hide is skipped; any other runs with the block's offset (its first query's
+position minus its first key's), and the kernels skip the tiles that keep no
+pair, compare only those kept in part, and give rows that keep no key
+``out = 0``, ``lse = -inf``. A mask array's block goes to the kernels as
+``[batch or 1, heads or 1, queries, keys]``: broadcast over batch and heads
+where the program's mask does not have them (not copied), along queries or
+keys where it lacks those.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from jaxmercury.kernels.mosaic_gpu import HALF_DTYPES, hopper_only
 from jaxmercury.kernels.registry import AttentionBackward, Kernel
 from jaxmercury.kernels.work import CAUSAL, Block, Work, body_share
 from jaxmercury.programs.attention_backward import dq_dkv_block
-from jaxmercury.programs.masks import AttentionMask, mask_of
+from jaxmercury.programs.masks import AttentionMask, expand_mask, mask_of
 
 NAME = "ws_attention"
 F32 = jnp.float32
@@ -61,23 +64,25 @@ class WsConfig:
 # ------------------------------------------------------------------ where the kernels take a block
 
 
-def forward_problem(tq: int, tk: int, d: int, config: WsConfig, itemsize: int = 2) -> str | None:
-  """Why the forward kernel cannot take a [tq] x [tk] block pair of head dimension ``d`` (None: it can)."""
+def forward_problem(tq: int, tk: int, d: int, config: WsConfig, itemsize: int = 2, mask: bool = False) -> str | None:
+  """Why the forward kernel cannot take a [tq] x [tk] block pair of head dimension ``d`` (``mask``: with a mask
+  array's tiles; None: it can)."""
   if tq != tk:
     return f"query and key blocks of different lengths ({tq} and {tk})"
   if d % 64 or d > 256:
     return f"head dimension {d} is not a multiple of 64 up to 256"
   blocks = WsBlocks(config.block_q, config.block_kv, config.max_concurrent_steps)
-  if reason := blocks.problem(d, itemsize):
+  if reason := blocks.problem(d, itemsize) or (blocks.mask_problem(d, itemsize) if mask else None):
     return reason
   if tq % (2 * config.block_q) or tk % config.block_kv:
     return f"blocks of {tq} positions are not a multiple of 2 * block_q = {2 * config.block_q} and block_kv"
   return None
 
 
-def backward_problem(tq: int, tk: int, d: int, causal: bool, itemsize: int = 2) -> str | None:
-  """Why the backward kernel cannot take a [tq] x [tk] block pair (None: it can)."""
-  if reason := BACKWARD.problem(d, itemsize):
+def backward_problem(tq: int, tk: int, d: int, causal: bool, itemsize: int = 2, mask: bool = False) -> str | None:
+  """Why the backward kernel cannot take a [tq] x [tk] block pair (``mask``: with a mask array's tiles; None: it
+  can)."""
+  if reason := BACKWARD.problem(d, itemsize, mask):
     return reason
   keys = 2 * BACKWARD.block_kv
   if tq % BACKWARD.block_q or tk % keys:
@@ -111,30 +116,43 @@ def backward(q, k, v, o, do, lse, *, causal: bool, interpret: bool):
 
 
 def masked(mask: AttentionMask) -> bool:
-  """Whether the kernels take ``mask`` on their masked path (segment ids, a window), not the causal one."""
-  return ws_mask.Masking.make(mask.causal, mask.window, mask.segment_ids) is not None
+  """Whether the kernels take ``mask`` on their masked path (segment ids, a mask array, a window), not the causal
+  one."""
+  return ws_mask.Masking.make(mask.causal, mask.window, mask.segment_ids, mask.mask_axes is not None) is not None
 
 
-def masked_forward(q, k, v, *ids, mask: AttentionMask, offset, config: WsConfig, interpret: bool):
-  """``forward`` on the masked path: ``ids`` the blocks' segment ids (``[b, i]``, ``[b, j]``) where ``mask`` has
-  them, ``offset`` the first query's position minus the first key's."""
+def data_inputs(mask: AttentionMask, extras, tq: int, tk: int) -> dict:
+  """The kernels' keyword arguments for a block's data masks: ``extras`` its segment ids (``[b, i]``, ``[b, j]``)
+  and its mask array's block (the program's ``mask`` buffer's axes) as ``mask [b or 1, heads or 1, tq, tk]``."""
+  extras = list(extras)
+  out = dict(zip(("q_segment_ids", "kv_segment_ids"), extras[:2])) if mask.segment_ids else {}
+  if mask.mask_axes is not None:
+    block = expand_mask(extras[-1], mask.mask_axes)  # [b, hk, g, i, j], size 1 where it has no such axis
+    nb, nhk, ng = block.shape[:3]
+    block = block.reshape(nb, nhk * ng, *block.shape[3:])
+    out["mask"] = jnp.broadcast_to(block, (nb, nhk * ng, tq, tk))
+  return out
+
+
+def masked_forward(q, k, v, *extras, mask: AttentionMask, offset, config: WsConfig, interpret: bool):
+  """``forward`` on the masked path: ``extras`` the blocks' data masks where ``mask`` has them (``data_inputs``),
+  ``offset`` the first query's position minus the first key's."""
   b, i, hk, g, d = q.shape
-  segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+  data = data_inputs(mask, extras, i, k.shape[1])
   out, lse = fused_ring_attention_ws(q.reshape(b, i, hk * g, d), k, v, None, causal=mask.causal, window=mask.window,
                                      offset=offset, block_q=config.block_q, block_kv=config.block_kv,
-                                     max_concurrent_steps=config.max_concurrent_steps, interpret=interpret,
-                                     **segments)
+                                     max_concurrent_steps=config.max_concurrent_steps, interpret=interpret, **data)
   return out.reshape(q.shape).astype(F32), jnp.transpose(lse, (0, 2, 1)).reshape(b, i, hk, g)
 
 
-def masked_backward(q, k, v, o, do, lse, *ids, mask: AttentionMask, offset, interpret: bool):
+def masked_backward(q, k, v, o, do, lse, *extras, mask: AttentionMask, offset, interpret: bool):
   """``backward`` on the masked path (``masked_forward``'s arguments)."""
   b, i, hk, g, d = q.shape
   heads = lambda x: x.reshape(b, i, hk * g, d)
   rows = jnp.transpose(lse.reshape(b, i, hk * g), (0, 2, 1))
-  segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+  data = data_inputs(mask, extras, i, k.shape[1])
   dq, dk, dv = attention_backward_ws(heads(q), k, v, heads(o), heads(do).astype(q.dtype), rows, causal=mask.causal,
-                                     window=mask.window, offset=offset, interpret=interpret, **segments)
+                                     window=mask.window, offset=offset, interpret=interpret, **data)
   return dq.reshape(q.shape), dk.astype(F32), dv.astype(F32)
 
 
@@ -155,7 +173,8 @@ def ws_attention_block(ctx, q, k, v, *extras, causal: bool, config: WsConfig, in
   """One attention block (``attention_block``'s contract) through the forward kernel, else ``fallback``."""
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   takes = causal_blocks.takes_whole(ctx, backward=False)
-  if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize) or not takes:
+  array = mask is not None and mask.mask_axes is not None
+  if forward_problem(tq, tk, q.shape[-1], config, q.dtype.itemsize, array) or not takes:
     return fallback(ctx, q, k, v, *extras)
   if mask is not None and masked(mask):
     run = functools.partial(masked_forward, mask=mask, offset=_offset(ctx), config=config, interpret=interpret)
@@ -174,7 +193,8 @@ def ws_backward_block(ctx, q, k, v, o, do, lse, *extras, causal: bool, part: str
   blocks = (q, k, v, o, do, lse)
   tq, tk = ctx.sizes["i"], ctx.sizes["j"]
   takes = causal_blocks.takes_whole(ctx, backward=True)
-  if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize) or not takes:
+  array = mask is not None and mask.mask_axes is not None
+  if backward_problem(tq, tk, q.shape[-1], False, q.dtype.itemsize, array) or not takes:
     return fallback(ctx, *blocks, *extras)
   pick = causal_blocks.pick(part)
   if mask is not None and masked(mask):
@@ -288,7 +308,7 @@ def _joint(dq_program, *, interpret: bool = False):
                            **_mask_keywords(dq_program))
 
 
-MASKS = frozenset({"causal", "window", "segment_ids"})
+MASKS = frozenset({"causal", "window", "segment_ids", "mask"})
 
 
 def _backward_kernel(part: str) -> Kernel:
@@ -305,5 +325,5 @@ WS_ATTENTION = Kernel(
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
                                whole_limit=whole_limit, own=True),
     description="our warp-specialized Mosaic GPU kernels (kernels.attention.ws_forward without a ring, "
-                "kernels.attention.ws_backward: dq, dk and dv in one pass); causal, sliding windows and segment ids "
-                "(tiles the mask hides skipped, tiles it keeps whole not compared)")
+                "kernels.attention.ws_backward: dq, dk and dv in one pass); causal, sliding windows, segment ids and "
+                "mask arrays (tiles the mask hides skipped, tiles it keeps whole not compared)")

@@ -151,11 +151,12 @@ class BackwardBlocks:
   max_concurrent_steps: int = param(2)
   query_chunks: int | None = param(None)
 
-  def smem_bytes(self, d: int, itemsize: int) -> int:
-    """K and V of both consumers, the Q/dO slots with their lse and delta rows, two ds buffers, the dq staging."""
+  def smem_bytes(self, d: int, itemsize: int, mask: bool = False) -> int:
+    """K and V of both consumers, the Q/dO slots with their lse and delta rows (with ``mask``, the mask array's
+    bytes of both consumers' keys), two ds buffers, the dq staging."""
     bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
     kv = 2 * CONSUMERS * bkv * d * itemsize
-    streamed = slots * (2 * bq * d * itemsize + 2 * 4 * bq)
+    streamed = slots * (2 * bq * d * itemsize + 2 * 4 * bq + (CONSUMERS * bkv * bq if mask else 0))
     ds = 2 * CONSUMERS * bkv * bq * itemsize
     dq = CONSUMERS * bq * _dq_columns(d) * 4
     return kv + streamed + ds + dq + SMEM_OVERHEAD
@@ -169,8 +170,8 @@ class BackwardBlocks:
     chunks, or a K/V head's ``group`` query heads over several items."""
     return self.chunks(s_q, causal) > 1 or group > ITEM_HEADS
 
-  def problem(self, d: int, itemsize: int = 2) -> str | None:
-    """Why these tiles cannot compile for head dimension ``d``, or None."""
+  def problem(self, d: int, itemsize: int = 2, mask: bool = False) -> str | None:
+    """Why these tiles cannot compile for head dimension ``d`` (``mask``: with a mask array's tiles), or None."""
     if self.block_q != 64 or self.block_kv != 64:
       return (f"block_q={self.block_q} and block_kv={self.block_kv} must be 64 (the registers hold dk and dv of "
               "64 keys and 64-query score tiles)")
@@ -180,7 +181,7 @@ class BackwardBlocks:
       return f"query_chunks={self.query_chunks!r} must be None (auto_chunks) or a positive int"
     if self.max_concurrent_steps < 2:
       return f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
-    if (need := self.smem_bytes(d, itemsize)) > SMEM_BYTES:
+    if (need := self.smem_bytes(d, itemsize, mask)) > SMEM_BYTES:
       return f"needs {need} bytes of shared memory, over the {SMEM_BYTES} a CTA has"
     return None
 
@@ -201,7 +202,7 @@ def auto_chunks(s_q: int, causal: bool) -> int:
 
 def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: BackwardBlocks = BackwardBlocks(),
                           interpret: bool = False, window: tuple[int, int] | None = None, q_segment_ids=None,
-                          kv_segment_ids=None, offset=0):
+                          kv_segment_ids=None, offset=0, mask=None):
   """``(dq, dk, dv)`` of softmax attention from its output and log-sum-exp, in one kernel.
 
   Args:
@@ -216,12 +217,16 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
     window: ``(left, right)``: query ``x`` keeps keys ``x - left .. x + right``.
     q_segment_ids, kv_segment_ids: ``[b, s_q]`` and ``[b, s_kv]`` int32 (both or
       neither): a query keeps the keys of its own id (packed sequences).
-    offset: with a window or segment ids, the position of the first query
-      minus that of the first key (int or traced int32 scalar).
+    offset: with a window, segment ids or a mask array, the position of the
+      first query minus that of the first key (int or traced int32 scalar).
+    mask: a boolean mask array ``[b or 1, h or 1, s_q, s_kv]`` (a query keeps
+      the keys it marks; batch and heads broadcast where of size 1).
 
-  With a window or segment ids the kernel takes its masked path (``ws_mask``):
-  an item's query tiles are those that keep any of its keys, tiles every query
-  keeps whole are not compared.
+  With a window, segment ids or a mask array the kernel takes its masked path
+  (``ws_mask``): an item's query tiles are those that keep any of its keys,
+  tiles every query keeps whole are not compared. A mask array is read
+  transposed (keys by queries, once per call, as the consumers' ``p^T``
+  tiles): its partial tiles come as bytes beside Q (TMA, the Q barrier).
 
   Returns:
     ``dq [b, s_q, h, d]`` float32, ``dk, dv [b, s_kv, kv, d]`` in the inputs' dtype.
@@ -229,20 +234,22 @@ def attention_backward_ws(q, k, v, o, do, lse, *, causal: bool = False, blocks: 
   Raises:
     PreconditionError: shapes, dtypes or tiles the kernel does not take (module docstring).
   """
-  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None)
-  _check(q, k, v, o, do, lse, causal and masking is None, blocks)
+  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None,
+                                 mask is not None)
+  _check(q, k, v, o, do, lse, causal and masking is None, blocks, mask)
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)  # a row without keys: p = exp2(-inf) = 0
   if masking is not None:
-    extras = _masked_inputs(q, k, blocks, masking, q_segment_ids, kv_segment_ids, offset)
+    extras = _masked_inputs(q, k, blocks, masking, q_segment_ids, kv_segment_ids, offset, mask)
     return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, False, blocks, interpret, masking, extras)
   return _kernel(q, k, v, do, lse2.astype(jnp.float32), delta, causal, blocks, interpret)
 
 
-def _masked_inputs(q, k, blocks: BackwardBlocks, masking: ws_mask.Masking, q_ids, kv_ids, offset) -> tuple:
+def _masked_inputs(q, k, blocks: BackwardBlocks, masking: ws_mask.Masking, q_ids, kv_ids, offset,
+                   mask=None) -> tuple:
   """The masked path's inputs: the items' table (``ws_mask.item_table``: lanes, each item's query tiles: those of
   its chunk that keep any of its keys), the key tiles' summaries, the offset; with ids, the query ids and the key
-  ids by key tile."""
+  ids by key tile; with a mask array, ``_array_inputs``' (the table from them)."""
   b, s, h, _ = q.shape
   skv, kv = k.shape[1], k.shape[2]
   if masking.ids:
@@ -256,20 +263,37 @@ def _masked_inputs(q, k, blocks: BackwardBlocks, masking: ws_mask.Masking, q_ids
   offset = jnp.asarray(offset, jnp.int32)
   bq, bkv, keys = blocks.block_q, blocks.block_kv, CONSUMERS * blocks.block_kv
   summary = ws_mask.summaries(masking, kv_ids, q_ids, offset, False, (b, skv, s), bkv)
-  first, count = ws_mask.spans(summary, CONSUMERS, bq)  # [b, key pairs] query tiles
   plan = chunk_plan(s // bq, blocks.chunks(s, False), bq, keys, skv // keys, False)
+  ids = (q_ids, kv_ids.reshape(b, skv // bkv, bkv)) if masking.ids else ()
+  if masking.array:
+    table, arrays = _array_inputs(summary if masking.ids else summary[:1], mask, plan, (b, h), (bq, bkv))
+    return (table, summary, offset.reshape(1)) + ids + arrays
+  first, count = ws_mask.spans(summary, CONSUMERS, bq)  # [b, key pairs] query tiles
   lo = jnp.array([c_lo for c_lo, _, _ in plan for _ in range(skv // keys)], jnp.int32)
   hi = jnp.array([c_hi for _, c_hi, _ in plan for _ in range(skv // keys)], jnp.int32)
   first, end = jnp.tile(first, (1, len(plan))), jnp.tile(first + count, (1, len(plan)))
   t0, t_end = jnp.maximum(first, lo), jnp.minimum(end, hi)
   table = ws_mask.item_table(t0, jnp.maximum(t_end - t0, 0), kv * (h // kv // ITEM_HEADS))
-  extras = (table, summary, offset.reshape(1))
-  if masking.ids:
-    extras += (q_ids, kv_ids.reshape(b, skv // bkv, bkv))
-  return extras
+  return (table, summary, offset.reshape(1)) + ids
 
 
-def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
+def _array_inputs(summary, mask, plan, batch_heads: tuple[int, int], tiles: tuple[int, int]):
+  """With a mask array: the items' table (each item's range of its key pair's list of query tiles, cut to its
+  chunk; ``batch_heads``: ``(b, h)``), and the kernel's ``(kinds [kb, mh, key tiles, query tiles], lists
+  [kb, mh, key pairs, query tiles], bytes [mb * mh, s_kv, s_q])`` of the transposed mask (``ws_mask``)."""
+  assert ITEM_HEADS == 1, "an item's query head indexes the mask's heads"
+  (b, h), (bq, bkv) = batch_heads, tiles
+  keys_first = jnp.swapaxes(mask, 2, 3)  # [mb, mh, s_kv, s_q]: the consumers' p^T tiles
+  kinds = ws_mask.mask_kinds(summary, keys_first, bkv, bq)
+  lists, count = ws_mask.tile_lists(kinds, CONSUMERS)
+  ranges = [ws_mask.list_ranges(lists, count, lo, hi) for lo, hi, _ in plan]  # groups chunk-major
+  first, count = (jnp.concatenate(r, axis=-1) for r in zip(*ranges))  # [kb, mh, groups]
+  by_item = lambda x: jnp.broadcast_to(jnp.swapaxes(x, 1, 2), (b, x.shape[2], h))
+  table = ws_mask.item_table(by_item(first), by_item(count), h)
+  return table, (kinds, lists, ws_mask.mask_bytes(keys_first))
+
+
+def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks, mask=None) -> None:
   if q.ndim != 4 or k.ndim != 4 or q.shape != o.shape or q.shape != do.shape or k.shape != v.shape:
     raise PreconditionError(f"{NAME}: q, o, do must be [b, s_q, h, d] and k, v [b, s_kv, kv, d] of one shape "
                             f"each; got q {q.shape}, k {k.shape}, v {v.shape}, o {o.shape}, do {do.shape}")
@@ -284,8 +308,10 @@ def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks) -> None:
                             f"{sorted(map(str, dtypes))}")
   if lse.shape != (b, h, s):
     raise PreconditionError(f"{NAME}: lse must be [b, h, s_q] = {(b, h, s)}, got {lse.shape}")
-  if reason := blocks.problem(d, q.dtype.itemsize):
+  if reason := blocks.problem(d, q.dtype.itemsize, mask is not None):
     raise PreconditionError(f"{NAME}: {reason}")
+  if mask is not None:
+    ws_mask.check_array(NAME, mask, b, h, s, skv)
   if s % blocks.block_q or skv % (CONSUMERS * blocks.block_kv):
     raise PreconditionError(f"{NAME}: s_q={s} must be a multiple of block_q={blocks.block_q} and s_kv={skv} of "
                             f"2 * block_kv = {CONSUMERS * blocks.block_kv} (a work item's two key tiles)")
@@ -354,6 +380,11 @@ class _Plan:
     return self.masking is not None and self.masking.ids
 
   @property
+  def array(self) -> bool:
+    """The masked path reads a mask array: its tiles' kinds, the items' query tile lists, its bytes beside Q."""
+    return self.masking is not None and self.masking.array
+
+  @property
   def keys_pairs(self) -> int:
     """Key pairs (items of a lane and chunk): the masked path's groups are chunk-major."""
     return self.plan[0][2]
@@ -401,13 +432,16 @@ def _kernel(q, k, v, do, lse2, delta, causal: bool, blocks: BackwardBlocks, inte
              plgpu.SMEM((CONSUMERS, bq, p.dq_cols), jnp.float32, transforms=dq_tiles),  # dq staging
              plgpu.Barrier(num_arrivals=2 if p.ids else 1),  # K loaded (and its ids)
              plgpu.Barrier(),  # V loaded
-             plgpu.Barrier(num_arrivals=3 if p.ids else 2, num_barriers=slots),  # Q and lse loaded (and Q's ids)
+             # Q and lse loaded (and Q's ids, the slot's mask tiles)
+             plgpu.Barrier(num_arrivals=2 + p.ids + CONSUMERS * p.array, num_barriers=slots),
              plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # dO and delta loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),  # slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS),  # K/V SMEM free (dk, dv stored)
              plgpu.Barrier(num_arrivals=CONSUMERS)]  # the consumers' meetings
   if p.ids:  # each slot's query ids, both consumers' key ids
     scratch += [plgpu.SMEM((slots, bq), jnp.int32), plgpu.SMEM((CONSUMERS, p.bkv), jnp.int32)]
+  if p.array:  # each slot's mask tiles, one per consumer's keys (swizzled: the loads' rows hit every bank)
+    scratch.append(plgpu.SMEM((slots, CONSUMERS, p.bkv, bq), jnp.uint8, transforms=swizzled(bq, jnp.uint8)))
   # dq is added into a float32 buffer; in interpret mode one per CTA (no reduce-add stores there), summed after
   per_cta = (p.grid,) if interpret else ()
   dq_acc = jax.new_ref(jnp.zeros(per_cta + q.shape, jnp.float32))
@@ -458,23 +492,30 @@ class _Refs:
   k_ids: object = None
   qid_smem: object = None  # [slot]
   kid_smem: object = None  # [consumer]
+  kinds: object = None  # with a mask array: [kb, mh, key tiles, query tiles] (ws_mask.mask_kinds)
+  tiles: object = None  # [kb, mh, key pairs, query tiles]: each key pair's query tiles (ws_mask.tile_lists)
+  mask: object = None  # [mb * mh, s_kv, s_q] bytes, keys first (ws_mask.mask_bytes)
+  mask_smem: object = None  # [slot, consumer]: the slot's mask tiles
 
   @staticmethod
   def unpack(p: _Plan, *refs) -> _Refs:
     refs = list(refs)
     inputs, refs = refs[:6], refs[6:]
-    masked = [refs.pop(0) for _ in range(3)] if p.masking else []
-    ids = [refs.pop(0) for _ in range(2)] if p.ids else []
-    id_smem = [refs.pop(-2), refs.pop()] if p.ids else []
-    return _Refs(*inputs, *refs, *masked, *ids, *id_smem)  # refs: dq, dk, dv (sums or outputs), the scratch
+    masked = [refs.pop(0) for _ in range(3)] if p.masking else [None] * 3
+    ids = [refs.pop(0) for _ in range(2)] if p.ids else [None] * 2
+    arrays = [refs.pop(0) for _ in range(3)] if p.array else [None] * 3
+    mask_smem = refs.pop() if p.array else None
+    id_smem = [refs.pop(-2), refs.pop()] if p.ids else [None] * 2
+    # refs: dq, dk, dv (sums or outputs), the scratch
+    return _Refs(*inputs, *refs, *masked, *ids, *id_smem, *arrays, mask_smem)
 
 
 class _Items:
   """The items of CTA ``cta`` (traced): ``count`` of them in snake order, ``item(i)`` the ``i``-th, ``steps``
   over its query tiles."""
 
-  def __init__(self, p: _Plan, cta, table=None):
-    self.p, self.table = p, table
+  def __init__(self, p: _Plan, cta, refs: _Refs):
+    self.p, self.refs, self.table = p, refs, refs.items
     self.count, self.rank_of = snake_order(p.work, p.grid, cta)
 
   def item(self, i):
@@ -497,6 +538,24 @@ class _Items:
     first_head = kh * p.g + lax.rem(lane, p.parts) * ITEM_HEADS
     return lane // (p.kv * p.parts), kh, first_head, kv0, jnp.maximum(lo, first_tile(kv0, p.bq, p.causal)), hi
 
+  def query_tile(self, bi, hq, kv0, entry):
+    """The query tile of an item's ``entry`` (the masked path: itself; with a mask array, entry ``entry`` of its
+    key pair's list, ``ws_mask.tile_lists``)."""
+    p, refs = self.p, self.refs
+    if not p.array:
+      return entry
+    kb, mh = refs.tiles.shape[:2]
+    return refs.tiles[bi if kb > 1 else 0, hq if mh > 1 else 0, kv0 // p.keys, entry]
+
+  def kind(self, summary, bi, hq, key_tile, t):
+    """``ws_mask``'s kind (int32) of query tile ``t`` by key tile ``key_tile``: from the key tile's summary
+    (``ws_mask.tile_kind``), or with a mask array from its combined kinds (``ws_mask.mask_kinds``)."""
+    p, refs = self.p, self.refs
+    if p.array:
+      kb, mh = refs.kinds.shape[:2]
+      return refs.kinds[bi if kb > 1 else 0, hq if mh > 1 else 0, key_tile, t]
+    return ws_mask.tile_kind(summary.__getitem__, t * p.bq, t * p.bq + p.bq - 1)
+
   def steps(self, runs, step, state):
     """``step(j, t, tag, state)`` over an item's query heads (``j``: from its first) and, for each, the query
     tiles ``t`` of its ``runs``, ``(first tile, end tile, tag)``, in order."""
@@ -512,7 +571,7 @@ def _body(p: _Plan, *refs):
   refs = _Refs.unpack(p, *refs)
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
-  items = _Items(p, cta, refs.items)
+  items = _Items(p, cta, refs)
   pl.when(wg == CONSUMERS)(lambda: _Producer(p, refs, items).run())
   pl.when(wg < CONSUMERS)(lambda: _consumers(p, refs, items, cta, wg))
 
@@ -544,12 +603,14 @@ class _Producer:
     plgpu.copy_gmem_to_smem(refs.v.at[bi, rows, kh], refs.v_smem, refs.v_loaded)
     if p.ids:  # both consumers' key ids, by key tile
       plgpu.copy_gmem_to_smem(refs.k_ids.at[bi, pl.ds(kv0 // p.bkv, CONSUMERS)], refs.kid_smem, refs.k_loaded)
-    return self.items.steps([(t0, t_end, None)], functools.partial(self.tile, bi, h0), loaded)
+    return self.items.steps([(t0, t_end, None)], functools.partial(self.tile, bi, h0, kv0), loaded)
 
-  def tile(self, bi, h0, j, t, _, loaded):
-    """Query tile ``t`` of head ``h0 + j`` into the next slot."""
+  def tile(self, bi, h0, kv0, j, entry, _, loaded):
+    """The query tile of entry ``entry`` (``_Items.query_tile``) of head ``h0 + j`` into the next slot; with a mask
+    array, its bytes by both consumers' keys."""
     p, refs = self.p, self.refs
     hq, slot = h0 + j, lax.rem(loaded, p.slots)
+    t = self.items.query_tile(bi, hq, kv0, entry)
     pl.when(loaded >= p.slots)(lambda: plgpu.barrier_wait(refs.consumed.at[slot]))
     qrows = pl.ds(t * p.bq, p.bq)
     plgpu.copy_gmem_to_smem(refs.q.at[bi, qrows, hq], refs.q_smem.at[slot], refs.q_loaded.at[slot])
@@ -558,6 +619,11 @@ class _Producer:
     plgpu.copy_gmem_to_smem(refs.delta.at[bi, hq, qrows], refs.delta_smem.at[slot], refs.do_loaded.at[slot])
     if p.ids:
       plgpu.copy_gmem_to_smem(refs.q_ids.at[bi, qrows], refs.qid_smem.at[slot], refs.q_loaded.at[slot])
+    if p.array:  # a copy per consumer's keys: 2D tiles (a TMA copy strides at most 5 dimensions)
+      index = ws_mask.array_index(refs.kinds, refs.mask.shape[0], bi, hq)
+      for w in range(CONSUMERS):
+        plgpu.copy_gmem_to_smem(refs.mask.at[index, pl.ds(kv0 + w * p.bkv, p.bkv), qrows],
+                                refs.mask_smem.at[slot, w], refs.q_loaded.at[slot])
     return loaded + 1
 
 
@@ -676,9 +742,9 @@ class _Consumer:
     return jnp.where(query - key >= mask_from, pt, 0.0)
 
   def masked(self, kind, slot, base, pt):
-    """The masked path's ``p^T`` of a tile of ``kind`` (``ws_mask.tile_kind``): zero where the pair is not kept
-    (equal ids of the slot's queries and this consumer's keys, and the band; ``base``: the tile's first query
-    position minus its first key's), unless the tile is kept whole (no compare)."""
+    """The masked path's ``p^T`` of a tile of ``kind`` (``_Items.kind``): zero where the pair is not kept (equal
+    ids of the slot's queries and this consumer's keys, the band (``base``: the tile's first query position minus
+    its first key's), the mask array's bytes), unless the tile is kept whole (no compare)."""
     p = self.p
 
     def compare(pt):
@@ -688,7 +754,11 @@ class _Consumer:
         key_ids = plgpu.load(self.refs.kid_smem.at[self.wg], layout=plgpu.Layout.WGMMA.reduce(1))
         query_ids = plgpu.load(self.refs.qid_smem.at[slot], layout=self.col)
         equal = (lax.broadcast_in_dim(key_ids, pt.shape, [0]) == lax.broadcast_in_dim(query_ids, pt.shape, [1]))
-      return jnp.where(p.masking.keep(equal, lambda: iota(1) - iota(0), base), pt, 0.0)
+      keep = p.masking.keep(equal, lambda: iota(1) - iota(0), base)
+      if p.array:  # the slot's mask bytes by this consumer's keys, in p^T's layout
+        marked = plgpu.load(self.refs.mask_smem.at[slot, self.wg], layout=plgpu.Layout.WGMMA) != 0
+        keep = marked if keep is None else keep & marked
+      return jnp.where(keep, pt, 0.0)
     return lax.cond(kind == ws_mask.FULL, lambda pt: pt, compare, pt)
 
   # ---------------------------------------------------------------- ds^T and dq through shared and global memory
@@ -773,12 +843,14 @@ class _Consumer:
     zeros = plgpu.layout_cast(jnp.zeros((p.bkv, p.d), jnp.float32), plgpu.Layout.WGMMA)
 
     if p.masking:  # each query tile by its kind for this consumer's key tile
-      summary = [refs.k_summary[bi, first_key // p.bkv, column] for column in range(ws_mask.SUMMARY)]
+      summary = None if p.array else [refs.k_summary[bi, first_key // p.bkv, column]
+                                      for column in range(ws_mask.SUMMARY)]
       offset = refs.offset[0]
 
-      def one(j, t, masked, state):
+      def one(j, entry, masked, state):
         n, carry = state
-        kind = ws_mask.tile_kind(summary.__getitem__, t * p.bq, t * p.bq + p.bq - 1)
+        t = self.items.query_tile(bi, h0 + j, kv0, entry)
+        kind = self.items.kind(summary, bi, h0 + j, first_key // p.bkv, t)
         mask = functools.partial(self.masked, kind, lax.rem(n, p.slots), t * p.bq + offset - first_key)
         return n + 1, self.step(carry, n, bi, h0 + j, t, mask)
     else:

@@ -243,11 +243,19 @@ class WsBlocks(ring.Blocks):
   The same limits as ``ring.Blocks`` (its ``problem``), on this kernel's shared memory.
   """
 
-  def smem_bytes(self, d: int, itemsize: int, q_buffers: int = 1) -> int:
+  def smem_bytes(self, d: int, itemsize: int, q_buffers: int = 1, mask: bool = False) -> int:
     """``q_buffers`` Q tiles per consumer (reused for the outputs), K and V slots, two log-sum-exp rows, barriers
-    and alignment."""
+    and alignment; with ``mask``, each K slot's mask tile (a byte a pair of both consumers' rows)."""
     bq, bkv, slots = self.block_q, self.block_kv, self.max_concurrent_steps
-    return (q_buffers * CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + SMEM_OVERHEAD
+    mask_bytes = slots * CONSUMERS * bq * bkv if mask else 0
+    return ((q_buffers * CONSUMERS * bq + 2 * slots * bkv) * d * itemsize + CONSUMERS * 4 * bq + mask_bytes
+            + SMEM_OVERHEAD)
+
+  def mask_problem(self, d: int, itemsize: int = 2) -> str | None:
+    """Why these tiles cannot take a mask array at head dimension ``d`` (its tiles' bytes beside K), or None."""
+    if (need := self.smem_bytes(d, itemsize, mask=True)) > SMEM_BYTES:
+      return f"with a mask array's tiles it needs {need} bytes of shared memory, more than {SMEM_BYTES}"
+    return None
 
 
 # The block configurations the GPU test tries (d = 128: 3 slots of 128 keys do not fit in shared memory).
@@ -270,7 +278,7 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
                             chunks: int | None = None, block_q: int = 64, block_kv: int = 128,
                             max_concurrent_steps: int = 2, num_ctas: int | None = None, interpret: bool = False,
                             window: tuple[int, int] | None = None, q_segment_ids=None, kv_segment_ids=None,
-                            offset=0):
+                            offset=0, mask=None):
   """Attention over the keys of every device of ``axis_name``, warp-specialized; call inside ``shard_map``.
 
   Args:
@@ -296,14 +304,19 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
       (with ``causal``, ``.. x``); one device only (``axis_name`` None).
     q_segment_ids, kv_segment_ids: ``[b, s]`` int32 (both or neither): a query
       keeps the keys of its own id (packed sequences); one device only.
-    offset: with a window or segment ids, the position of the first query
-      minus that of the first key (a block of a ring schedule; int or traced
-      int32 scalar).
+    offset: with a window, segment ids or a mask array, the position of the
+      first query minus that of the first key (a block of a ring schedule;
+      int or traced int32 scalar).
+    mask: a boolean mask array ``[b or 1, h or 1, s, s]`` (a query keeps the
+      keys it marks; batch and heads broadcast where of size 1, not copied);
+      one device only.
 
-  With a window or segment ids the kernel takes its masked path (``ws_mask``):
-  key tiles whose keys no query of an item keeps are not loaded, tiles no query
-  of a consumer's tile keeps not computed, tiles every query keeps whole not
-  compared; a row that keeps no key gets ``out = 0``, ``lse = -inf``.
+  With a window, segment ids or a mask array the kernel takes its masked path
+  (``ws_mask``): key tiles whose keys no query of an item keeps are not loaded,
+  tiles no query of a consumer's tile keeps not computed, tiles every query
+  keeps whole not compared; a row that keeps no key gets ``out = 0``,
+  ``lse = -inf``. A mask array's partial tiles come as bytes beside K (TMA,
+  the K barrier) and are compared in the scores' registers.
 
   Returns:
     ``(out [b, s, h, d]`` in ``q``'s dtype, ``lse [b, h, s]`` float32, natural log``)``.
@@ -315,9 +328,12 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
   with _named():
     n_dev = ring.check_inputs(q, k, v, axis_name, blocks, interpret)
     seq_order = SequenceOrder.make(order, chunks, n_dev, q.shape[1], blocks)
-  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None)
+  masking = ws_mask.Masking.make(causal, window, q_segment_ids is not None or kv_segment_ids is not None,
+                                 mask is not None)
   if masking:
-    _check_masked(q, axis_name, q_segment_ids, kv_segment_ids)
+    _check_masked(q, axis_name, q_segment_ids, kv_segment_ids, mask)
+    if masking.array and (reason := blocks.mask_problem(q.shape[3], q.dtype.itemsize)):
+      raise PreconditionError(f"{NAME}: {reason}")
   s = q.shape[1]
   if s % (CONSUMERS * block_q):
     raise PreconditionError(f"{NAME}: the local sequence length {s} is not a multiple of 2 * block_q = "
@@ -335,16 +351,20 @@ def fused_ring_attention_ws(q, k, v, axis_name: str | None, *, causal: bool = Fa
         f"{NAME}: num_ctas={num_ctas} exceeds the {sms} SMs; one CTA (three warpgroups, 232 + 232 + 40 "
         "registers per thread) fills an SM, and the ring needs every CTA resident")
   if masking:
-    return _masked(q, k, v, blocks, num_ctas, interpret, seq_order, masking, q_segment_ids, kv_segment_ids, offset)
+    return _masked(q, k, v, blocks, num_ctas, interpret, seq_order, masking, q_segment_ids, kv_segment_ids, offset,
+                   mask)
   return _kernel(q, k, v, axis_name, n_dev, blocks, num_ctas, interpret, causal, seq_order)
 
 
-def _check_masked(q, axis_name, q_segment_ids, kv_segment_ids):
-  """A window or segment ids: one device, and ids of the rows' shape."""
+def _check_masked(q, axis_name, q_segment_ids, kv_segment_ids, mask):
+  """A window, segment ids or a mask array: one device, ids of the rows' shape, a mask of the scores'."""
   if axis_name is not None:
-    raise PreconditionError(f"{NAME}: a window or segment ids are taken on one device only (axis_name=None), not "
-                            f"in a ring over {axis_name!r}; ring schedules run its blocks (ws_attention)")
+    raise PreconditionError(f"{NAME}: a window, segment ids or a mask array are taken on one device only "
+                            f"(axis_name=None), not in a ring over {axis_name!r}; ring schedules run its blocks "
+                            "(ws_attention)")
   b, s = q.shape[:2]
+  if mask is not None:
+    ws_mask.check_array(NAME, mask, b, q.shape[2], s, s)
   if q_segment_ids is None and kv_segment_ids is None:
     return
   for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
@@ -354,15 +374,24 @@ def _check_masked(q, axis_name, q_segment_ids, kv_segment_ids):
 
 
 def _masked(q, k, v, blocks: WsBlocks, num_ctas: int, interpret: bool, order: SequenceOrder,
-            masking: ws_mask.Masking, q_ids, kv_ids, offset):
-  """The masked path: the items' table and the query tiles' summaries (``ws_mask``), then the kernel."""
-  b, s = q.shape[:2]
+            masking: ws_mask.Masking, q_ids, kv_ids, offset, mask=None):
+  """The masked path: the items' table and the query tiles' summaries (``ws_mask``), then the kernel; with a mask
+  array, the tiles' kinds, each item's list of key tiles and the mask's bytes too."""
+  b, s, h = q.shape[:3]
+  bq, bkv = blocks.block_q, blocks.block_kv
   ids = (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)) if masking.ids else (None, None)
   offset = jnp.asarray(offset, jnp.int32)
-  summary = ws_mask.summaries(masking, *ids, offset, True, (b, s, s), blocks.block_q)
-  first, count = ws_mask.spans(summary, CONSUMERS, blocks.block_kv)
-  table = ws_mask.item_table(first, count, q.shape[2])
-  extras = (table, summary, offset.reshape(1)) + (ids if masking.ids else ())
+  summary = ws_mask.summaries(masking, *ids, offset, True, (b, s, s), bq)
+  if masking.array:  # items by their lists of key tiles (ws_mask.tile_lists), per head where the mask has heads
+    kinds = ws_mask.mask_kinds(summary if masking.ids else summary[:1], mask, bq, bkv)
+    tiles, count = ws_mask.tile_lists(kinds, CONSUMERS)  # [kb, mh, pairs, key tiles]
+    by_item = jnp.broadcast_to(jnp.swapaxes(count, 1, 2), (b, s // (CONSUMERS * bq), h))
+    table = ws_mask.item_table(jnp.zeros_like(by_item), by_item, h)
+    arrays = (kinds, tiles, ws_mask.mask_bytes(mask))
+  else:
+    first, count = ws_mask.spans(summary, CONSUMERS, bkv)
+    table, arrays = ws_mask.item_table(first, count, h), ()
+  extras = (table, summary, offset.reshape(1)) + (ids if masking.ids else ()) + arrays
   return _kernel(q, k, v, None, 1, blocks, num_ctas, interpret, False, order, masking=masking, extras=extras)
 
 
@@ -430,6 +459,11 @@ class _Plan:
     return self.masking is not None and self.masking.ids
 
   @property
+  def array(self) -> bool:
+    """The masked path reads a mask array: its tiles' kinds, the items' key tile lists, its bytes beside K."""
+    return self.masking is not None and self.masking.array
+
+  @property
   def starts(self) -> range:
     """The local positions where the runs of a ring step's keys start."""
     return range(0, self.s_loc, self.run)
@@ -452,7 +486,8 @@ class _Plan:
     items = ItemOrder.make(b, h, kv, pairs, rows, grid, order, causal=causal, ring=ring_, key_tiles=s_loc // bkv,
                            table=masking is not None)
     prefetch = not ((causal or masking) and n_dev * s_loc // bkv > PREFETCH_MAX_CAUSAL_TILES)
-    q_buffers = 2 if prefetch and blocks.smem_bytes(d, q.dtype.itemsize, 2) <= SMEM_BYTES else 1
+    mask = masking is not None and masking.array
+    q_buffers = 2 if prefetch and blocks.smem_bytes(d, q.dtype.itemsize, 2, mask) <= SMEM_BYTES else 1
     return _Plan(b=b, s_loc=s_loc, h=h, kv=kv, d=d, g=h // kv, bq=bq, bkv=bkv, slots=slots, rows=rows, grid=grid,
                  n_dev=n_dev, ring=ring_, peers=ring_ and not loopback, causal=causal, order=order,
                  run=order.segment if causal else s_loc, lag=slots - 1, items=items, q_buffers=q_buffers,
@@ -483,12 +518,13 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
                   jax.ShapeDtypeStruct((p.grid, 2, p.rows), jnp.float32)]
   kv_transforms = swizzled(p.d, dtype)
   with_ids = 2 if p.ids else 1  # arrivals on the Q and K barriers: the tiles' segment ids come with them
+  with_mask = with_ids + CONSUMERS * p.array  # and on the K barrier the slot's mask tiles
   scratch = [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((p.slots, p.bkv, p.d), dtype, transforms=kv_transforms),
              plgpu.SMEM((CONSUMERS, p.bq), jnp.float32),
              plgpu.Barrier(num_arrivals=with_ids, num_barriers=CONSUMERS * p.q_buffers),  # Q tile loaded
-             plgpu.Barrier(num_arrivals=with_ids, num_barriers=p.slots),  # K tile loaded
+             plgpu.Barrier(num_arrivals=with_mask, num_barriers=p.slots),  # K tile loaded
              plgpu.Barrier(num_barriers=p.slots),  # V tile loaded
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # K slot released by both consumers
              plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=p.slots),  # V slot released
@@ -498,6 +534,8 @@ def _kernel(q, k, v, axis_name, n_dev: int, blocks: WsBlocks, num_ctas: int, int
     scratch.append(plgpu.SMEM((CONSUMERS, p.bq, p.d), jnp.float32))  # the accumulators (on GPUs: registers)
   if p.ids:  # each consumer's Q tile's segment ids (per buffer), each K slot's
     scratch += [plgpu.SMEM((CONSUMERS, p.q_buffers, p.bq), jnp.int32), plgpu.SMEM((p.slots, p.bkv), jnp.int32)]
+  if p.array:  # each K slot's mask tiles, one per consumer's rows (swizzled: the loads' rows hit every bank)
+    scratch.append(plgpu.SMEM((p.slots, CONSUMERS, p.bq, p.bkv), jnp.uint8, transforms=swizzled(p.bkv, jnp.uint8)))
   results = plgpu.kernel(
       functools.partial(_body, p, axis_name), out_type=out_types, scratch_types=scratch, grid=(p.grid,),
       grid_names=("cta",), kernel_name=NAME, num_threads=CONSUMERS + 1, thread_name="wg",
@@ -540,18 +578,24 @@ class _Refs:
   k_ids: object = None
   qid_smem: object = None  # [consumer, buffer]: the Q tile's ids
   kid_smem: object = None  # [slot]: the K tile's ids
+  kinds: object = None  # with a mask array: [kb, mh, query tiles, key tiles] (ws_mask.mask_kinds)
+  tiles: object = None  # [kb, mh, pairs, key tiles]: each item's key tiles (ws_mask.tile_lists)
+  mask: object = None  # [mb * mh, s, s] bytes (ws_mask.mask_bytes)
+  mask_smem: object = None  # [slot, consumer]: the K tile's mask tile
 
   @staticmethod
   def unpack(p: _Plan, q, k, v, *rest) -> _Refs:
     rest = list(rest)
-    masked = [rest.pop(0) for _ in range(3)] if p.masking else []
-    ids = [rest.pop(0) for _ in range(2)] if p.ids else []
+    masked = [rest.pop(0) for _ in range(3)] if p.masking else [None] * 3
+    ids = [rest.pop(0) for _ in range(2)] if p.ids else [None] * 2
+    arrays = [rest.pop(0) for _ in range(3)] if p.array else [None] * 3
     out, lse = rest.pop(0), rest.pop(0)
     recv = (rest.pop(0), rest.pop(0)) if p.ring else (None, None)
     part = (rest.pop(0), rest.pop(0)) if p.split else (None, None)
-    id_smem = [rest.pop(-2), rest.pop()] if p.ids else []
+    mask_smem = rest.pop() if p.array else None
+    id_smem = [rest.pop(-2), rest.pop()] if p.ids else [None, None]
     acc_smem = rest.pop() if len(rest) > 11 else None
-    return _Refs(q, k, v, out, lse, *recv, *part, *rest, acc_smem, *masked, *ids, *id_smem)
+    return _Refs(q, k, v, out, lse, *recv, *part, *rest, acc_smem, *masked, *ids, *id_smem, *arrays, mask_smem)
 
 
 class _Ring:
@@ -599,6 +643,22 @@ class _Cta:
     q_last = p.order.first(self.ring.dev, pair * p.rows) + p.rows - 1 if p.causal else None
     return bi, hi, pair, forwards, q_last
 
+  def key_tile(self, bi, hi, pair, entry):
+    """The masked path: the key tile of an item's ``entry`` (its span's first tile + j; with a mask array, entry
+    ``first + j`` of its list, ``ws_mask.tile_lists``)."""
+    if not self.p.array:
+      return entry
+    kb, mh = self.refs.tiles.shape[:2]
+    return self.refs.tiles[bi if kb > 1 else 0, hi if mh > 1 else 0, pair, entry]
+
+  def mask_tiles(self, bi, hi, pair, tile):
+    """The mask array's bytes of an item's query tiles (one per consumer) by key tile ``tile``: ``[block_q,
+    block_kv]`` each."""
+    p, mask = self.p, self.refs.mask
+    index = ws_mask.array_index(self.refs.kinds, mask.shape[0], bi, hi)
+    return [mask.at[index, pl.ds(pair * p.rows + w * p.bq, p.bq), pl.ds(tile * p.bkv, p.bkv)]
+            for w in range(CONSUMERS)]
+
 
 def _body(p: _Plan, axis_name, *refs):
   """One CTA: its memory warpgroup (``_Producer``) and its two consumer warpgroups (``_Consumer``)."""
@@ -634,16 +694,19 @@ class _Producer:
   def item(self, i, loaded):
     """Item ``i``'s tiles after the ``loaded`` this CTA loaded before; returns the new count."""
     p, refs = self.p, self.refs
-    bi, hi, _, forwards, q_last = self.c.item(i)
+    bi, hi, pair, forwards, q_last = self.c.item(i)
     kvh = hi // p.g
     backward = lax.rem(i, 2) == 1 if p.alternate else False
     if p.split:
       first, count = self.c.items.span(i)
       return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, backward)
-    if p.masking:  # the item's span of key tiles, from its table row
+    if p.masking:  # the item's span (or list) of key tiles, from its table row; a mask array's tiles beside K
       first, count = self.c.items.keys(i)
       ids = refs.k_ids.at[bi] if p.ids else None
-      return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, ids=ids)
+      tile_of = lambda j: self.c.key_tile(bi, hi, pair, first + j)
+      mask = functools.partial(self.c.mask_tiles, bi, hi, pair) if p.array else None
+      return self.stream(refs.k.at[bi, :, kvh], refs.v.at[bi, :, kvh], count, loaded, False, None, first, ids=ids,
+                         tile_of=tile_of, mask=mask)
     step = functools.partial(self.step, bi, kvh, forwards, q_last, backward)
     return self.c.ring.over_steps(step, loaded)
 
@@ -673,24 +736,29 @@ class _Producer:
           pl.semaphore_signal(ring_.arrived.at[s], device_id=ring_.left)
     return loaded
 
-  def stream(self, keys, values, count, loaded, forwarding, dest, first=0, backward=False, ids=None):
+  def stream(self, keys, values, count, loaded, forwarding, dest, first=0, backward=False, ids=None, tile_of=None,
+             mask=None):
     """Loads ``count`` tiles of ``keys, values [r, d]`` (and their segment ``ids [r]``), from tile ``first``
-    (``backward``: from the last, down to ``first``), into the slots after tile ``loaded``; forwards them."""
+    (``backward``: from the last, down to ``first``; ``tile_of(j)``: the ``j``-th tile's index), into the slots
+    after tile ``loaded``; ``mask(tile)``: the mask array's tiles to load beside K; forwards them."""
 
     @pl.loop(0, count + self.p.lag)
     def _tile(j):
-      pl.when(j < count)(lambda: self.issue(keys, values, count, loaded, first, backward, j, ids))
+      pl.when(j < count)(lambda: self.issue(keys, values, count, loaded, first, backward, j, ids, tile_of, mask))
       pl.when(j >= self.p.lag)(lambda: self.landed(loaded, forwarding, dest, j))
 
     return loaded + count
 
-  def issue(self, keys, values, count, loaded, first, backward, j, ids=None):
+  def issue(self, keys, values, count, loaded, first, backward, j, ids=None, tile_of=None, mask=None):
     """The loads of tile ``j`` of a run into its slot, once both consumers (and a forwarder's stores) freed it;
-    its ids with its keys."""
+    its ids and its mask tile with its keys."""
     p, refs = self.p, self.refs
     tile = loaded + j
     slot = lax.rem(tile, p.slots)
-    index = jnp.where(backward, first + count - 1 - j, first + j) if p.alternate else first + j
+    if tile_of is not None:
+      index = tile_of(j)
+    else:
+      index = jnp.where(backward, first + count - 1 - j, first + j) if p.alternate else first + j
     src = pl.ds(index * p.bkv, p.bkv)
     for smem, ref, consumed, barrier, pending in ((refs.k_smem, keys, refs.k_consumed, refs.k_loaded, 1),
                                                   (refs.v_smem, values, refs.v_consumed, refs.v_loaded, 0)):
@@ -700,8 +768,11 @@ class _Producer:
       if p.ring:  # that tile's stores (all but the newest `pending`) have read the slot
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
       plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], barrier.at[slot])
-    if ids is not None:  # the slot's K is free, so are its ids
+    if ids is not None:  # the slot's K is free, so are its ids and its mask tile
       plgpu.copy_gmem_to_smem(ids.at[src], refs.kid_smem.at[slot], refs.k_loaded.at[slot])
+    if mask is not None:  # a copy per consumer's rows: 2D tiles (a TMA copy strides at most 5 dimensions)
+      for w, rows in enumerate(mask(index)):
+        plgpu.copy_gmem_to_smem(rows, refs.mask_smem.at[slot, w], refs.k_loaded.at[slot])
 
   def landed(self, loaded, forwarding, dest, j):
     """Tile ``j - lag`` of a run has landed: a forwarder stores it on from its slot."""
@@ -880,32 +951,43 @@ class _Consumer:
 
   # ---------------------------------------------------------------- the masked path (window, segment ids)
   def masked_item(self, i, loaded):
-    """Item ``i`` on the masked path: the key tiles of its span (its table row), each by its kind for this
-    consumer's query tile (``ws_mask.tile_kind``: hidden, full, partial), then the epilogue (rows that kept no key:
-    zeros); returns the new count."""
+    """Item ``i`` on the masked path: the key tiles of its span or list (its table row), each by its kind for this
+    consumer's query tile (``kind``: hidden, full, partial), then the epilogue (rows that kept no key: zeros);
+    returns the new count."""
     p, refs, wg = self.p, self.refs, self.wg
     bi, hi, pair, _, _, q_rows, q_smem = self.load_q(i)
     first, count = self.c.items.keys(i)
     tile = pair * CONSUMERS + wg  # this consumer's query tile
-    summary = [refs.q_summary[bi, tile, column] for column in range(ws_mask.SUMMARY)]
+    summary = None if p.array else [refs.q_summary[bi, tile, column] for column in range(ws_mask.SUMMARY)]
     q_ids = refs.qid_smem.at[wg, self.q_buffer(i)] if p.ids else None
     base = tile * p.bq + refs.offset[0]  # the tile's first query position in the keys' frame
     arrived = functools.partial(self.arrived, loaded)
 
     def one(j, carry):
-      slot, k0 = arrived(j), (first + j) * p.bkv
-      masked = functools.partial(self.mask, q_ids, base - k0)
+      slot, key_tile = arrived(j), self.c.key_tile(bi, hi, pair, first + j)
+      masked = functools.partial(self.mask, q_ids, base - key_tile * p.bkv)
       branches = [lambda carry: self.hidden(carry, slot), lambda carry: self.update(carry, slot, q_smem),
                   lambda carry: self.update(carry, slot, q_smem, masked=masked)]
-      return lax.switch(ws_mask.tile_kind(summary.__getitem__, k0, k0 + p.bkv - 1), branches, carry)
+      return lax.switch(self.kind(summary, bi, hi, tile, key_tile), branches, carry)
 
     carry = lax.fori_loop(0, count, one, initial_state(p.bq, p.d))
     self.store(carry, i, bi, hi, q_rows, q_smem)
     return loaded + count
 
+  def kind(self, summary, bi, hi, tile, key_tile):
+    """``ws_mask``'s kind (int32) of this consumer's query tile ``tile`` by key tile ``key_tile``: from the query
+    tile's summary (``ws_mask.tile_kind``), or with a mask array from its combined kinds (``ws_mask.mask_kinds``)."""
+    p = self.p
+    if p.array:
+      kb, mh = self.refs.kinds.shape[:2]
+      return self.refs.kinds[bi if kb > 1 else 0, hi if mh > 1 else 0, tile, key_tile]
+    k0 = key_tile * p.bkv
+    return ws_mask.tile_kind(summary.__getitem__, k0, k0 + p.bkv - 1)
+
   def mask(self, q_ids, base, qk, slot):
     """A partial tile's scores, those of pairs not kept ``-inf`` (``guarded_softmax_step``): equal ids (the Q
-    tile's and the slot's) and the band, ``base`` the tile's first query position minus its first key's."""
+    tile's and the slot's), the band (``base`` the tile's first query position minus its first key's) and the mask
+    array's bytes (the slot's tile, this consumer's rows, in the scores' layout)."""
     p = self.p
     iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, qk.shape, dim, layout=plgpu.Layout.WGMMA)
     equal = None
@@ -913,7 +995,11 @@ class _Consumer:
       row_ids = plgpu.load(q_ids, layout=plgpu.Layout.WGMMA.reduce(1))
       col_ids = plgpu.load(self.refs.kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       equal = lax.broadcast_in_dim(row_ids, qk.shape, [0]) == lax.broadcast_in_dim(col_ids, qk.shape, [1])
-    return jnp.where(p.masking.keep(equal, lambda: iota(0) - iota(1), base), qk, -jnp.inf)
+    keep = p.masking.keep(equal, lambda: iota(0) - iota(1), base)
+    if p.array:
+      marked = plgpu.load(self.refs.mask_smem.at[slot, self.wg], layout=plgpu.Layout.WGMMA) != 0
+      keep = marked if keep is None else keep & marked
+    return jnp.where(keep, qk, -jnp.inf)
 
   def store(self, carry, i, bi, hi, q_rows, q_smem):
     """The epilogue: item ``i``'s output rows and log-sum-exps; with a split tail, a last-round part into its
