@@ -31,7 +31,7 @@ from packed_checks import (
 
 import jaxmercury as jm
 from jaxmercury.kernels import registry
-from jaxmercury.kernels.attention import ws, ws_mask
+from jaxmercury.kernels.attention import ws, ws_backward, ws_mask
 from jaxmercury.kernels.attention.ws_backward import attention_backward_ws
 from jaxmercury.kernels.attention.ws_forward import fused_ring_attention_ws
 
@@ -161,6 +161,20 @@ def test_schedules_run_masks_on_the_kernels(monkeypatch):
     want = jax.grad(loss(f32.reference, f32_inputs), argnums=(0, 1, 2))(*xs[:3])
   assert_grads(got, want)
   assert set(calls) == {"masked_forward", "masked_backward"}
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["segment_ids", "mask_array"])
+def test_backward_table_has_the_grid_items_past_a_chunk(array):
+  """Past ``CHUNK_ROWS`` queries the masked path's table of items (``_masked_inputs``) holds exactly the kernel's
+  grid of items (``_Plan``): both chunk the queries alike (the table once chunked them as an unmasked call)."""
+  b, s, h, kv, d = 1, 2 * ws_backward.CHUNK_ROWS, 2, 1, 64
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((b, s, h, d), jnp.bfloat16), sds((b, s, kv, d), jnp.bfloat16)
+  ids, mask = sds((b, s), jnp.int32), sds((1, 1, s, s), jnp.bool_) if array else None
+  masking, blocks = ws_mask.Masking.make(True, None, True, array), ws_backward.BackwardBlocks()
+  extras = jax.eval_shape(lambda q, k, ids, m: ws_backward._masked_inputs(q, k, blocks, masking, ids, ids, 0, m),
+                          q, k, ids, mask)
+  assert extras[0].shape[0] == ws_backward._Plan.make(q, k, False, blocks, True, masking).grid
 
 
 def test_offered_for_mask_arrays():

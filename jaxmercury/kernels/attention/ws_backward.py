@@ -263,7 +263,7 @@ def _masked_inputs(q, k, blocks: BackwardBlocks, masking: ws_mask.Masking, q_ids
   offset = jnp.asarray(offset, jnp.int32)
   bq, bkv, keys = blocks.block_q, blocks.block_kv, CONSUMERS * blocks.block_kv
   summary = ws_mask.summaries(masking, kv_ids, q_ids, offset, False, (b, skv, s), bkv)
-  plan = chunk_plan(s // bq, blocks.chunks(s, False), bq, keys, skv // keys, False)
+  plan = chunk_plan(s // bq, item_chunks(blocks, s, False, masking), bq, keys, skv // keys, False)
   ids = (q_ids, kv_ids.reshape(b, skv // bkv, bkv)) if masking.ids else ()
   if masking.array:
     table, arrays = _array_inputs(summary if masking.ids else summary[:1], mask, plan, (b, h), (bq, bkv))
@@ -325,6 +325,12 @@ def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks, mask=None)
 def _add(target, staged):
   """``target += staged`` by a load and a store: interpret mode's reduce-add store (into its CTA's own buffer)."""
   target[...] = target[...] + staged[...]
+
+
+def item_chunks(blocks: BackwardBlocks, s_q: int, causal: bool, masking: ws_mask.Masking | None) -> int:
+  """The chunks of ``s_q`` queries the items run in (``BackwardBlocks.chunks``): the masked path's items are short,
+  chunked as causal ones. The items' table and the kernel's grid both take it."""
+  return blocks.chunks(s_q, causal or masking is not None)
 
 
 def chunk_plan(nq: int, chunks: int, bq: int, keys: int, pairs: int, causal: bool) -> list[tuple[int, int, int]]:
@@ -398,8 +404,8 @@ class _Plan:
     bq, bkv = blocks.block_q, blocks.block_kv
     keys = CONSUMERS * bkv  # key rows per item
     nq, pairs = s // bq, k.shape[1] // keys
-    banded = causal or masking is not None  # the masked path's items are short: chunked as causal ones
-    chunks = blocks.chunks(s, banded)
+    banded = causal or masking is not None
+    chunks = item_chunks(blocks, s, causal, masking)
     parts = g // ITEM_HEADS
     lanes = b * kv * parts
     plan = chunk_plan(nq, chunks, bq, keys, pairs, causal)
