@@ -177,13 +177,20 @@ def test_backward_table_has_the_grid_items_past_a_chunk(array):
   assert extras[0].shape[0] == ws_backward._Plan.make(q, k, False, blocks, True, masking).grid
 
 
-def test_offered_for_mask_arrays():
-  """The tuner and the default choice may take ``ws_attention`` for mask arrays (with causal, a window, segment
-  ids), on GPUs, beside cuDNN with a bias and XLA."""
+def test_offered_for_mask_arrays_once_trusted():
+  """``ws_attention`` applies to mask arrays (with causal, a window, segment ids) on GPUs beside cuDNN with a bias
+  and XLA; the tuner offers it there once its mask arrays have run on a GPU (``unverified_masks``), and for
+  segment ids now."""
+  ws = registry.local("ws_attention")
   for mask in (dict(mask=True), dict(mask_axes=("h", "i", "j"), causal=True),
                dict(mask=True, segment_ids=True, window=(64, 0), causal=True)):
     prog = jm.programs.attention(1, 8, 2, 4096, 4096, 128, dtype=jnp.bfloat16, **mask)
-    assert {"xla", "cudnn_attention", "ws_attention"} <= set(registry.candidates(prog, h100_mesh(1))), mask
+    assert ws.why_not(prog, h100_mesh(1)) is None and "not yet run on a GPU" in ws.untrusted(prog), mask
+    assert {"xla", "cudnn_attention"} <= set(registry.candidates(prog, h100_mesh(1))), mask
+    trusted = dataclasses.replace(ws, unverified_masks=frozenset())
+    assert trusted.untrusted(prog) is None
+  ids = jm.programs.attention(1, 8, 2, 4096, 4096, 128, dtype=jnp.bfloat16, segment_ids=True, causal=True)
+  assert "ws_attention" in registry.candidates(ids, h100_mesh(1))
 
 
 # ------------------------------------------------------------------ lowering for an abstract H100 (no GPU)

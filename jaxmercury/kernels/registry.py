@@ -117,6 +117,8 @@ class Kernel:
       the causal mask, ...).
     unverified: why it is not yet trusted on GPUs (None: it is): ``candidates`` (what the tuner tries) leaves it
       out there, ``patch`` still takes it.
+    unverified_masks: the mask kinds (of ``masks``) it computes but has not yet computed on a GPU: likewise left
+      out there for a program with one of them.
   """
 
   name: str
@@ -137,6 +139,7 @@ class Kernel:
   masks: frozenset = frozenset({"causal"})
   mask_problem: Callable | None = None
   unverified: str | None = None
+  unverified_masks: frozenset = frozenset()
 
   def configure(self, params: Mapping[str, Any] | None = None):
     """The kernel's configuration with ``params`` set (its defaults for none; None for a kernel without one)."""
@@ -172,6 +175,14 @@ class Kernel:
       return (f"kernel computes masks {sorted(self.masks) or 'none'}, not the program's {sorted(missing)} "
               f"({mask.describe()})")
     return self.mask_problem(mask) if self.mask_problem else None
+
+  def untrusted(self, program) -> str | None:
+    """Why the kernel is not yet trusted on GPUs for ``program`` (``unverified``, ``unverified_masks``), or None."""
+    if self.unverified is not None:
+      return self.unverified
+    m = _pattern_match(self, program) if self.unverified_masks else None
+    kinds = mask_of(m.params).kinds & self.unverified_masks if m is not None else ()
+    return f"its {sorted(kinds)} masks have not yet run on a GPU" if kinds else None
 
   def interprets(self, mesh) -> dict:
     """``{"interpret": True}`` where this kernel runs in interpret mode on ``mesh``'s devices, else ``{}``: the
@@ -424,9 +435,9 @@ def interpreting() -> bool:
 
 def candidates(program, mesh) -> list[str]:
   """Names of the local kernels that can replace ``program``'s body on ``mesh``, in registration order; kernels
-  not yet trusted on GPUs (``Kernel.unverified``) only where they run in interpret mode."""
+  not yet trusted on GPUs (``Kernel.untrusted``) only where they run in interpret mode."""
   return [name for name, k in _KERNELS.items() if isinstance(k, Kernel) and k.why_not(program, mesh) is None
-          and (k.unverified is None or k.interprets(mesh))]
+          and (k.untrusted(program) is None or k.interprets(mesh))]
 
 
 def variants(program, mesh) -> list[KernelChoice]:

@@ -321,7 +321,7 @@ def _backward_kernel(part: str) -> Kernel:
 WS_ATTENTION = Kernel(
     name=NAME, patterns=frozenset({"attention"}), make=_make, config=WsConfig, dtypes=HALF_DTYPES, dtype_of="q",
     platforms=frozenset({"gpu"}), supports=hopper_only, interpret=True, interpret_devices=1, work=_work,
-    workspace=_forward_workspace, masks=MASKS,
+    workspace=_forward_workspace, masks=MASKS, unverified_masks=frozenset({"mask"}),
     backward=AttentionBackward(dq=_backward_kernel("dq"), dkv=_backward_kernel("dkv"), joint=_joint, whole=whole,
                                whole_limit=whole_limit, own=True),
     description="our warp-specialized Mosaic GPU kernels (kernels.attention.ws_forward without a ring, "
