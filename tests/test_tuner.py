@@ -575,3 +575,22 @@ def test_on_one_device_ring_attentions_are_pruned_and_fused_gemms_offered(monkey
     assert offered(cands) == offered(without) and ring and all(c.status == measure.PRUNED for c in ring)
   else:
     assert offered(cands) > offered(without) and not ring
+
+
+def test_on_one_device_fused_gemms_that_are_one_program_there_compile_once(monkeypatch):
+  """On one device a GEMM + reduce-scatter kernel and the all-gather kernel with communication CTAs run what the
+  all-gather kernel runs (``FusedKernel.one_device``): a training tune prunes them as the same program and compiles
+  the training steps of three programs, no forwards first (Mosaic GPU kernels in interpret mode)."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(128, 128, 128, dtype="bfloat16")
+  compiled = []
+  real = measure.compile_ahead
+  monkeypatch.setattr(measure, "compile_ahead", lambda s, training: compiled.append(
+      (getattr(s, "lowering", None), training)) or real(s, training=training))
+  with registry.interpret_mode():
+    result = _tune(prog, mesh, training=True, margin=100.0, top_k=8, space=0)
+  same = "same program as allgather_matmul {fused_allgather_matmul}"
+  twins = {c.lowering for c in result.candidates if c.result.reason == same}
+  assert twins == {"fused_allgather_matmul", "fused_allgather_matmul_comm", "fused_matmul_reducescatter"}
+  assert sorted(compiled, key=lambda c: c[0] or "") == [(None, True), (None, True), ("fused_allgather_matmul", True)]
+  assert result.compiled == 3 and result.best is not None
