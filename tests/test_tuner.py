@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import assert_matches, fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
@@ -539,6 +540,28 @@ def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
   assert good.status == measure.OK and good.rel_err < measure.tolerance(prog.writes.dtype)
   bad = measure.measure(schedule, inputs, (out, (grads[0], 1.5 * grads[1], grads[2])), iters=1, cotangent=cot)
   assert bad.status == measure.FAILED and bad.reason.startswith("wrong gradient dk: relative error")
+
+
+def test_a_training_reference_is_one_compiled_program_and_stays_on_a_one_device_mesh():
+  """The trusted output, gradients and cotangent of a training trial compile as one program besides the inputs'
+  draw (op by op they compiled five); with ``on_device`` they stay on the device and check as the host copy does."""
+  from jaxmercury.tuner.reference import trial
+  prog, device = jm.programs.matmul(96, 80, 48, dtype="bfloat16"), jax.devices()[0]
+  trial(jm.programs.matmul(32, 16, 48, dtype="bfloat16"), 5, device, training=True)  # what any first trial compiles
+  compiles = []
+  listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    inputs, cot, (out, grads) = trial(prog, 5, device, training=True, on_device=True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len(compiles) <= 2, compiles
+  assert all(isinstance(x, jax.Array) and x.devices() == {device} for x in (out, *grads))
+  _, _, (host_out, host_grads) = trial(prog, 5, device, training=True)
+  assert isinstance(host_out, np.ndarray)
+  y = jax.jit(prog.reference)(*inputs)
+  assert measure.local_error(y, out) == measure.local_error(y, host_out)
+  np.testing.assert_array_equal(np.asarray(grads[1]), host_grads[1])
 
 
 def test_a_training_tune_in_worker_processes():
