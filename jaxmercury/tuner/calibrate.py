@@ -4,8 +4,9 @@ Each applicable local kernel runs on one device on blocks of the program's
 own shape at two sizes, repeated inside one jitted loop so that dispatch does
 not count: the two times give its rate (in the flops it executes: the
 kernel's ``Work`` says how much of a block that is) and its fixed cost per
-call. Each size compiles once: on CPUs the repeats are the loop's argument,
-on GPUs the loop's calls are dispatched back to back. Block offsets are
+call; a backward block runs at the larger size alone (its rate is all the
+cost model keeps of it). Each size compiles once: on CPUs the repeats are
+the loop's argument, on GPUs the loop's calls are dispatched back to back. Block offsets are
 traced, as in the nest (a constant causal mask would let XLA compile another
 body); a causal program's blocks are diagonal, query and key blocks of one
 size, which the kernels take on their own path. A ring
@@ -189,15 +190,16 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   return _fit(probes)
 
 
-def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None) -> dict:
-  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a larger
-  and a smaller block."""
+def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None,
+                   shrinks=(1, 8)) -> dict:
+  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a block per
+  factor of ``shrinks`` (default a larger and a smaller one; the larger alone gives a rate without a fixed cost)."""
   kernel = registry.local(kernel_name)
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
   device = mesh.devices.flat[0]
   probes = {}
-  for shrink in (1, 8):
+  for shrink in shrinks:
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
     probes[scale * executed_flops(program, kernel_name, sizes)] = _kernel_probes(run_program, fn, sizes, device)
   return probes
@@ -309,7 +311,9 @@ def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, floa
 def backward_rates(program, mesh, kernels) -> dict[str, float]:
   """Per local kernel of ``kernels`` (an attention program's) whose backward runs as a joint block
   (``AttentionBackward.joint``: dq and dk-dv of a block pair in one call), that block's rate on one device,
-  in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none."""
+  in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none. One block size, the
+  forward's larger: only the rate is kept (the fixed cost of a call is the forward's figure), and each size of a
+  Mosaic GPU block compiles for seconds."""
   if program.pattern != "attention" or program.params.get("emit_lse"):
     return {}
   gpu = mesh.devices.flat[0].platform != "cpu"
@@ -327,7 +331,7 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
     block = backward.joint(dq_program, **registry.local(name).interprets(mesh))
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
     probes[name] = _figure_probes(program, name, mesh, (2 << 30) if gpu else (16 << 20),
-                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
+                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block), shrinks=(1,))
   _warm(_flat(*probes.values()))  # every block compiles at once, as in ``kernel_rates``
   return {name: _fit(pairs)[0] for name, pairs in probes.items()}
 
