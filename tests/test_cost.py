@@ -367,7 +367,8 @@ def test_fused_attention_rates_are_measured_on_one_device(monkeypatch, causal):
 def test_fused_gemm_rates_are_measured_on_the_mesh(monkeypatch):
   """``fused_gemm_rates`` runs each fused GEMM lowering offered for the program under the first library schedule
   it lowers, dispatched back to back, on inputs in that schedule's layouts: the program's flops per device over
-  the time of one call; programs other than GEMMs get none, and a kernel that fails is left out with a warning."""
+  the time of one call; on one device those that run another's program there take its rate, timed once; programs
+  other than GEMMs get none, and a kernel that fails is left out with a warning."""
   seconds, seen = 4e-3, []
 
   def fake_pipelined(fn, *inputs):  # runs the kernel once (interpret mode); a fixed time
@@ -385,7 +386,7 @@ def test_fused_gemm_rates_are_measured_on_the_mesh(monkeypatch):
     rates = calibrate.fused_gemm_rates(prog, mesh)
   assert set(rates) == {"fused_allgather_matmul", "fused_allgather_matmul_comm", "fused_matmul_reducescatter"}
   assert all(r == pytest.approx(2 * 256 * 256 * 128 / seconds) for r in rates.values()), rates
-  assert seen == [(256, 128)] * 3
+  assert seen == [(256, 128)]  # the reduce-scatter and communication-CTA kernels run the all-gather one's program
   assert calibrate.fused_gemm_rates(jm.programs.attention(1, 4, 2, 256, 256, 64, dtype=jnp.bfloat16), mesh) == {}
   monkeypatch.setattr(calibrate, "_pipelined", lambda fn, *inputs: (_ for _ in ()).throw(RuntimeError("it failed")))
   with pytest.warns(RuntimeWarning, match="fused_allgather_matmul did not run on the mesh .*it failed"):

@@ -396,29 +396,46 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   schedule it lowers (``GEMM_STRATEGIES``), on random inputs in that schedule's layouts; calls are dispatched
   back to back (``_pipelined``), so that dispatch does not count (timed one by one, a call's dispatch can
   outlast its kernel). The ring, its handshakes, padding and launch skew all count, which a kernel's rate on
-  one device leaves out. ``program`` must be a GEMM (others have none); lowerings that fail to run are left
-  out, with a warning.
+  one device leaves out. A schedule's lowerings compile at once on threads (``_warm``) before the first is timed;
+  one that runs another's program there (``placements.runs_as``: on a mesh level of one device) takes that one's
+  rate, timed once. ``program`` must be a GEMM (others have none); lowerings that fail to run are left out, with a
+  warning.
   """
   if program.pattern != "matmul":
     return {}
   lib = library(program, mesh)
-  rates = {}
+  rates, twins = {}, {}
   for strategy in GEMM_STRATEGIES:
     if strategy not in lib:
       continue
     schedule = lib[strategy]
-    todo = [name for name in placements.offered(schedule) if name not in rates]
+    todo = [name for name in placements.offered(schedule) if name not in rates and name not in twins]
     if not todo:
       continue
     inputs = place_inputs(schedule, program.random_inputs(jax.random.key(len(rates))))
+    fns = {}
     for name in todo:
       try:
-        fn = schedule.copy().lower_with(name).compile(differentiable=False)
+        lowered = schedule.copy().lower_with(name)
+        same, config = placements.runs_as(lowered)
+        if same != name and config == registry.fused(same).configure():
+          twins[name] = same
+          continue
+        fns[name] = lowered.compile(differentiable=False)
+      except Exception as e:
+        _not_measured(name, e)
+    _warm([(fn, inputs) for fn in fns.values()])
+    for name, fn in fns.items():
+      try:
         rates[name] = program.flops / mesh.devices.size / _pipelined(fn, *inputs)
       except Exception as e:
-        warnings.warn(f"calibrate: {name} did not run on the mesh ({type(e).__name__}: {str(e)[:200]}); its rate "
-                      "is not measured", RuntimeWarning, stacklevel=2)
-  return rates
+        _not_measured(name, e)
+  return rates | {name: rates[same] for name, same in twins.items() if same in rates}
+
+
+def _not_measured(name: str, e: Exception):
+  warnings.warn(f"calibrate: {name} did not run on the mesh ({type(e).__name__}: {str(e)[:200]}); its rate "
+                "is not measured", RuntimeWarning, stacklevel=3)
 
 
 MESH, KERNELS = "mesh", "kernels"  # the parts of a machine's figures (``Machine.parts``), measured apart

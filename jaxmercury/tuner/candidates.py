@@ -225,20 +225,7 @@ def program_key(schedule) -> tuple:
   rings = tuple(sorted((r.axis, r.level, r.size, r.buffers, r.travel) for r in plan.rings.values() if r.size > 1))
   reductions = tuple((r.level, r.scatter_axis) for r in plan.reductions if sizes.get(r.level, 1) > 1)
   padded = tuple(sorted((a, n) for a, n in schedule.padded.items() if n != schedule.program.axes[a].extent))
-  return (configs.label(schedule.kernel or "xla", schedule.kernel_config), _lowering_label(schedule),
+  lowering = None if schedule.lowering is None else configs.label(*placements.runs_as(schedule))
+  return (configs.label(schedule.kernel or "xla", schedule.kernel_config), lowering,
           tuple(sorted(schedule.zigzags.items())), padded, loops, blocks, layouts(plan.storage),
           layouts(plan.resident), plan.result.without(idle), rings, reductions)
-
-
-def _lowering_label(schedule) -> str | None:
-  """The fused kernel and configuration ``schedule`` lowers with, as a label; on a mesh level of one device the
-  kernel and configuration whose program it is there (``FusedKernel.one_device``). None: no fused kernel."""
-  if schedule.lowering is None:
-    return None
-  name, config = schedule.lowering, schedule.lowering_config
-  same = registry.fused(name).one_device
-  if same is not None:
-    p = placements.of(schedule)
-    if not isinstance(p, str) and p.size == 1:
-      name, config = same(config) or (name, config)
-  return configs.label(name, config)
