@@ -6,10 +6,10 @@ not count: the two times give its rate (in the flops it executes: the
 kernel's ``Work`` says how much of a block that is) and its fixed cost per
 call; a backward block runs at the larger size alone (its rate is all the
 cost model keeps of it). Each size compiles once: on CPUs the repeats are
-the loop's argument, on GPUs the loop's calls are dispatched back to back. Block offsets are
-traced, as in the nest (a constant causal mask would let XLA compile another
-body); a causal program's blocks are diagonal, query and key blocks of one
-size, which the kernels take on their own path. A ring
+the loop's argument, on GPUs the loop's calls are dispatched back to back.
+Block offsets are traced, as in the nest (a constant causal mask would let
+XLA compile another body); a causal program's blocks are diagonal, query and
+key blocks of one size, which the kernels take on their own path. A ring
 ``ppermute`` over each mesh level at two sizes gives the level's bandwidth
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an

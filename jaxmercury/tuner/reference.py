@@ -85,6 +85,8 @@ def trial(program, seed: int, device, *, training: bool = False, on_device: bool
   key = jax.random.key(seed)
   inputs = program.random_inputs(key)
   fn, placed = _trusted(program, inputs, device, budget_bytes)
+  if on_device:  # computed where the candidates run, so that it stays there
+    placed = jax.device_put(placed, device)
   if training:
     cotangent, reference = _drawn_step(fn, program.writes)(key, placed)
   else:
