@@ -218,7 +218,8 @@ def run_operator(env, name: str) -> dict:
   rec = {"name": f"{case.name}{' training step' if training else ''}", "op": name, "config": dataclasses.asdict(case),
          "mesh": dict(mesh.shape), "training": training,
          "tuner": {"wall_s": round(tune_s, 2), "phases": {k: round(v, 3) for k, v in result.phases.items()},
-                   "compiled": result.compiled, "spearman": result.spearman, "decision": result.decision,
+                   "compiled": result.compiled, "references": result.references, "spearman": result.spearman,
+                   "decision": result.decision,
                    "winner": result.best and result.best.name,
                    "timed": sum(1 for c in result.candidates if c.status == measure.OK),
                    "candidates": len(result.candidates), "from_database": result.from_database}}

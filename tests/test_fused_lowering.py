@@ -152,6 +152,35 @@ def test_interpreted_kernel_and_its_backward_match_the_reference(strategy, lower
     assert rel_err(got.astype(jnp.float32), plain_grad.astype(jnp.float32)) < 1e-2  # bf16 roundings apart
 
 
+def test_on_one_device_the_twin_fused_gemms_compute_what_the_all_gather_kernel_does():
+  """``FusedKernel.one_device``: on one device the reduce-scatter kernel and the all-gather kernel with
+  communication CTAs run the all-gather kernel's program at the same tiles (``placements.runs_as``, the tuner's
+  ``program_key``): interpreted, the same output and gradients, bit for bit. Over eight devices each is its own."""
+  from jaxmercury.tuner.candidates import program_key
+  mesh, prog = _one_device_mesh(), _bf16(128, 128, 64)
+  lib = jm.library(prog, mesh)
+  ag = lib["allgather_matmul"].copy().lower_with(OURS, **SMALL)
+  twins = [lib["matmul_reducescatter"].copy().lower_with(OURS_RS, **SMALL),
+           lib["allgather_matmul"].copy().lower_with("fused_allgather_matmul_comm", **SMALL)]
+  a, b = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(jnp.bfloat16)
+
+  def run(s):
+    out, vjp = jax.vjp(s.compile(), a, b)
+    return (out, *vjp(cot))
+
+  want = run(ag)
+  for s in twins:
+    assert placements.runs_as(s) == (OURS, ag.lowering_config) and program_key(s) == program_key(ag)
+    for got, w in zip(run(s), want):
+      assert bool(jnp.all(got == w)), s.lowering
+  chunked = lib["allgather_matmul"].copy().lower_with("fused_allgather_matmul_comm", chunk_tiles=2, **SMALL)
+  assert placements.runs_as(chunked)[0] == "fused_allgather_matmul_comm"  # rows padded to chunks: its own
+  eight = jm.library(jm.programs.matmul(2048, 2048, 1024, dtype=jnp.bfloat16), h100_mesh(8))
+  rs = eight["matmul_reducescatter"].copy().lower_with(OURS_RS)
+  assert placements.runs_as(rs) == (OURS_RS, rs.lowering_config)
+
+
 # ------------------------------------------------------------------ tuner and cost model
 def test_the_tuner_offers_no_fused_candidates_on_the_cpu_mesh():
   for mesh in (make_mesh("8"), make_mesh("2x4"), _one_device_mesh()):

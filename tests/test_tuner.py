@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import assert_matches, fresh_key, make_mesh
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
@@ -541,6 +542,28 @@ def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
   assert bad.status == measure.FAILED and bad.reason.startswith("wrong gradient dk: relative error")
 
 
+def test_a_training_reference_is_one_compiled_program_and_stays_on_a_one_device_mesh():
+  """The trusted output, gradients and cotangent of a training trial compile as one program besides the inputs'
+  draw (op by op they compiled five); with ``on_device`` they stay on the device and check as the host copy does."""
+  from jaxmercury.tuner.reference import trial
+  prog, device = jm.programs.matmul(96, 80, 48, dtype="bfloat16"), jax.devices()[0]
+  trial(jm.programs.matmul(32, 16, 48, dtype="bfloat16"), 5, device, training=True)  # what any first trial compiles
+  compiles = []
+  listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    inputs, cot, (out, grads) = trial(prog, 5, device, training=True, on_device=True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len(compiles) <= 2, compiles
+  assert all(isinstance(x, jax.Array) and x.devices() == {device} for x in (out, *grads))
+  _, _, (host_out, host_grads) = trial(prog, 5, device, training=True)
+  assert isinstance(host_out, np.ndarray)
+  y = jax.jit(prog.reference)(*inputs)
+  assert measure.local_error(y, out) == measure.local_error(y, host_out)
+  np.testing.assert_array_equal(np.asarray(grads[1]), host_grads[1])
+
+
 def test_a_training_tune_in_worker_processes():
   """``isolation="process"`` measures training steps in the worker too."""
   prog, mesh = PROGRAMS["matmul"](), make_mesh("8")
@@ -575,3 +598,22 @@ def test_on_one_device_ring_attentions_are_pruned_and_fused_gemms_offered(monkey
     assert offered(cands) == offered(without) and ring and all(c.status == measure.PRUNED for c in ring)
   else:
     assert offered(cands) > offered(without) and not ring
+
+
+def test_on_one_device_fused_gemms_that_are_one_program_there_compile_once(monkeypatch):
+  """On one device a GEMM + reduce-scatter kernel and the all-gather kernel with communication CTAs run what the
+  all-gather kernel runs (``FusedKernel.one_device``): a training tune prunes them as the same program and compiles
+  the training steps of three programs, no forwards first (Mosaic GPU kernels in interpret mode)."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  prog = jm.programs.matmul(128, 128, 128, dtype="bfloat16")
+  compiled = []
+  real = measure.compile_ahead
+  monkeypatch.setattr(measure, "compile_ahead", lambda s, training: compiled.append(
+      (getattr(s, "lowering", None), training)) or real(s, training=training))
+  with registry.interpret_mode():
+    result = _tune(prog, mesh, training=True, margin=100.0, top_k=8, space=0)
+  same = "same program as allgather_matmul {fused_allgather_matmul}"
+  twins = {c.lowering for c in result.candidates if c.result.reason == same}
+  assert twins == {"fused_allgather_matmul", "fused_allgather_matmul_comm", "fused_matmul_reducescatter"}
+  assert sorted(compiled, key=lambda c: c[0] or "") == [(None, True), (None, True), ("fused_allgather_matmul", True)]
+  assert result.compiled == 3 and result.best is not None

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmercury as jm
 from jaxmercury.analysis.hlo import compiled_collectives
-from jaxmercury.tuner import cost
+from jaxmercury.tuner import calibrate, cost, stored
 
 MACHINE = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
 
@@ -78,15 +78,20 @@ def _layers(x, w1, w2, w3):
 TUNED = ("database hit", "plain (database hit: no schedule beat it)")
 
 
-def test_a_model_is_tuned_once_per_distinct_operator_within_its_budget(tmp_path, caplog):
+def test_a_model_is_tuned_once_per_distinct_operator_within_its_budget(tmp_path, caplog, monkeypatch):
   """``tune=True``: the distinct operators, each tuned once (``operator i of n`` with its time); past the budget
-  the rest run plain, reported so in the log and the report; a later call tunes what is left."""
+  the rest run plain, reported so in the log and the report; a later call tunes what is left. The cost model is
+  calibrated once for both GEMMs (one dtype; the measurement stubbed with a fixed machine's figures)."""
   mesh = make_mesh("8")
   db = jm.Database(str(tmp_path / "t.db"))
   x, w1, w2 = (jax.random.normal(fresh_key(), (16, 32)) for _ in range(3))
   w1, w2, w3 = w1.T @ w1 / 32, w2.T @ w2 / 32, jax.random.normal(fresh_key(), (32, 256))
+  calibrated = []
+  figures = dict(zip((calibrate.MESH, calibrate.KERNELS), MACHINE.parts()))
+  monkeypatch.setattr(stored, "measure_parts", lambda program, mesh, *, parts, **kw: calibrated.append(
+      (program.name, parts)) or {part: figures[part] for part in parts})
   lines = []
-  options = dict(database=db, tune=True, space=0, top_k=1, iters=2, machine=MACHINE, log=lines.append)
+  options = dict(database=db, tune=True, space=0, top_k=1, iters=2, log=lines.append)
   budgeted = jm.distribute(_layers, mesh=mesh, time_budget_s=0.05, **options)  # spent by the first tune
   with caplog.at_level(logging.INFO):
     out = jax.jit(budgeted)(x, w1, w2, w3)
@@ -110,6 +115,7 @@ def test_a_model_is_tuned_once_per_distinct_operator_within_its_budget(tmp_path,
   assert [line.split(":")[0] for line in lines if line.startswith("== operator")] == ["== operator 1 of 1"] * 2
   assert sum(line.startswith("== done in") for line in lines) == 1
   assert all(e.reason in TUNED for e in jm.explain(_layers, x, w1, w2, w3, mesh=mesh, database=db))
+  assert calibrated == [("matmul", (calibrate.MESH, calibrate.KERNELS))]  # the first tune's, for both
 
 
 PROCESS = textwrap.dedent("""

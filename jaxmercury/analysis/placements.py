@@ -282,6 +282,18 @@ def signature(schedule) -> tuple:
           tuple(sorted(schedule.zigzags.items())), p if isinstance(p, str) else (p.kind, p.level, p.local_shape()))
 
 
+def runs_as(schedule) -> tuple[str, object]:
+  """``(fused kernel name, configuration)`` whose program a fused schedule runs: on a mesh level of one device the
+  kernel its own equals there (``FusedKernel.one_device``: its ring empty), else its own."""
+  name, config = schedule.lowering, schedule.lowering_config
+  same = registry.fused(name).one_device
+  if same is not None:
+    p = of(schedule)
+    if not isinstance(p, str) and p.size == 1:
+      return same(config) or (name, config)
+  return name, config
+
+
 def memory_bytes(schedule) -> int:
   """Per device: what a fused schedule's kernel holds (its ``memory`` hook)."""
   k = registry.fused(schedule.lowering)

@@ -276,6 +276,9 @@ class FusedKernel:
     interpret: it runs on a one-device CPU mesh in Mosaic GPU interpret mode.
     unverified: ``unverified(placement) -> reason | None``: why it is not yet trusted on GPUs for this
       placement; the tuner and graph search then leave it out, ``lower_with`` still takes it.
+    one_device: ``one_device(config) -> (name, config) | None``: the fused kernel and configuration whose program
+      this one's is where its mesh level has one device (the ring empty: the same tiles over the same GEMM, and
+      the same backward), which the tuner compiles in its stead (``tuner.candidates.program_key``); None: none.
   """
 
   name: str
@@ -292,6 +295,7 @@ class FusedKernel:
   problem: Callable | None = None
   interpret: bool = False
   unverified: Callable | None = None
+  one_device: Callable | None = None
 
   def configure(self, params: Mapping[str, Any] | None = None):
     return configs.make(self.config, params, where=f"lower_with({self.name!r})")

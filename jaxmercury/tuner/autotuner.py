@@ -148,7 +148,8 @@ def autotune(program, mesh, *, candidates=None, config: TuneConfig | None = None
         program, mesh, task.layouts, objective=config.objective).values() if m.result is not None])
     raise TuneInterrupted(kept) from None
   spent = ", ".join(f"{phase} {s:.1f}" for phase, s in result.phases.items() if s >= 0.05)
-  log(f"== done in {time.perf_counter() - started:.1f} s{f' ({spent})' if spent else ''}: {result.summary()}")
+  spent = f" ({spent}; {result.counts()})" if not result.from_database else ""
+  log(f"== done in {time.perf_counter() - started:.1f} s{spent}: {result.summary()}")
   return result
 
 
@@ -179,7 +180,8 @@ def tune(task: Task, config: TuneConfig, given=None, *, machine=None, database=N
     if plan.resumed:
       log(f"resuming: {plan.resumed} of {len(plan.chosen)} measurements read from {store.path}")
     kept, compiled = Kept(), 0
-    trial_data = Trial(task.program, config.seed, agree.local_device(task.mesh), config.training)
+    trial_data = Trial(task.program, config.seed, agree.local_device(task.mesh), config.training,
+                       on_device=task.mesh.devices.size == 1)
     chosen = plan.chosen
     if config.training and sum(not c.plain for c in chosen if c.result is None) > config.training_finalists:
       chosen, compiled = _forwards_first(task, config, machine, plan, trial_data, store, clock, log)
@@ -202,7 +204,8 @@ def tune(task: Task, config: TuneConfig, given=None, *, machine=None, database=N
     log(f"cost model: rank agreement with the measured times (Spearman) {agreement:.2f} over {len(ok)} candidates")
   return TuneResult(best, plan.candidates, machine=machine, resumed=plan.resumed, objective=config.objective,
                     decision=decision, tied=tied, phases=clock.seconds(), spearman=agreement,
-                    corrections=plan.corrections, not_offered=plan.not_offered, compiled=compiled)
+                    corrections=plan.corrections, not_offered=plan.not_offered, compiled=compiled,
+                    references=trial_data.computed)
 
 
 @dataclasses.dataclass

@@ -4,11 +4,12 @@ Each applicable local kernel runs on one device on blocks of the program's
 own shape at two sizes, repeated inside one jitted loop so that dispatch does
 not count: the two times give its rate (in the flops it executes: the
 kernel's ``Work`` says how much of a block that is) and its fixed cost per
-call. Each size compiles once: on CPUs the repeats are the loop's argument,
-on GPUs the loop's calls are dispatched back to back. Block offsets are
-traced, as in the nest (a constant causal mask would let XLA compile another
-body); a causal program's blocks are diagonal, query and key blocks of one
-size, which the kernels take on their own path. A ring
+call; a backward block runs at the larger size alone (its rate is all the
+cost model keeps of it). Each size compiles once: on CPUs the repeats are
+the loop's argument, on GPUs the loop's calls are dispatched back to back.
+Block offsets are traced, as in the nest (a constant causal mask would let
+XLA compile another body); a causal program's blocks are diagonal, query and
+key blocks of one size, which the kernels take on their own path. A ring
 ``ppermute`` over each mesh level at two sizes gives the level's bandwidth
 and latency, an all-gather against the same ring the collectives' factor, and
 a ring beside independent matrix products how much of a transfer hides; an
@@ -189,15 +190,16 @@ def kernel_figures(program, kernel_name: str, mesh, budget_bytes: int,
   return _fit(probes)
 
 
-def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None) -> dict:
-  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a larger
-  and a smaller block."""
+def _figure_probes(program, kernel_name: str, mesh, budget_bytes: int, max_flops, backward=None,
+                   shrinks=(1, 8)) -> dict:
+  """``kernel_figures``' probes, not yet compiled: ``{flops executed per repeat: _per_repeat probes}``, a block per
+  factor of ``shrinks`` (default a larger and a smaller one; the larger alone gives a rate without a fixed cost)."""
   kernel = registry.local(kernel_name)
   run_program, fn = backward or (program, registry.lookup(kernel_name, program, mesh))
   scale = BACKWARD_WORK[program.pattern] if backward else 1.0
   device = mesh.devices.flat[0]
   probes = {}
-  for shrink in (1, 8):
+  for shrink in shrinks:
     sizes = _block_sizes(program, kernel, budget_bytes, shrink, max_flops=max_flops)
     probes[scale * executed_flops(program, kernel_name, sizes)] = _kernel_probes(run_program, fn, sizes, device)
   return probes
@@ -309,7 +311,9 @@ def kernel_rates(program, mesh, kernels=None, progress=None) -> tuple[dict, floa
 def backward_rates(program, mesh, kernels) -> dict[str, float]:
   """Per local kernel of ``kernels`` (an attention program's) whose backward runs as a joint block
   (``AttentionBackward.joint``: dq and dk-dv of a block pair in one call), that block's rate on one device,
-  in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none."""
+  in ``BACKWARD_WORK`` times the forward's flops per second; other programs have none. One block size, the
+  forward's larger: only the rate is kept (the fixed cost of a call is the forward's figure), and each size of a
+  Mosaic GPU block compiles for seconds."""
   if program.pattern != "attention" or program.params.get("emit_lse"):
     return {}
   gpu = mesh.devices.flat[0].platform != "cpu"
@@ -327,7 +331,7 @@ def backward_rates(program, mesh, kernels) -> dict[str, float]:
     block = backward.joint(dq_program, **registry.local(name).interprets(mesh))
     # a quarter of the forward's budget: the backward keeps the scores' probabilities and their gradients
     probes[name] = _figure_probes(program, name, mesh, (2 << 30) if gpu else (16 << 20),
-                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block))
+                                  GPU_BLOCK_FLOPS if gpu else None, backward=(dq_program, block), shrinks=(1,))
   _warm(_flat(*probes.values()))  # every block compiles at once, as in ``kernel_rates``
   return {name: _fit(pairs)[0] for name, pairs in probes.items()}
 
@@ -392,29 +396,46 @@ def fused_gemm_rates(program, mesh) -> dict[str, float]:
   schedule it lowers (``GEMM_STRATEGIES``), on random inputs in that schedule's layouts; calls are dispatched
   back to back (``_pipelined``), so that dispatch does not count (timed one by one, a call's dispatch can
   outlast its kernel). The ring, its handshakes, padding and launch skew all count, which a kernel's rate on
-  one device leaves out. ``program`` must be a GEMM (others have none); lowerings that fail to run are left
-  out, with a warning.
+  one device leaves out. A schedule's lowerings compile at once on threads (``_warm``) before the first is timed;
+  one that runs another's program there (``placements.runs_as``: on a mesh level of one device) takes that one's
+  rate, timed once. ``program`` must be a GEMM (others have none); lowerings that fail to run are left out, with a
+  warning.
   """
   if program.pattern != "matmul":
     return {}
   lib = library(program, mesh)
-  rates = {}
+  rates, twins = {}, {}
   for strategy in GEMM_STRATEGIES:
     if strategy not in lib:
       continue
     schedule = lib[strategy]
-    todo = [name for name in placements.offered(schedule) if name not in rates]
+    todo = [name for name in placements.offered(schedule) if name not in rates and name not in twins]
     if not todo:
       continue
     inputs = place_inputs(schedule, program.random_inputs(jax.random.key(len(rates))))
+    fns = {}
     for name in todo:
       try:
-        fn = schedule.copy().lower_with(name).compile(differentiable=False)
+        lowered = schedule.copy().lower_with(name)
+        same, config = placements.runs_as(lowered)
+        if same != name and config == registry.fused(same).configure():
+          twins[name] = same
+          continue
+        fns[name] = lowered.compile(differentiable=False)
+      except Exception as e:
+        _not_measured(name, e)
+    _warm([(fn, inputs) for fn in fns.values()])
+    for name, fn in fns.items():
+      try:
         rates[name] = program.flops / mesh.devices.size / _pipelined(fn, *inputs)
       except Exception as e:
-        warnings.warn(f"calibrate: {name} did not run on the mesh ({type(e).__name__}: {str(e)[:200]}); its rate "
-                      "is not measured", RuntimeWarning, stacklevel=2)
-  return rates
+        _not_measured(name, e)
+  return rates | {name: rates[same] for name, same in twins.items() if same in rates}
+
+
+def _not_measured(name: str, e: Exception):
+  warnings.warn(f"calibrate: {name} did not run on the mesh ({type(e).__name__}: {str(e)[:200]}); its rate "
+                "is not measured", RuntimeWarning, stacklevel=3)
 
 
 MESH, KERNELS = "mesh", "kernels"  # the parts of a machine's figures (``Machine.parts``), measured apart

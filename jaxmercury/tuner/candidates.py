@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 
+from jaxmercury.analysis import placements
 from jaxmercury.analysis.memory import block_sizes
 from jaxmercury.ir.loops import VECTOR
 from jaxmercury.kernels import config as configs
@@ -206,8 +207,9 @@ def program_key(schedule) -> tuple:
   ring, the block each body call sees, and the plan's layouts, rings and
   cross-level reductions; never a loop's name. Mesh levels of size 1 and
   loops of extent 1 do nothing and are left out: on a mesh of one device
-  every communication schedule is the local loop nest. A plain program's
-  key is its description.
+  every communication schedule is the local loop nest, and a fused kernel
+  whose ring is empty is the kernel whose program it equals there
+  (``FusedKernel.one_device``). A plain program's key is its description.
   """
   if isinstance(schedule, PlainProgram):
     return ("plain", schedule.to_json())
@@ -223,7 +225,7 @@ def program_key(schedule) -> tuple:
   rings = tuple(sorted((r.axis, r.level, r.size, r.buffers, r.travel) for r in plan.rings.values() if r.size > 1))
   reductions = tuple((r.level, r.scatter_axis) for r in plan.reductions if sizes.get(r.level, 1) > 1)
   padded = tuple(sorted((a, n) for a, n in schedule.padded.items() if n != schedule.program.axes[a].extent))
-  return (configs.label(schedule.kernel or "xla", schedule.kernel_config),
-          None if schedule.lowering is None else configs.label(schedule.lowering, schedule.lowering_config),
+  lowering = None if schedule.lowering is None else configs.label(*placements.runs_as(schedule))
+  return (configs.label(schedule.kernel or "xla", schedule.kernel_config), lowering,
           tuple(sorted(schedule.zigzags.items())), padded, loops, blocks, layouts(plan.storage),
           layouts(plan.resident), plan.result.without(idle), rings, reductions)

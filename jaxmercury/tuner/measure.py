@@ -114,20 +114,28 @@ def local_error(y, ref) -> tuple[bool, float, float]:
   processes give the error of the whole output; one process needs only the
   shards it can address. ``ref`` is best a host (numpy) array: each shard's
   part of it is then a host slice, where slicing a device array would compile
-  a program per shard. On CPU devices the sums are taken on the host; on
-  others on each shard's device, in float32 (copying a large output to the
-  host and summing it there took seconds per candidate).
+  a program per shard; a device array (``reference.trial(on_device=True)``)
+  serves a shard that is the whole output without a slice. On CPU devices
+  the sums are taken on the host; on others on each shard's device, in
+  float32 (copying a large output to the host and summing it there took
+  seconds per candidate).
   """
-  ref = ref if isinstance(ref, np.ndarray) else np.asarray(jax.device_get(ref))
+  host = [ref] if isinstance(ref, np.ndarray) else []  # the host copy of ``ref``, made when a shard needs it
+
+  def part_of(index):
+    if not host:
+      host.append(np.asarray(jax.device_get(ref)))
+    return host[0][index]
+
   finite, diff, norm = True, 0.0, 0.0
   for shard in y.addressable_shards:
     if shard.replica_id != 0:
       continue
-    want = ref[shard.index]
     if shard.device.platform == "cpu":
-      part, want = np.asarray(shard.data, np.float64), np.asarray(want, np.float64)
+      part, want = np.asarray(shard.data, np.float64), np.asarray(part_of(shard.index), np.float64)
       ok, d, n = bool(np.all(np.isfinite(part))), float(np.sum((part - want) ** 2)), float(np.sum(want ** 2))
     else:
+      want = ref if not host and shard.data.shape == ref.shape else part_of(shard.index)
       sums = _error_sums(shard.data, jax.device_put(want, shard.device))
       ok, d, n = (float(v) for v in jax.device_get(sums))
     finite = finite and bool(ok)

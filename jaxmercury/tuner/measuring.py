@@ -55,11 +55,14 @@ class Phases:
 
 
 class Trial:
-  """The inputs, cotangent and reference every candidate is checked and timed on (``reference.trial``),
-  computed once, in a thread of its own when ``start``ed (beside the compiles), else when first asked for."""
+  """The inputs, cotangent and reference every candidate is checked and timed on (``reference.trial``; kept on
+  ``device`` where ``on_device``: a mesh of one device), computed once, in a thread of its own when ``start``ed
+  (beside the compiles), else when first asked for. ``computed`` counts the computations (one per tune)."""
 
-  def __init__(self, program, seed: int, device, training: bool):
+  def __init__(self, program, seed: int, device, training: bool, on_device: bool = False):
     self.program, self.seed, self.device, self.training = program, seed, device, training
+    self.on_device = on_device
+    self.computed = 0
     self._future = None
     self._lock = threading.Lock()
 
@@ -71,7 +74,9 @@ class Trial:
 
   def _compute(self):
     try:
-      self._future.set_result(trial(self.program, self.seed, self.device, training=self.training))
+      self.computed += 1
+      self._future.set_result(trial(self.program, self.seed, self.device, training=self.training,
+                                    on_device=self.on_device))
     except BaseException as e:
       self._future.set_exception(e)
 

@@ -146,7 +146,8 @@ def default_candidates(program, mesh, *, space: int = 24, seed: int = 0, kernels
 # On one device a ring attention (a fused kernel priced at its own rate, ``calibrate.fused_rates``) runs no ring: its
 # compute is a local attention's (``fused_ring_attention_ws``'s is ``ws_attention``'s forward; ``fused_ring_attention``
 # is a one-warpgroup attention that ``ws_attention`` supersedes), which the local candidates time. Fused GEMMs stay:
-# their tiles differ from their ``rate_kernel``'s, and on one device they time apart from it.
+# their tiles differ from their ``rate_kernel``'s, and on one device they time apart from it; those that run one
+# program there (``FusedKernel.one_device``) share a ``program_key``, so the prune stage compiles one of them.
 ONE_DEVICE_RING = ("one device: a ring attention's ring is empty there, its compute a local attention's "
                    "(the local candidates time those)")
 

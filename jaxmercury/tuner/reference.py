@@ -56,31 +56,42 @@ def reference_output(program, inputs, device, budget_bytes: int = 8 << 30):
   return fn(*inputs)
 
 
-def reference_step(program, inputs, cotangent, device, budget_bytes: int = 8 << 30):
-  """``(output, gradients)``: the reference's output and its inputs' gradients for the output's ``cotangent``."""
-  fn, inputs = _trusted(program, inputs, device, budget_bytes)
-  out, pullback = jax.vjp(fn, *inputs)
-  return out, tuple(pullback(cotangent.astype(out.dtype)))
+def _drawn_step(fn, written):
+  """``(key, inputs) -> (cotangent, (output, gradients))`` as one compiled program: a normal output cotangent of
+  ``written``'s shape and dtype drawn from ``key``, ``fn``'s output and its inputs' gradients for it. One program,
+  where drawing, the forward and the pullback op by op would compile several."""
+  def step(key, inputs):
+    cotangent = jax.random.normal(jax.random.fold_in(key, 1), written.shape, jnp.float32).astype(written.dtype)
+    out, pullback = jax.vjp(fn, *inputs)
+    return cotangent, (out, tuple(pullback(cotangent.astype(out.dtype))))
+  return jax.jit(step)
 
 
-def trial(program, seed: int, device, *, training: bool = False):
+def trial(program, seed: int, device, *, training: bool = False, on_device: bool = False,
+          budget_bytes: int = 8 << 30):
   """What a tune checks and times every candidate on: ``(inputs, cotangent, reference)``.
 
   The inputs are fresh normal values drawn from ``seed``. For the forward,
   ``cotangent`` is None and ``reference`` the trusted output; for a training
   step, ``cotangent`` is a normal output cotangent from the same seed and
-  ``reference`` the trusted ``(output, gradients)``. The reference is on the
-  host (numpy arrays): each candidate's shards are checked against slices of
-  it (``measure.local_error``), which on a device array would compile a slice
-  per shard.
+  ``reference`` the trusted ``(output, gradients)``, computed with the
+  cotangent as one program. The reference goes to the host (numpy arrays):
+  each candidate's shards are checked against slices of it
+  (``measure.local_error``), which on a device array would compile a slice
+  per shard. With ``on_device`` (a mesh of one device, whose candidates'
+  outputs are whole arrays on ``device``) it stays on ``device`` and is
+  checked there, moved neither to the host nor back per candidate.
   """
   key = jax.random.key(seed)
   inputs = program.random_inputs(key)
-  if not training:
-    return inputs, None, _on_host(reference_output(program, inputs, device))
-  out = program.writes
-  cotangent = jax.random.normal(jax.random.fold_in(key, 1), out.shape, jnp.float32).astype(out.dtype)
-  return inputs, cotangent, _on_host(reference_step(program, inputs, cotangent, device))
+  fn, placed = _trusted(program, inputs, device, budget_bytes)
+  if on_device:  # computed where the candidates run, so that it stays there
+    placed = jax.device_put(placed, device)
+  if training:
+    cotangent, reference = _drawn_step(fn, program.writes)(key, placed)
+  else:
+    cotangent, reference = None, fn(*placed)
+  return inputs, cotangent, reference if on_device else _on_host(reference)
 
 
 def _on_host(tree):

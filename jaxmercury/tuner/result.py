@@ -40,6 +40,7 @@ class TuneResult:
       (``accuracy.Corrections``).
     not_offered: per fused kernel that computes this operator but cannot run here, why not.
     compiled: how many programs the tune compiled to measure (forwards and training steps).
+    references: how many times the tune computed the trusted reference (``reference.trial``): one at most.
   """
 
   best: Candidate | None
@@ -55,6 +56,11 @@ class TuneResult:
   corrections: object = None
   not_offered: dict = dataclasses.field(default_factory=dict)
   compiled: int = 0
+  references: int = 0
+
+  def counts(self) -> str:
+    """What the tune computed, for its log line: the programs compiled and the references."""
+    return f"{self.compiled} programs compiled, {self.references} reference{'s' if self.references != 1 else ''}"
 
   @property
   def baseline(self) -> Candidate | None:

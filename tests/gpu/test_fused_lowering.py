@@ -77,7 +77,8 @@ def test_every_gpu(strategy, lowering, kind):
 
 
 def test_one_gpu_of_several():
-  """Ours run on a one-device level (no ring); JAX's kernel needs the level to span several devices, all of them."""
+  """Ours run on a one-device level (no ring), where the reduce-scatter kernel and the one with communication CTAs
+  compute what the all-gather kernel does; JAX's kernel needs the level to span several devices, all of them."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   prog = jm.programs.matmul(512, 512, 256, dtype=jnp.bfloat16)
   lib = jm.library(prog, mesh)
@@ -88,6 +89,20 @@ def test_one_gpu_of_several():
     _check(lib["matmul_reducescatter"].copy().lower_with(lowering), lib["matmul_reducescatter"])
   reason = placements.why_not("jax_allgather_lhs_matmul", plain)
   assert ("needs several GPUs" if len(jax.devices()) == 1 else "must span every device") in reason, reason
+  # the twins the tuner compiles once there (``FusedKernel.one_device``): the all-gather kernel's values, bit for bit
+  a, b = prog.random_inputs(fresh_key())
+  cot = jax.random.normal(fresh_key(), prog.writes.shape, jnp.float32).astype(prog.writes.dtype)
+
+  def run(s):
+    out, vjp = jax.vjp(s.compile(), a, b)
+    return (out, *vjp(cot))
+
+  want = run(plain.copy().lower_with("fused_allgather_matmul"))
+  for s in (lib["matmul_reducescatter"].copy().lower_with("fused_matmul_reducescatter"),
+            plain.copy().lower_with("fused_allgather_matmul_comm")):
+    assert placements.runs_as(s)[0] == "fused_allgather_matmul"
+    for name, got, w in zip(("output", "dA", "dB"), run(s), want):
+      assert bool(jnp.all(got == w)), f"{s.lowering}: {name} differs from fused_allgather_matmul's"
 
 
 def test_the_tuner_offers_and_times_them():

@@ -309,6 +309,15 @@ def _make(p, config: CommConfig, interpret: bool):
   return per_device
 
 
+def _one_device(config: CommConfig) -> tuple[str, TileConfig] | None:
+  """On one device no CTA communicates (``comm`` is 0): every CTA computes, as ``fused_allgather_matmul``'s do, on
+  the same tiles and the same padding where a chunk is one tile of rows; the backward is the same dual kernel."""
+  if config.chunk_tiles != 1:  # rows padded to whole chunks: another program
+    return None
+  return "fused_allgather_matmul", TileConfig(tile_m=config.tile_m, tile_n=config.tile_n, tile_k=config.tile_k,
+                                              max_concurrent_steps=config.max_concurrent_steps)
+
+
 FUSED_ALLGATHER_MATMUL_COMM = FusedKernel(
     name="fused_allgather_matmul_comm",
     description="our Mosaic GPU kernel (kernels.gemm.allgather_comm): comm_ctas CTAs of the persistent "
@@ -317,4 +326,4 @@ FUSED_ALLGATHER_MATMUL_COMM = FusedKernel(
                 "padded to its tiles and chunks",
     placement=ALLGATHER, config=CommConfig, devices=interpretable_devices, problem=_problem, tile=_tile,
     make=_make, interpret=True, backward=DualGemm(dual="fused_matmul_reducescatter"), rate_kernel="mosaic_matmul",
-    seconds=gemm_seconds, memory=gemm_memory)
+    seconds=gemm_seconds, memory=gemm_memory, one_device=_one_device)

@@ -192,10 +192,17 @@ def _make(p, config: TileConfig, interpret: bool):
   return per_device
 
 
+def _one_device(config: TileConfig) -> tuple[str, TileConfig]:
+  """On one device the ring is empty: one GEMM step, its tiles stored as they are done (``first and last``),
+  which is ``fused_allgather_matmul``'s one step at the same tiles; each backward runs the other kernel, which
+  is again the same GEMM there."""
+  return "fused_allgather_matmul", config
+
+
 FUSED_MATMUL_REDUCESCATTER = FusedKernel(
     name="fused_matmul_reducescatter",
     description="our Mosaic GPU kernel (kernels.gemm.reducescatter): each tile's float32 running sum is "
                 "stored by TMA into the left neighbour as the GEMM finishes it; shapes padded to its tiles",
     placement=REDUCESCATTER, config=TileConfig, devices=interpretable_devices, problem=tile_problem, tile=tile_of,
     make=_make, interpret=True, backward=DualGemm(dual="fused_allgather_matmul"), rate_kernel="mosaic_matmul",
-    seconds=gemm_seconds, memory=gemm_memory)
+    seconds=gemm_seconds, memory=gemm_memory, one_device=_one_device)
