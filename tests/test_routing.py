@@ -60,8 +60,7 @@ def _loss(model, tokens, *extra):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
 
 
-@pytest.mark.parametrize("model,place", [("packed", "auto"), ("packed", "explicit"), ("scanned", "auto"),
-                                         ("scanned", "explicit-set_mesh")])
+@pytest.mark.parametrize("model,place", [("packed", "explicit"), ("scanned", "auto"), ("scanned", "explicit-set_mesh")])
 def test_models_route_as_undecorated(model, place, tmp_path):
   """MaxText's structure with packed rows (segment ids), its layers scanned or not; Flax's own examples are in
   test_models."""

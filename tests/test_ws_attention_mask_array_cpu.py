@@ -142,14 +142,14 @@ def test_schedules_run_masks_on_the_kernels(monkeypatch):
   (``mask_axes=("h", "i", "j")``: broadcast over the batch) through ``ws_attention``: the kernels' masked path
   (not the program's body) forward and backward, against the float32 reference."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
-  prog, f32 = (jm.programs.attention(2, 2, 1, 256, 256, 64, dtype=dtype, causal=True, mask_axes=("h", "i", "j"))
+  prog, f32 = (jm.programs.attention(2, 2, 1, 128, 128, 64, dtype=dtype, causal=True, mask_axes=("h", "i", "j"))
                for dtype in (jnp.bfloat16, jnp.float32))
   calls = []
   for name in ("masked_forward", "masked_backward"):
     real = getattr(ws, name)
     monkeypatch.setattr(ws, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k))
   q, k, v = (jax.random.normal(fresh_key(), r.shape, jnp.float32).astype(r.dtype) for r in prog.reads[:3])
-  xs = (q, k, v, jnp.asarray(mask_array(1, 2, 256, 256)[0]))
+  xs = (q, k, v, jnp.asarray(mask_array(1, 2, 128, 128)[0]))
   cot = jax.random.normal(fresh_key(), prog.writes.shape)
   f32_inputs = lambda xs: [x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in xs]
   with registry.interpret_mode(), jax.set_mesh(mesh):
