@@ -165,14 +165,15 @@ def cudnn_traces(monkeypatch):
 def test_cudnn_attention_calls_are_routed(cudnn_traces, place, tmp_path):
   """``implementation="cudnn"`` calls (grouped heads; causal, a sliding window, a boolean mask with the causal
   one) are routed as the XLA ones are, forward and gradients equal to JAX's XLA attention; a bias and sequence
-  lengths are reported with their reasons."""
+  lengths are reported with their reasons. The mask array on both axis types, the positional masks on one each."""
   mesh, where = _place(place)
   keys = iter(jax.random.split(fresh_key(), 5))
   q = jax.random.normal(next(keys), (2, 32, 4, 8), jnp.bfloat16)
   k, v = (jax.random.normal(next(keys), (2, 32, 2, 8), jnp.bfloat16) for _ in range(2))
   m = jax.random.bernoulli(next(keys), 0.7, (2, 1, 32, 32)) | jnp.eye(32, dtype=bool)  # every row keeps a key
-  calls = {"causal": dict(is_causal=True), "sliding_window": dict(is_causal=True, local_window_size=(5, 0)),
-           "causal+array": dict(is_causal=True, mask=m)}
+  positional = {"auto": ("causal", dict(is_causal=True)),
+                "explicit-set_mesh": ("sliding_window", dict(is_causal=True, local_window_size=(5, 0)))}[place]
+  calls = dict([positional, ("causal+array", dict(is_causal=True, mask=m))])
   cot = jax.random.normal(next(keys), q.shape, jnp.float32)
   db = jm.Database(str(tmp_path / "routing.db"))
   with where:
