@@ -27,6 +27,7 @@ from jaxmercury.lowering import lower
 from jaxmercury.schedules import dual
 from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner import cost
+from jaxmercury.tuner.candidates import program_key
 
 OURS, JAXS = "fused_allgather_matmul", "jax_allgather_lhs_matmul"
 OURS_RS, WS_RS = "fused_matmul_reducescatter", "fused_matmul_reducescatter_ws"
@@ -156,7 +157,6 @@ def test_on_one_device_the_twin_fused_gemms_compute_what_the_all_gather_kernel_d
   """``FusedKernel.one_device``: on one device the reduce-scatter kernel and the all-gather kernel with
   communication CTAs run the all-gather kernel's program at the same tiles (``placements.runs_as``, the tuner's
   ``program_key``): interpreted, the same output and gradients, bit for bit. Over eight devices each is its own."""
-  from jaxmercury.tuner.candidates import program_key
   mesh, prog = _one_device_mesh(), _bf16(128, 128, 64)
   lib = jm.library(prog, mesh)
   ag = lib["allgather_matmul"].copy().lower_with(OURS, **SMALL)

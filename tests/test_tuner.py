@@ -23,6 +23,7 @@ from jaxmercury.tuner import autotuner as tune_module
 from jaxmercury.tuner.autotuner import TuneResult
 from jaxmercury.tuner.candidates import Candidate
 from jaxmercury.tuner.plain import plain_programs
+from jaxmercury.tuner.reference import trial
 
 # A fixed, rough CPU machine: tests that are not about calibration need not pay for it.
 CPU = cost.Machine("test CPU", flops_per_s=10e9, link_bytes_per_s={"*": 1e9}, latency_s=50e-6)
@@ -532,7 +533,6 @@ def test_a_training_tune_ranks_on_forwards_and_compiles_the_steps_of_its_finalis
 
 def test_a_wrong_gradient_fails_the_candidate_with_the_buffer_named():
   """The training check can fail: a reference whose dk is off by half fails the candidate, naming dk."""
-  from jaxmercury.tuner.reference import trial
   prog, mesh = PROGRAMS["attention"](), make_mesh("8")
   schedule = jm.library(prog, mesh)["ring"]
   inputs, cot, (out, grads) = trial(prog, 7, mesh.devices.flat[0], training=True)
