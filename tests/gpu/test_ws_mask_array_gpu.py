@@ -59,8 +59,8 @@ def test_ws_kernels_read_mask_arrays(heads, s, causal, window):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_ws_attention_trains_with_a_mask_array(axis_type):
-  """A one-GPU schedule of causal attention with a ``[B, S, S]`` mask array patched with ws_attention (the registry
-  offers it for mask arrays): our kernels forward and backward against the float32 reference."""
+  """A one-GPU schedule of causal attention with a ``[B, S, S]`` mask array patched with ws_attention (the tuner
+  offers it for mask arrays once these tests pass: ``unverified_masks``): our kernels forward and backward against the float32 reference."""
   mesh = jax.make_mesh((1,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:1])
   prog = jm.programs.attention(1, 32, 8, 8192, 8192, 128, causal=True, mask=True, dtype=jnp.bfloat16)
   schedule = jm.Schedule(prog, mesh).patch("ws_attention")
