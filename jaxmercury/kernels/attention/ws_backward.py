@@ -347,7 +347,7 @@ def first_tile(kv0, bq: int, causal: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(ws_mask.MaskedPlan):
   """What one call runs: shapes, tiles, items and the consumers' variant (static)."""
 
   b: int
@@ -379,16 +379,6 @@ class _Plan:
   causal: bool
   interpret: bool
   masking: ws_mask.Masking | None = None  # the masked path (window, segment ids): items and query tiles by a table
-
-  @property
-  def ids(self) -> bool:
-    """The masked path compares segment ids: their tiles travel with Q and K."""
-    return self.masking is not None and self.masking.ids
-
-  @property
-  def array(self) -> bool:
-    """The masked path reads a mask array: its tiles' kinds, the items' query tile lists, its bytes beside Q."""
-    return self.masking is not None and self.masking.array
 
   @property
   def keys_pairs(self) -> int:

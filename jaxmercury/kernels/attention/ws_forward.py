@@ -423,7 +423,7 @@ def visible_tiles(offset, count, bq: int, bkv: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(ws_mask.MaskedPlan):
   """What one call runs: the shapes, tiles, ring and item order every stage reads (static)."""
 
   b: int
@@ -452,16 +452,6 @@ class _Plan:
   dtype: np.dtype
   interpret: bool
   masking: ws_mask.Masking | None = None  # the masked path (window, segment ids): items and key tiles by a table
-
-  @property
-  def ids(self) -> bool:
-    """The masked path compares segment ids: their tiles travel with Q and K."""
-    return self.masking is not None and self.masking.ids
-
-  @property
-  def array(self) -> bool:
-    """The masked path reads a mask array: its tiles' kinds, the items' key tile lists, its bytes beside K."""
-    return self.masking is not None and self.masking.array
 
   @property
   def starts(self) -> range:

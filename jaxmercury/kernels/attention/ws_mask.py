@@ -182,6 +182,23 @@ def summaries(masking: Masking, a_ids, b_ids, offset, forward: bool, shape: tupl
   return tile_summaries(*ranges, rows)
 
 
+class MaskedPlan:
+  """What a kernel's plan (a dataclass with a ``masking: Masking | None`` field) reads of its masked path."""
+
+  masking: Masking | None
+
+  @property
+  def ids(self) -> bool:
+    """The masked path compares segment ids: their tiles travel with Q and K."""
+    return self.masking is not None and self.masking.ids
+
+  @property
+  def array(self) -> bool:
+    """The masked path reads a mask array: its tiles' kinds, the items' tile lists, its bytes beside the
+    streamed side's tiles (K in the forward, Q in the backward)."""
+    return self.masking is not None and self.masking.array
+
+
 # ------------------------------------------------------------------ mask arrays: kinds per pair of tiles
 
 
