@@ -28,6 +28,7 @@ budget leaves out runs plain, and says so. ``explain`` reports it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -79,20 +80,21 @@ def _std_shape(shape, order, groups):
   return tuple(out)
 
 
-def _region(routing: Routing, operands) -> Routing:
-  """``routing`` for a match whose operands' mesh has other axis types than ``routing.mesh`` (a call inside
-  ``jax.sharding.auto_axes`` or ``explicit_axes``): the same devices with the region's types."""
+def _region(routing: Routing, operands) -> tuple[Routing, contextlib.AbstractContextManager]:
+  """``(routing, context)`` for a match: where its operands' mesh has other axis types than ``routing.mesh`` (a
+  call inside ``jax.sharding.auto_axes`` or ``explicit_axes``), the same devices with the region's types and that
+  mesh as the context's; else ``routing`` as it is and no context."""
   for ref in operands:
     mesh = None if isinstance(ref, Lit) else getattr(getattr(View.aval(ref), "sharding", None), "mesh", None)
     if mesh is not None and not mesh.empty and tuple(mesh.axis_types) != tuple(routing.mesh.axis_types):
       retyped = jax.sharding.Mesh(routing.mesh.devices, routing.mesh.axis_names, axis_types=mesh.axis_types)
-      return dataclasses.replace(routing, mesh=retyped)
-  return routing
+      return dataclasses.replace(routing, mesh=retyped), jax.sharding.use_abstract_mesh(retyped.abstract_mesh)
+  return routing, contextlib.nullcontext()
 
 
 def _decide(view, match, routing, scope: str = "", tuning=None) -> Decision:
-  region = _region(routing, match.operands)
-  with jax.sharding.use_abstract_mesh(region.mesh.abstract_mesh):
+  region, context = _region(routing, match.operands)
+  with context:
     return _decide_in(view, match, region, scope, tuning)
 
 
@@ -535,8 +537,8 @@ def evaluate(program: Plan, routing: Routing, args):
         write(site.outs, bind(eqn, [read(r) for r in site.ins]))
 
   def _routed(d, site):
-    region = _region(routing, d.match.operands)
-    with jax.sharding.use_abstract_mesh(region.mesh.abstract_mesh):
+    region, context = _region(routing, d.match.operands)
+    with context:
       vals = [types.cotangent_like(read(r), region.mesh) for r in d.match.operands]
       aval = View.aval(site.outs[0])
       if d.match.kind == "attention":
