@@ -288,9 +288,7 @@ def _array_inputs(summary, mask, plan, batch_heads: tuple[int, int], tiles: tupl
   lists, count = ws_mask.tile_lists(kinds, CONSUMERS)
   ranges = [ws_mask.list_ranges(lists, count, lo, hi) for lo, hi, _ in plan]  # groups chunk-major
   first, count = (jnp.concatenate(r, axis=-1) for r in zip(*ranges))  # [kb, mh, groups]
-  by_item = lambda x: jnp.broadcast_to(jnp.swapaxes(x, 1, 2), (b, x.shape[2], h))
-  table = ws_mask.item_table(by_item(first), by_item(count), h)
-  return table, (kinds, lists, ws_mask.mask_bytes(keys_first))
+  return ws_mask.list_table(first, count, b, h), (kinds, lists, ws_mask.mask_bytes(keys_first))
 
 
 def _check(q, k, v, o, do, lse, causal: bool, blocks: BackwardBlocks, mask=None) -> None:

@@ -385,8 +385,7 @@ def _masked(q, k, v, blocks: WsBlocks, num_ctas: int, interpret: bool, order: Se
   if masking.array:  # items by their lists of key tiles (ws_mask.tile_lists), per head where the mask has heads
     kinds = ws_mask.mask_kinds(summary if masking.ids else summary[:1], mask, bq, bkv)
     tiles, count = ws_mask.tile_lists(kinds, CONSUMERS)  # [kb, mh, pairs, key tiles]
-    by_item = jnp.broadcast_to(jnp.swapaxes(count, 1, 2), (b, s // (CONSUMERS * bq), h))
-    table = ws_mask.item_table(jnp.zeros_like(by_item), by_item, h)
+    table = ws_mask.list_table(jnp.zeros_like(count), count, b, h)  # each item's whole list
     arrays = (kinds, tiles, ws_mask.mask_bytes(mask))
   else:
     first, count = ws_mask.spans(summary, CONSUMERS, bkv)

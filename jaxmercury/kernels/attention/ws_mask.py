@@ -254,6 +254,13 @@ def list_ranges(tiles, count, lo: int, hi: int):
   return before(lo), before(hi) - before(lo)
 
 
+def list_table(first, count, b: int, h: int):
+  """``item_table`` of items by their tile lists' ranges: ``first``, ``count`` ``[kb, mh, groups]``
+  (``list_ranges``; ``kb``, ``mh`` 1 where the mask broadcasts) for each of ``b`` rows and ``h`` heads."""
+  by_item = lambda x: jnp.broadcast_to(jnp.swapaxes(x, 1, 2), (b, x.shape[2], h))
+  return item_table(by_item(first), by_item(count), h)
+
+
 def mask_bytes(mask):
   """A mask array ``[mb, mh, a_len, b_len]`` as the kernels load it: bytes (1: kept) ``[mb * mh, a_len, b_len]``
   (``array_index``), a tile a TMA copy of rows of ``b_len`` bytes (a multiple of 16, as TMA needs, where the
